@@ -1,0 +1,13 @@
+"""An embedded, real Kubernetes control plane with fake GPU nodes, for tests and demos.
+
+etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok are built from
+pinned Go wrapper modules in ``tools/localcluster/`` and run as local processes on
+127.0.0.1. A pod runner turns pods of our own images into local processes listening on
+the pod IP that kwok assigned from the node's loopback ``podCIDR``.
+"""
+
+from __future__ import annotations
+
+from mooncake_operator.localcluster.settings import LocalClusterSettings
+
+__all__ = ["LocalClusterSettings"]

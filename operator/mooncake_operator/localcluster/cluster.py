@@ -1,0 +1,448 @@
+"""Start, stop and inspect the local control plane (etcd, apiserver, kcm, scheduler, kwok)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import ssl
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel
+
+from mooncake_operator.localcluster import components, manifests, procs
+from mooncake_operator.localcluster.certs import PkiPaths, ensure_pki
+from mooncake_operator.localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
+from mooncake_operator.localcluster.settings import LocalClusterSettings
+
+Log = Callable[[str], None]
+SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
+POD_RUNNER = "pod-runner"
+PORT_NAMES = ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler", "kwok")
+# Start order; `down` stops in reverse.
+PROCESS_ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+HTTP_PROBE_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class StatePaths:
+    root: Path
+
+    @property
+    def pki(self) -> PkiPaths:
+        return PkiPaths(self.root / "pki")
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def pids(self) -> Path:
+        return self.root / "pids"
+
+    @property
+    def pod_pids(self) -> Path:
+        return self.root / "pod-pids"
+
+    @property
+    def pods(self) -> Path:
+        return self.root / "pods"
+
+    @property
+    def etcd_data(self) -> Path:
+        return self.root / "etcd-data"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.root / "kubeconfig"
+
+    @property
+    def cluster_json(self) -> Path:
+        return self.root / "cluster.json"
+
+    @property
+    def settings_json(self) -> Path:
+        return self.root / "settings.json"
+
+    @property
+    def kwok_config(self) -> Path:
+        return self.root / "kwok.yaml"
+
+    def cert_dir(self, component: str) -> Path:
+        return self.root / "certs" / component
+
+
+class ClusterInfo(BaseModel):
+    """What ``up`` wrote: enough for ``status``, the pod runner and tests."""
+
+    name: str
+    host: str
+    ports: dict[str, int]
+    kubeconfig: str
+    state_dir: str
+    versions: dict[str, str]
+    started_at: float
+
+    @property
+    def server(self) -> str:
+        return f"https://{self.host}:{self.ports['apiserver']}"
+
+
+def state_paths(settings: LocalClusterSettings) -> StatePaths:
+    return StatePaths(settings.resolved_state_dir())
+
+
+def load_info(paths: StatePaths) -> ClusterInfo | None:
+    try:
+        return ClusterInfo.model_validate_json(paths.cluster_json.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def kube_client(paths: StatePaths, server: str) -> KubeHttp:
+    pki = paths.pki
+    return KubeHttp(server, pki.ca_crt, pki.admin_crt, pki.admin_key)
+
+
+def _choose_ports(settings: LocalClusterSettings, previous: ClusterInfo | None) -> dict[str, int]:
+    ports: dict[str, int] = {}
+    for name in PORT_NAMES:
+        old = previous.ports.get(name) if previous else None
+        if old and old not in ports.values() and procs.port_free(settings.host, old):
+            ports[name] = old
+            continue
+        port = procs.free_port(settings.host)
+        while port in ports.values():
+            port = procs.free_port(settings.host)
+        ports[name] = port
+    return ports
+
+
+def _http_ok(url: str, ctx: ssl.SSLContext | None = None) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=HTTP_PROBE_TIMEOUT_S, context=ctx) as resp:
+            return int(resp.status) == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _insecure_ctx() -> ssl.SSLContext:
+    """For the kcm/scheduler /healthz probes only: their serving certs are self-signed."""
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def _wait(
+    what: str,
+    check: Callable[[], bool],
+    settings: LocalClusterSettings,
+    paths: StatePaths,
+    proc_name: str | None,
+) -> None:
+    deadline = time.monotonic() + settings.ready_timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if proc_name is not None:
+            record = procs.PidRecord.read(paths.pids / f"{proc_name}{procs.PID_SUFFIX}")
+            if record is None or not procs.alive(record):
+                raise RuntimeError(f"{proc_name} exited; see {paths.logs / proc_name}.log")
+        time.sleep(settings.poll_interval_s)
+    raise TimeoutError(f"{what} not ready after {settings.ready_timeout_s}s; logs in {paths.logs}")
+
+
+def _argv(
+    name: str,
+    binary: Path,
+    settings: LocalClusterSettings,
+    paths: StatePaths,
+    ports: dict[str, int],
+) -> list[str]:
+    host = settings.host
+    pki = paths.pki
+    kubeconfig = str(paths.kubeconfig)
+    if name == "etcd":
+        client = f"http://{host}:{ports['etcd']}"
+        peer = f"http://{host}:{ports['etcd_peer']}"
+        return [
+            str(binary),
+            "--name=local",
+            f"--data-dir={paths.etcd_data}",
+            f"--listen-client-urls={client}",
+            f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}",
+            f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=local={peer}",
+            "--unsafe-no-fsync",
+            "--log-level=warn",
+        ]
+    if name == "kube-apiserver":
+        return [
+            str(binary),
+            f"--etcd-servers=http://{host}:{ports['etcd']}",
+            f"--bind-address={host}",
+            f"--advertise-address={host}",
+            f"--secure-port={ports['apiserver']}",
+            f"--cert-dir={paths.cert_dir(name)}",
+            f"--tls-cert-file={pki.serving_crt}",
+            f"--tls-private-key-file={pki.serving_key}",
+            f"--client-ca-file={pki.ca_crt}",
+            f"--service-cluster-ip-range={settings.service_cidr}",
+            "--authorization-mode=RBAC",
+            f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
+            f"--service-account-key-file={pki.sa_pub}",
+            f"--service-account-signing-key-file={pki.sa_key}",
+            "--allow-privileged=true",
+            "--endpoint-reconciler-type=none",
+            "--profiling=false",
+            "--v=1",
+        ]
+    if name == "kube-controller-manager":
+        return [
+            str(binary),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--leader-elect=false",
+            "--controllers=*",
+            f"--service-account-private-key-file={pki.sa_key}",
+            f"--root-ca-file={pki.ca_crt}",
+            f"--cluster-signing-cert-file={pki.ca_crt}",
+            f"--cluster-signing-key-file={pki.ca_key}",
+            f"--bind-address={host}",
+            f"--secure-port={ports['controller_manager']}",
+            f"--cert-dir={paths.cert_dir(name)}",
+            "--profiling=false",
+            "--v=1",
+        ]
+    if name == "kube-scheduler":
+        return [
+            str(binary),
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--leader-elect=false",
+            f"--bind-address={host}",
+            f"--secure-port={ports['scheduler']}",
+            f"--cert-dir={paths.cert_dir(name)}",
+            "--profiling=false",
+            "--v=1",
+        ]
+    if name == "kwok":
+        selector = f"{settings.kwok_node_annotation}={settings.kwok_node_annotation_value}"
+        return [
+            str(binary),
+            f"--kubeconfig={kubeconfig}",
+            f"--config={paths.kwok_config}",
+            "--manage-all-nodes=false",
+            f"--manage-nodes-with-annotation-selector={selector}",
+            f"--node-ip={host}",
+            f"--server-address={host}:{ports['kwok']}",
+        ]
+    raise KeyError(name)
+
+
+def _ready_check(
+    name: str, settings: LocalClusterSettings, paths: StatePaths, ports: dict[str, int]
+) -> Callable[[], bool]:
+    host = settings.host
+    if name == "etcd":
+        return lambda: _http_ok(f"http://{host}:{ports['etcd']}/health")
+    if name == "kube-apiserver":
+        client = kube_client(paths, f"https://{host}:{ports['apiserver']}")
+
+        def api_ready() -> bool:
+            try:
+                return client.get_text("/readyz", timeout=HTTP_PROBE_TIMEOUT_S) == "ok"
+            except (ApiError, OSError, ValueError):
+                return False
+
+        return api_ready
+    if name in ("kube-controller-manager", "kube-scheduler"):
+        key = "controller_manager" if name == "kube-controller-manager" else "scheduler"
+        ctx = _insecure_ctx()
+        return lambda: _http_ok(f"https://{host}:{ports[key]}/healthz", ctx)
+    return lambda: True
+
+
+def running_records(paths: StatePaths) -> list[procs.PidRecord]:
+    return [r for r in procs.records(paths.pids) if procs.alive(r)]
+
+
+def is_up(settings: LocalClusterSettings) -> bool:
+    paths = state_paths(settings)
+    info = load_info(paths)
+    if info is None:
+        return False
+    alive = {r.name for r in running_records(paths)}
+    if not set(PROCESS_ORDER) | {POD_RUNNER} <= alive:
+        return False
+    return _ready_check("kube-apiserver", settings, paths, info.ports)()
+
+
+def _apply_nodes(client: KubeHttp, settings: LocalClusterSettings, log: Log) -> None:
+    for node in manifests.gpu_nodes(settings):
+        name = node["metadata"]["name"]
+        try:
+            client.post("/api/v1/nodes", node)
+        except ApiError as err:
+            if err.status != 409:
+                raise
+            patch = {"metadata": node["metadata"], "spec": node["spec"]}
+            client.patch(f"/api/v1/nodes/{name}", patch, STRATEGIC_PATCH)
+        status = {"status": {k: node["status"][k] for k in ("capacity", "allocatable")}}
+        client.patch(f"/api/v1/nodes/{name}/status", status, STRATEGIC_PATCH)
+    log(f"nodes: {settings.prefill_nodes} prefill + {settings.decode_nodes} decode GPU nodes")
+
+
+def _nodes_ready(client: KubeHttp, settings: LocalClusterSettings) -> bool:
+    try:
+        nodes = client.get("/api/v1/nodes")["items"]
+    except (ApiError, OSError):
+        return False
+    wanted = {name for name, _ in manifests.node_names(settings)}
+    ready = set()
+    for node in nodes:
+        for cond in (node.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "Ready" and cond.get("status") == "True":
+                ready.add(node["metadata"]["name"])
+    return wanted <= ready
+
+
+def up(settings: LocalClusterSettings, log: Log = print) -> ClusterInfo:
+    """Start everything (building binaries first if needed); idempotent."""
+    paths = state_paths(settings)
+    previous = load_info(paths)
+    if previous is not None and is_up(settings):
+        log(f"local cluster {settings.name!r} is already running: {previous.server}")
+        log(f"kubeconfig: {previous.kubeconfig}")
+        return previous
+    if running_records(paths) or procs.records(paths.pod_pids):
+        log("a previous start is partly running; stopping it first")
+        down(settings, log)
+    started = time.monotonic()
+    binaries = components.build_all(settings, components.RUNTIME_COMPONENTS, log)
+    tools_dir = components.find_tools_dir(settings)
+    versions = {
+        name: components.component_version(components.component(name), tools_dir)
+        for name in components.RUNTIME_COMPONENTS
+    }
+    paths.root.mkdir(parents=True, exist_ok=True)
+    pki = ensure_pki(paths.pki.root, settings.host)
+    ports = _choose_ports(settings, previous)
+    server = f"https://{settings.host}:{ports['apiserver']}"
+    config = manifests.kubeconfig(
+        server, pki.ca_crt.read_bytes(), pki.admin_crt.read_bytes(), pki.admin_key.read_bytes()
+    )
+    paths.kubeconfig.write_text(yaml.safe_dump(config, sort_keys=False))
+    paths.kubeconfig.chmod(0o600)
+    paths.kwok_config.write_text(manifests.kwok_stages(settings))
+    paths.settings_json.write_text(settings.model_dump_json(indent=2))
+    info = ClusterInfo(
+        name=settings.name,
+        host=settings.host,
+        ports=ports,
+        kubeconfig=str(paths.kubeconfig),
+        state_dir=str(paths.root),
+        versions=versions,
+        started_at=time.time(),
+    )
+    paths.cluster_json.write_text(info.model_dump_json(indent=2))
+    try:
+        for name in PROCESS_ORDER:
+            for d in (paths.cert_dir(name),):
+                d.mkdir(parents=True, exist_ok=True)
+            argv = _argv(name, binaries[name], settings, paths, ports)
+            procs.start(name, argv, paths.logs / f"{name}.log", paths.pids)
+            if name in ("etcd", "kube-apiserver"):
+                _wait(name, _ready_check(name, settings, paths, ports), settings, paths, name)
+                log(f"{name} ready ({time.monotonic() - started:.1f}s)")
+        client = kube_client(paths, server)
+        _apply_nodes(client, settings, log)
+        start_pod_runner(paths)
+        for name in ("kube-controller-manager", "kube-scheduler"):
+            _wait(name, _ready_check(name, settings, paths, ports), settings, paths, name)
+        _wait("nodes", lambda: _nodes_ready(client, settings), settings, paths, "kwok")
+    except BaseException:
+        log(f"start failed; stopping what was started (logs in {paths.logs})")
+        down(settings, log)
+        raise
+    log(f"local cluster {settings.name!r} up in {time.monotonic() - started:.1f}s: {server}")
+    log(f"kubeconfig: {paths.kubeconfig}")
+    return info
+
+
+def start_pod_runner(paths: StatePaths) -> None:
+    argv = [
+        sys.executable,
+        "-m",
+        "mooncake_operator.localcluster.podrunner",
+        "--state-dir",
+        str(paths.root),
+    ]
+    # The marker must identify the runner, not just "python".
+    log_path = paths.logs / f"{POD_RUNNER}.log"
+    procs.start(POD_RUNNER, argv, log_path, paths.pids, marker=str(paths.root))
+
+
+def down(settings: LocalClusterSettings, log: Log = print) -> int:
+    """Stop every process started for this cluster (pod processes first). Returns the count."""
+    paths = state_paths(settings)
+    stopped = 0
+    order = [POD_RUNNER, *reversed(PROCESS_ORDER)]
+    by_name = {r.name: r for r in procs.records(paths.pids)}
+    names = [n for n in order if n in by_name] + [n for n in by_name if n not in order]
+    for name in names:
+        if procs.stop_record(by_name[name], paths.pids, settings.stop_timeout_s):
+            log(f"stopped {name} (pid {by_name[name].pid})")
+            stopped += 1
+    for record in procs.records(paths.pod_pids):
+        if procs.stop_record(record, paths.pod_pids, settings.stop_timeout_s):
+            log(f"stopped pod process {record.name} (pid {record.pid})")
+            stopped += 1
+    if stopped == 0:
+        log(f"local cluster {settings.name!r}: nothing was running")
+    return stopped
+
+
+def status(settings: LocalClusterSettings) -> dict[str, object]:
+    paths = state_paths(settings)
+    info = load_info(paths)
+    processes = []
+    for record in procs.records(paths.pids) + procs.records(paths.pod_pids):
+        is_alive = procs.alive(record)
+        rss = sum(procs.rss_kib(p) for p in procs.group_pids(record.pid)) if is_alive else 0
+        processes.append(
+            {"name": record.name, "pid": record.pid, "alive": is_alive, "rss_kib": rss}
+        )
+    return {
+        "name": settings.name,
+        "state_dir": str(paths.root),
+        "running": is_up(settings),
+        "server": info.server if info else None,
+        "ports": info.ports if info else {},
+        "versions": info.versions if info else {},
+        "kubeconfig": str(paths.kubeconfig),
+        "processes": processes,
+        "total_rss_mib": round(sum(int(str(p["rss_kib"])) for p in processes) / 1024, 1),
+    }
+
+
+def format_status(data: dict[str, object]) -> str:
+    return json.dumps(data, indent=2)
+
+
+def read_settings(state_dir: Path) -> LocalClusterSettings:
+    """The settings ``up`` used, for the pod runner (a separate process)."""
+    raw = json.loads((state_dir / "settings.json").read_text())
+    with contextlib.suppress(KeyError):
+        raw["state_dir"] = str(state_dir)
+    return LocalClusterSettings.model_validate(raw)

@@ -1,0 +1,329 @@
+"""Pure builders: fake GPU Node objects, kubeconfig, kwok stage configuration."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from mooncake_operator.localcluster.settings import LocalClusterSettings
+
+POOLS = ("prefill", "decode")
+GPU_TAINT_VALUE = "present"
+KUBECONFIG_CONTEXT = "mooncake-local"
+
+JsonDict = dict[str, Any]
+
+
+def node_names(settings: LocalClusterSettings) -> list[tuple[str, str]]:
+    """(node name, pool) in creation order: all prefill nodes, then all decode nodes."""
+    counts = {"prefill": settings.prefill_nodes, "decode": settings.decode_nodes}
+    return [(f"gpu-{pool}-{i}", pool) for pool in POOLS for i in range(counts[pool])]
+
+
+def pod_cidr(settings: LocalClusterSettings, index: int) -> str:
+    """Loopback /24 per node: node 0 -> 127.1.1.0/24, so pod IPs are bindable locally."""
+    return f"{settings.pod_cidr_prefix}.{index + 1}.0/24"
+
+
+def gpu_node(settings: LocalClusterSettings, name: str, pool: str, index: int) -> JsonDict:
+    node = settings.node
+    resources = {
+        "cpu": node.cpu,
+        "memory": node.memory,
+        "pods": str(node.pods),
+        "ephemeral-storage": node.ephemeral_storage,
+        settings.gpu_resource: str(node.gpus),
+    }
+    cidr = pod_cidr(settings, index)
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {
+                settings.kwok_node_annotation: settings.kwok_node_annotation_value,
+                "node.alpha.kubernetes.io/ttl": "0",
+            },
+            "labels": {
+                "kubernetes.io/arch": "amd64",
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/hostname": name,
+                "kubernetes.io/role": "agent",
+                "type": "kwok",
+                "node.kubernetes.io/instance-type": node.instance_type,
+                "nvidia.com/gpu.present": "true",
+                "nvidia.com/gpu.count": str(node.gpus),
+                "nvidia.com/gpu.product": node.gpu_product,
+                settings.pool_label: pool,
+            },
+        },
+        "spec": {
+            "podCIDR": cidr,
+            "podCIDRs": [cidr],
+            "taints": [
+                {"key": settings.gpu_resource, "value": GPU_TAINT_VALUE, "effect": "NoSchedule"}
+            ],
+        },
+        "status": {
+            "capacity": dict(resources),
+            "allocatable": dict(resources),
+            "nodeInfo": {
+                "architecture": "amd64",
+                "operatingSystem": "linux",
+                "kubeletVersion": "fake",
+                "kubeProxyVersion": "fake",
+                "containerRuntimeVersion": "kwok",
+                "osImage": "kwok",
+                "kernelVersion": "kwok",
+                "machineID": "",
+                "systemUUID": "",
+                "bootID": "",
+            },
+        },
+    }
+
+
+def gpu_nodes(settings: LocalClusterSettings) -> list[JsonDict]:
+    return [
+        gpu_node(settings, name, pool, index)
+        for index, (name, pool) in enumerate(node_names(settings))
+    ]
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def kubeconfig(server: str, ca_pem: bytes, cert_pem: bytes, key_pem: bytes) -> JsonDict:
+    """A self-contained kubeconfig (certs inlined) for kubectl and the Python client."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": KUBECONFIG_CONTEXT,
+                "cluster": {"server": server, "certificate-authority-data": _b64(ca_pem)},
+            }
+        ],
+        "users": [
+            {
+                "name": KUBECONFIG_CONTEXT,
+                "user": {
+                    "client-certificate-data": _b64(cert_pem),
+                    "client-key-data": _b64(key_pem),
+                },
+            }
+        ],
+        "contexts": [
+            {
+                "name": KUBECONFIG_CONTEXT,
+                "context": {"cluster": KUBECONFIG_CONTEXT, "user": KUBECONFIG_CONTEXT},
+            }
+        ],
+        "current-context": KUBECONFIG_CONTEXT,
+        "preferences": {},
+    }
+
+
+def runnable_jq(settings: LocalClusterSettings) -> str:
+    """A jq expression kwok evaluates to "true" for pods the pod runner runs itself."""
+    label = json.dumps(settings.runnable_label)
+    image_tests = " or ".join(
+        f"contains({json.dumps(s)})" for s in settings.runnable_image_substrings
+    )
+    images = f"([.spec.containers[].image | select({image_tests or 'false'})] | length > 0)"
+    return f'((.metadata.labels[{label}] // "") == "true") or {images}'
+
+
+_NODE_STAGE = """\
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: node-initialize
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Node
+  selector:
+    matchExpressions:
+    - key: '.status.conditions.[] | select( .type == "Ready" ) | .status'
+      operator: 'NotIn'
+      values: ['True']
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      conditions:
+      {{ range NodeConditions }}
+      - lastHeartbeatTime: {{ $now | Quote }}
+        lastTransitionTime: {{ $now | Quote }}
+        message: {{ .message | Quote }}
+        reason: {{ .reason | Quote }}
+        status: {{ .status | Quote }}
+        type: {{ .type | Quote }}
+      {{ end }}
+      addresses:
+      - address: {{ NodeIP | Quote }}
+        type: InternalIP
+      - address: {{ .metadata.name | Quote }}
+        type: Hostname
+      phase: Running
+"""
+
+_POD_READY_STAGE = """\
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: {name}
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: 'DoesNotExist'
+    - key: '.status.phase'
+      operator: 'In'
+      values: ['Pending']
+    - key: '.status.podIP'
+      operator: 'DoesNotExist'
+    - key: '{runnable}'
+      operator: 'In'
+      values: ['{is_runnable}']
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      conditions:
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "True"
+        type: Initialized
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "{ready_title}"
+        type: Ready
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "{ready_title}"
+        type: ContainersReady
+      containerStatuses:
+      {{{{ range .spec.containers }}}}
+      - image: {{{{ .image | Quote }}}}
+        name: {{{{ .name | Quote }}}}
+        ready: {ready}
+        restartCount: 0
+        started: {started}
+        state:
+          {state}
+      {{{{ end }}}}
+      {{{{ with NodeIPsWith .spec.nodeName }}}}
+      hostIP: {{{{ index . 0 | Quote }}}}
+      {{{{ end }}}}
+      {{{{ $podIPs := PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) {pod_id_args} }}}}
+      {{{{ with $podIPs }}}}
+      podIP: {{{{ index . 0 | Quote }}}}
+      podIPs:
+      {{{{ range . }}}}
+      - ip: {{{{ . | Quote }}}}
+      {{{{ end }}}}
+      {{{{ end }}}}
+      phase: Running
+      startTime: {{{{ $now | Quote }}}}
+"""
+
+_POD_COMPLETE_STAGE = """\
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-complete
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: 'DoesNotExist'
+    - key: '.status.phase'
+      operator: 'In'
+      values: ['Running']
+    - key: '.metadata.ownerReferences.[].kind'
+      operator: 'In'
+      values: ['Job']
+    - key: '{runnable}'
+      operator: 'In'
+      values: ['false']
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      conditions:
+      - lastTransitionTime: {{{{ $now | Quote }}}}
+        status: "False"
+        type: Ready
+      containerStatuses:
+      {{{{ range .spec.containers }}}}
+      - image: {{{{ .image | Quote }}}}
+        name: {{{{ .name | Quote }}}}
+        ready: false
+        restartCount: 0
+        started: false
+        state:
+          terminated:
+            exitCode: 0
+            finishedAt: {{{{ $now | Quote }}}}
+            reason: Completed
+            startedAt: {{{{ $now | Quote }}}}
+      {{{{ end }}}}
+      phase: Succeeded
+"""
+
+_POD_DELETE_STAGE = """\
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-delete
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: 'Exists'
+  next:
+    delete: true
+"""
+
+
+_POD_ID_ARGS = '( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" )'
+
+
+def kwok_stages(settings: LocalClusterSettings) -> str:
+    """kwok's Stage config: fake-run other pods; only assign IPs to pods we run ourselves."""
+    runnable = runnable_jq(settings).replace("'", "''")
+    fake_ready = _POD_READY_STAGE.format(
+        name="pod-ready",
+        pod_id_args=_POD_ID_ARGS,
+        runnable=runnable,
+        is_runnable="false",
+        ready="true",
+        ready_title="True",
+        started="true",
+        state="running:\n            startedAt: {{ $now | Quote }}",
+    )
+    runner_start = _POD_READY_STAGE.format(
+        name="pod-ip-for-runner",
+        pod_id_args=_POD_ID_ARGS,
+        runnable=runnable,
+        is_runnable="true",
+        ready="false",
+        ready_title="False",
+        started="false",
+        state="waiting:\n            reason: ContainerCreating",
+    )
+    docs = [
+        _NODE_STAGE,
+        fake_ready,
+        runner_start,
+        _POD_COMPLETE_STAGE.format(runnable=runnable),
+        _POD_DELETE_STAGE,
+    ]
+    return "---\n".join(docs)

@@ -1,0 +1,554 @@
+"""The pod runner: runs containers of our own images as local processes on the pod IP.
+
+It watches pods bound to the fake nodes. For a runnable pod (image contains one of
+``settings.runnable_image_substrings`` or label ``mooncake.io/runnable: "true"``) kwok
+only assigns the pod IP (see ``manifests.kwok_stages``); this runner then starts each
+container's command+args locally, keeps downward-API/configMap volumes materialized in
+a per-pod directory, reports container states, readiness and exit codes by patching the
+pod status, restarts per ``restartPolicy`` and stops the processes when the pod goes.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import logging
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mooncake_operator.localcluster import podspec, procs
+from mooncake_operator.localcluster.cluster import (
+    StatePaths,
+    kube_client,
+    load_info,
+    read_settings,
+)
+from mooncake_operator.localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
+from mooncake_operator.localcluster.settings import LocalClusterSettings
+
+log = logging.getLogger("mooncake.localcluster.podrunner")
+JsonDict = dict[str, Any]
+
+WATCH_TIMEOUT_S = 300
+TICK_S = 0.25
+PROBE_INTERVAL_CAP_S = 1.0
+PROBE_TIMEOUT_S = 1.0
+BACKOFF_MAX_S = 30.0
+RETRY_DELAY_S = 1.0
+NO_COMMAND_EXIT = 127
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class ContainerProc:
+    name: str
+    image: str
+    container: JsonDict
+    proc: subprocess.Popen[bytes] | None = None
+    record: procs.PidRecord | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    exit_code: int | None = None
+    restart_count: int = 0
+    ready: bool = False
+    last_probe: float = 0.0
+    restart_at: float | None = None
+    last_terminated: JsonDict | None = None
+    message: str = ""
+
+
+@dataclass
+class RunningPod:
+    uid: str
+    namespace: str
+    name: str
+    pod_ip: str
+    directory: Path
+    containers: list[ContainerProc]
+    restart_policy: str
+    meta_digest: str = ""
+    last_status: JsonDict = field(default_factory=dict)
+    done: bool = False
+
+
+class PodRunner:
+    def __init__(self, settings: LocalClusterSettings, paths: StatePaths, client: KubeHttp):
+        self.settings = settings
+        self.paths = paths
+        self.client = client
+        self.pods: dict[str, RunningPod] = {}
+        self.events: queue.Queue[tuple[str, JsonDict]] = queue.Queue()
+        self.stopping = threading.Event()
+
+    # ----- watching -----------------------------------------------------------------
+    def _watch_loop(self) -> None:
+        params = {"fieldSelector": "spec.nodeName!="}
+        while not self.stopping.is_set():
+            try:
+                listing = self.client.request(
+                    "GET", "/api/v1/pods?fieldSelector=spec.nodeName%21%3D"
+                )
+                version = listing["metadata"]["resourceVersion"]
+                self.events.put(("SYNC", {"items": listing.get("items") or []}))
+                while not self.stopping.is_set():
+                    watch_params = dict(params, resourceVersion=version, allowWatchBookmarks="true")
+                    for event in self.client.watch("/api/v1/pods", watch_params, WATCH_TIMEOUT_S):
+                        kind = event.get("type", "")
+                        obj = event.get("object") or {}
+                        if kind == "ERROR":
+                            raise ApiError(int(obj.get("code", 500)), str(obj.get("message")))
+                        version = (obj.get("metadata") or {}).get("resourceVersion", version)
+                        if kind != "BOOKMARK":
+                            self.events.put((kind, obj))
+            except (ApiError, OSError, ValueError) as err:
+                if not self.stopping.is_set():
+                    log.warning("watch restarted: %s", err)
+                    time.sleep(RETRY_DELAY_S)
+
+    # ----- event handling -----------------------------------------------------------
+    def handle(self, kind: str, obj: JsonDict) -> None:
+        if kind == "SYNC":
+            seen = set()
+            for pod in obj["items"]:
+                seen.add(pod["metadata"]["uid"])
+                self._on_pod(pod)
+            for uid in list(self.pods):
+                if uid not in seen:
+                    self._stop_pod(uid, "pod gone")
+            return
+        uid = (obj.get("metadata") or {}).get("uid", "")
+        if kind == "DELETED":
+            self._stop_pod(uid, "pod deleted")
+        else:
+            self._on_pod(obj)
+
+    def _runnable(self, pod: JsonDict) -> bool:
+        return podspec.is_runnable(
+            pod, self.settings.runnable_image_substrings, self.settings.runnable_label
+        )
+
+    def _on_pod(self, pod: JsonDict) -> None:
+        meta = pod.get("metadata") or {}
+        uid = meta.get("uid", "")
+        if not self._runnable(pod):
+            return
+        if meta.get("deletionTimestamp"):
+            self._stop_pod(uid, "pod terminating")
+            return
+        running = self.pods.get(uid)
+        if running is not None:
+            self._refresh_volumes(running, pod)
+            return
+        status = pod.get("status") or {}
+        if not status.get("podIP") or status.get("phase") in ("Succeeded", "Failed"):
+            return
+        try:
+            self._start_pod(pod)
+        except (ApiError, OSError, ValueError) as err:
+            log.exception(
+                "cannot start pod %s/%s: %s", meta.get("namespace"), meta.get("name"), err
+            )
+
+    # ----- volumes ------------------------------------------------------------------
+    def _fetch_map(self, namespace: str, kind: str, name: str) -> dict[str, str]:
+        path = f"/api/v1/namespaces/{namespace}/{kind}/{name}"
+        try:
+            obj = self.client.get(path)
+        except ApiError as err:
+            if err.status == 404:
+                return {}
+            raise
+        data: dict[str, str] = dict(obj.get("data") or {})
+        if kind == "secrets":
+            data = {k: base64.b64decode(v).decode(errors="replace") for k, v in data.items()}
+        return data
+
+    def _volume_files(self, pod: JsonDict, volume: JsonDict) -> dict[str, str] | None:
+        namespace = pod["metadata"]["namespace"]
+        if "downwardAPI" in volume:
+            return podspec.downward_api_files(pod, volume)
+        if "configMap" in volume:
+            name = volume["configMap"].get("name", "")
+            return podspec.config_map_files(volume, self._fetch_map(namespace, "configmaps", name))
+        if "secret" in volume:
+            name = volume["secret"].get("secretName", "")
+            data = self._fetch_map(namespace, "secrets", name)
+            items = volume["secret"].get("items")
+            if items:
+                return {i["path"]: data[i["key"]] for i in items if i["key"] in data}
+            return data
+        return None
+
+    @staticmethod
+    def _write_files(directory: Path, files: dict[str, str]) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        for rel, content in files.items():
+            target = directory / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.tmp")
+            tmp.write_text(content)
+            tmp.replace(target)
+
+    def _materialize(self, pod: JsonDict, directory: Path, only_downward: bool = False) -> None:
+        for volume in (pod.get("spec") or {}).get("volumes") or []:
+            if only_downward and "downwardAPI" not in volume:
+                continue
+            files = self._volume_files(pod, volume)
+            vdir = directory / "volumes" / volume["name"]
+            vdir.mkdir(parents=True, exist_ok=True)
+            if files is not None:
+                self._write_files(vdir, files)
+
+    @staticmethod
+    def _meta_digest(pod: JsonDict) -> str:
+        meta = pod.get("metadata") or {}
+        return repr(
+            (
+                sorted((meta.get("labels") or {}).items()),
+                sorted((meta.get("annotations") or {}).items()),
+            )
+        )
+
+    def _refresh_volumes(self, running: RunningPod, pod: JsonDict) -> None:
+        digest = self._meta_digest(pod)
+        if digest != running.meta_digest:
+            running.meta_digest = digest
+            self._materialize(pod, running.directory, only_downward=True)
+
+    # ----- processes ----------------------------------------------------------------
+    def _start_pod(self, pod: JsonDict) -> None:
+        meta = pod["metadata"]
+        spec = pod.get("spec") or {}
+        uid = meta["uid"]
+        directory = self.paths.pods / f"{meta['namespace']}_{meta['name']}_{uid[:8]}"
+        directory.mkdir(parents=True, exist_ok=True)
+        self._materialize(pod, directory)
+        running = RunningPod(
+            uid=uid,
+            namespace=meta["namespace"],
+            name=meta["name"],
+            pod_ip=pod["status"]["podIP"],
+            directory=directory,
+            containers=[
+                ContainerProc(name=c["name"], image=c.get("image", ""), container=c)
+                for c in spec.get("containers") or []
+            ],
+            restart_policy=spec.get("restartPolicy", "Always"),
+            meta_digest=self._meta_digest(pod),
+        )
+        self.pods[uid] = running
+        for cp in running.containers:
+            self._start_container(running, pod, cp)
+        self._report(running)
+        log.info("started pod %s/%s on %s", running.namespace, running.name, running.pod_ip)
+
+    def _rewrites(
+        self, pod: JsonDict, running: RunningPod, container: JsonDict
+    ) -> list[podspec.MountRewrite]:
+        rewrites = []
+        for mount in container.get("volumeMounts") or []:
+            local = running.directory / "volumes" / mount["name"]
+            if mount.get("subPath"):
+                local = local / mount["subPath"]
+            local.mkdir(parents=True, exist_ok=True) if not mount.get("subPath") else None
+            rewrites.append(podspec.MountRewrite(mount["mountPath"], str(local)))
+        return rewrites
+
+    def _env_maps(self, pod: JsonDict, container: JsonDict) -> dict[str, dict[str, str]]:
+        names = set()
+        for source in container.get("envFrom") or []:
+            if source.get("configMapRef"):
+                names.add(source["configMapRef"].get("name", ""))
+        for var in container.get("env") or []:
+            ref = (var.get("valueFrom") or {}).get("configMapKeyRef")
+            if ref:
+                names.add(ref.get("name", ""))
+        ns = pod["metadata"]["namespace"]
+        return {name: self._fetch_map(ns, "configmaps", name) for name in names if name}
+
+    def _start_container(self, running: RunningPod, pod: JsonDict, cp: ContainerProc) -> None:
+        container = cp.container
+        implicit = {
+            "POD_IP": running.pod_ip,
+            "POD_NAME": running.name,
+            "POD_NAMESPACE": running.namespace,
+            "NODE_NAME": str((pod.get("spec") or {}).get("nodeName", "")),
+        }
+        rewrites = self._rewrites(pod, running, container)
+        spec = podspec.process_spec(
+            pod, container, implicit, rewrites, self._env_maps(pod, container)
+        )
+        cp.started_at = _now()
+        cp.finished_at = None
+        cp.exit_code = None
+        cp.ready = False
+        if not spec.argv:
+            cp.exit_code = NO_COMMAND_EXIT
+            cp.finished_at = cp.started_at
+            cp.message = "no command/args: the local pod runner cannot run an image entrypoint"
+            return
+        env = dict(os.environ)
+        env.pop("KUBERNETES_SERVICE_HOST", None)
+        python_dir = str(Path(sys.executable).parent)
+        env["PATH"] = python_dir + os.pathsep + env.get("PATH", "")
+        env["KUBECONFIG"] = str(self.paths.kubeconfig)
+        env.update(spec.env)
+        argv0 = shutil.which(spec.argv[0], path=env["PATH"]) or spec.argv[0]
+        log_path = running.directory / f"{cp.name}.log"
+        name = f"{running.uid}-{cp.name}"
+        try:
+            cp.proc = procs.start(
+                name,
+                [argv0, *spec.argv[1:]],
+                log_path,
+                self.paths.pod_pids,
+                env=env,
+                cwd=Path(spec.cwd) if spec.cwd else running.directory,
+                marker=argv0,
+            )
+            cp.record = procs.PidRecord(name, cp.proc.pid, argv0)
+            cp.message = ""
+        except OSError as err:
+            cp.exit_code = NO_COMMAND_EXIT
+            cp.finished_at = cp.started_at
+            cp.message = f"cannot start {spec.argv[0]!r}: {err}"
+
+    def _stop_container(self, cp: ContainerProc, grace_s: float) -> None:
+        if cp.record is not None:
+            procs.stop_record(cp.record, self.paths.pod_pids, grace_s)
+        if cp.proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                cp.proc.wait(timeout=grace_s)
+        cp.record = None
+
+    def _stop_pod(self, uid: str, why: str) -> None:
+        running = self.pods.pop(uid, None)
+        if running is None:
+            return
+        for cp in running.containers:
+            self._stop_container(cp, self.settings.stop_timeout_s)
+        log.info("stopped pod %s/%s (%s)", running.namespace, running.name, why)
+
+    # ----- probes and status --------------------------------------------------------
+    def _probe(self, running: RunningPod, cp: ContainerProc) -> bool:
+        probe = cp.container.get("readinessProbe")
+        if not probe:
+            return True
+        period = min(float(probe.get("periodSeconds", PROBE_INTERVAL_CAP_S)), PROBE_INTERVAL_CAP_S)
+        if time.monotonic() - cp.last_probe < period:
+            return cp.ready
+        cp.last_probe = time.monotonic()
+        port = self._probe_port(cp.container, probe)
+        if "httpGet" in probe and port is not None:
+            get = probe["httpGet"]
+            scheme = str(get.get("scheme", "HTTP")).lower()
+            host = get.get("host") or running.pod_ip
+            url = f"{scheme}://{host}:{port}{get.get('path', '/')}"
+            try:
+                with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as resp:
+                    return 200 <= int(resp.status) < 400
+            except (urllib.error.URLError, OSError, ValueError):
+                return False
+        if "tcpSocket" in probe and port is not None:
+            try:
+                with socket.create_connection((running.pod_ip, port), timeout=PROBE_TIMEOUT_S):
+                    return True
+            except OSError:
+                return False
+        return True
+
+    @staticmethod
+    def _probe_port(container: JsonDict, probe: JsonDict) -> int | None:
+        action = probe.get("httpGet") or probe.get("tcpSocket") or {}
+        port = action.get("port")
+        if isinstance(port, int):
+            return port
+        for p in container.get("ports") or []:
+            if p.get("name") == port:
+                return int(p["containerPort"])
+        with contextlib.suppress(TypeError, ValueError):
+            return int(str(port))
+        return None
+
+    def _container_status(self, cp: ContainerProc) -> JsonDict:
+        status: JsonDict = {
+            "name": cp.name,
+            "image": cp.image,
+            "imageID": "",
+            "restartCount": cp.restart_count,
+            "ready": cp.ready,
+            "started": cp.exit_code is None and cp.started_at is not None,
+        }
+        if cp.exit_code is None:
+            status["state"] = {"running": {"startedAt": cp.started_at}}
+        elif cp.restart_at is not None:
+            status["state"] = {"waiting": {"reason": "CrashLoopBackOff", "message": cp.message}}
+        else:
+            status["state"] = {"terminated": self._terminated(cp)}
+        if cp.last_terminated is not None:
+            status["lastState"] = {"terminated": cp.last_terminated}
+        return status
+
+    @staticmethod
+    def _terminated(cp: ContainerProc) -> JsonDict:
+        code = cp.exit_code or 0
+        return {
+            "exitCode": code,
+            "reason": "Completed" if code == 0 else "Error",
+            "message": cp.message,
+            "startedAt": cp.started_at,
+            "finishedAt": cp.finished_at,
+        }
+
+    def _report(self, running: RunningPod) -> None:
+        statuses = [self._container_status(cp) for cp in running.containers]
+        all_ready = all(cp.ready for cp in running.containers)
+        finished = all(
+            cp.exit_code is not None and cp.restart_at is None for cp in running.containers
+        )
+        phase = "Running"
+        if finished:
+            failed = any((cp.exit_code or 0) != 0 for cp in running.containers)
+            phase = "Failed" if failed else "Succeeded"
+        ready = "True" if all_ready and not finished else "False"
+        body: JsonDict = {
+            "status": {
+                "phase": phase,
+                "containerStatuses": statuses,
+                "conditions": [
+                    {"type": "Ready", "status": ready},
+                    {"type": "ContainersReady", "status": ready},
+                ],
+            }
+        }
+        key = repr(body)
+        if key == running.last_status.get("key"):
+            return
+        now = _now()
+        for cond in body["status"]["conditions"]:
+            cond["lastTransitionTime"] = now
+        try:
+            self.client.patch(
+                f"/api/v1/namespaces/{running.namespace}/pods/{running.name}/status",
+                body,
+                STRATEGIC_PATCH,
+            )
+            running.last_status = {"key": key}
+        except ApiError as err:
+            if err.status == 404:
+                self._stop_pod(running.uid, "pod gone")
+            else:
+                log.warning(
+                    "status patch for %s/%s failed: %s", running.namespace, running.name, err
+                )
+        running.done = finished
+
+    def tick(self) -> None:
+        for running in list(self.pods.values()):
+            if running.done:
+                continue
+            for cp in running.containers:
+                if cp.restart_at is not None:
+                    if time.monotonic() >= cp.restart_at:
+                        cp.restart_at = None
+                        cp.restart_count += 1
+                        pod = self._get_pod(running)
+                        if pod is None:
+                            break
+                        self._start_container(running, pod, cp)
+                    continue
+                if cp.proc is not None and cp.exit_code is None:
+                    code = cp.proc.poll()
+                    if code is not None:
+                        self._exited(running, cp, code)
+                        continue
+                    cp.ready = self._probe(running, cp)
+            if running.uid in self.pods:
+                self._report(running)
+
+    def _get_pod(self, running: RunningPod) -> JsonDict | None:
+        try:
+            return self.client.get(f"/api/v1/namespaces/{running.namespace}/pods/{running.name}")
+        except ApiError:
+            return None
+
+    def _exited(self, running: RunningPod, cp: ContainerProc, code: int) -> None:
+        cp.exit_code = code if code >= 0 else 128 - code
+        cp.finished_at = _now()
+        cp.ready = False
+        if cp.record is not None:
+            with contextlib.suppress(FileNotFoundError):
+                (self.paths.pod_pids / f"{cp.record.name}{procs.PID_SUFFIX}").unlink()
+            cp.record = None
+        policy = running.restart_policy
+        if policy == "Always" or (policy == "OnFailure" and cp.exit_code != 0):
+            cp.last_terminated = self._terminated(cp)
+            backoff = min(2.0**cp.restart_count, BACKOFF_MAX_S)
+            cp.restart_at = time.monotonic() + backoff
+        log.info(
+            "%s/%s container %s exited with %s",
+            running.namespace,
+            running.name,
+            cp.name,
+            cp.exit_code,
+        )
+
+    # ----- main loop ----------------------------------------------------------------
+    def run(self) -> None:
+        watcher = threading.Thread(target=self._watch_loop, name="pod-watch", daemon=True)
+        watcher.start()
+        while not self.stopping.is_set():
+            try:
+                kind, obj = self.events.get(timeout=TICK_S)
+                self.handle(kind, obj)
+                while True:
+                    kind, obj = self.events.get_nowait()
+                    self.handle(kind, obj)
+            except queue.Empty:
+                pass
+            self.tick()
+        for uid in list(self.pods):
+            self._stop_pod(uid, "runner stopping")
+
+
+def main(state_dir: Path) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    settings = read_settings(state_dir)
+    paths = StatePaths(state_dir)
+    info = load_info(paths)
+    if info is None:
+        log.error("no cluster.json in %s", state_dir)
+        return 1
+    runner = PodRunner(settings, paths, kube_client(paths, info.server))
+
+    def _stop(signum: int, frame: object) -> None:
+        runner.stopping.set()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    runner.run()
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="local-cluster pod runner")
+    parser.add_argument("--state-dir", required=True)
+    sys.exit(main(Path(parser.parse_args().state_dir)))

@@ -1,0 +1,196 @@
+"""Pure helpers that turn a Pod's container spec into a local process description.
+
+Kubernetes ``$(VAR)`` expansion, ``valueFrom.fieldRef`` resolution, downward-API file
+contents and the rewrite of volume mount paths to per-pod local directories.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+JsonDict = dict[str, Any]
+
+_FIELD_SUBSCRIPT = re.compile(r"^metadata\.(annotations|labels)\['(.+)'\]$")
+
+
+def expand(text: str, env: Mapping[str, str]) -> str:
+    """Expand ``$(VAR)`` like the kubelet: ``$$`` escapes, unknown references stay verbatim."""
+    out: list[str] = []
+    i = 0
+    n = len(text)
+    while i < n:
+        ch = text[i]
+        if ch != "$" or i + 1 >= n:
+            out.append(ch)
+            i += 1
+            continue
+        nxt = text[i + 1]
+        if nxt == "$":
+            out.append("$")
+            i += 2
+        elif nxt == "(":
+            close = text.find(")", i + 2)
+            if close == -1:
+                out.append(text[i:])
+                break
+            name = text[i + 2 : close]
+            if name in env:
+                out.append(env[name])
+            else:
+                out.append(text[i : close + 1])
+            i = close + 1
+        else:
+            out.append(ch)
+            i += 1
+    return "".join(out)
+
+
+def field_value(pod: JsonDict, path: str) -> str | None:
+    """Resolve a downward-API ``fieldPath`` against a pod object (None if unsupported)."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    spec = pod.get("spec") or {}
+    simple: dict[str, Any] = {
+        "metadata.name": meta.get("name"),
+        "metadata.namespace": meta.get("namespace"),
+        "metadata.uid": meta.get("uid"),
+        "spec.nodeName": spec.get("nodeName"),
+        "spec.serviceAccountName": spec.get("serviceAccountName"),
+        "status.podIP": status.get("podIP"),
+        "status.hostIP": status.get("hostIP"),
+    }
+    if path in simple:
+        value = simple[path]
+        return "" if value is None else str(value)
+    match = _FIELD_SUBSCRIPT.match(path)
+    if match:
+        return str((meta.get(match.group(1)) or {}).get(match.group(2), ""))
+    if path in ("metadata.annotations", "metadata.labels"):
+        return format_map(meta.get(path.split(".")[1]) or {})
+    return None
+
+
+def format_map(values: Mapping[str, str]) -> str:
+    """The downward-API file format for labels/annotations: sorted ``key="value"`` lines."""
+    lines = []
+    for key in sorted(values):
+        escaped = values[key].replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        lines.append(f'{key}="{escaped}"')
+    return "\n".join(lines)
+
+
+def container_env(
+    pod: JsonDict,
+    container: JsonDict,
+    implicit: Mapping[str, str],
+    config_maps: Mapping[str, Mapping[str, str]] | None = None,
+) -> dict[str, str]:
+    """The container's environment in declaration order, with ``$(VAR)`` expanded.
+
+    ``implicit`` (e.g. POD_IP) comes first so container env can refer to and override it.
+    """
+    env = dict(implicit)
+    maps = config_maps or {}
+    for source in container.get("envFrom") or []:
+        ref = source.get("configMapRef")
+        if ref:
+            prefix = source.get("prefix", "")
+            for key, value in (maps.get(ref.get("name", "")) or {}).items():
+                env[prefix + key] = value
+    for var in container.get("env") or []:
+        name = var["name"]
+        if "value" in var:
+            env[name] = expand(str(var["value"]), env)
+            continue
+        value_from = var.get("valueFrom") or {}
+        resolved: str | None = None
+        if "fieldRef" in value_from:
+            resolved = field_value(pod, value_from["fieldRef"].get("fieldPath", ""))
+        elif "configMapKeyRef" in value_from:
+            ref = value_from["configMapKeyRef"]
+            resolved = (maps.get(ref.get("name", "")) or {}).get(ref.get("key", ""))
+        elif "value" not in var and not value_from:
+            resolved = ""
+        if resolved is not None:
+            env[name] = resolved
+    return env
+
+
+@dataclass(frozen=True)
+class MountRewrite:
+    """Occurrences of ``mount_path`` in command/args/env become ``local_dir``."""
+
+    mount_path: str
+    local_dir: str
+
+
+def rewrite_paths(text: str, rewrites: list[MountRewrite]) -> str:
+    for rw in sorted(rewrites, key=lambda r: len(r.mount_path), reverse=True):
+        prefix = rw.mount_path.rstrip("/")
+        if not prefix:
+            continue
+        text = re.sub(
+            re.escape(prefix) + r"(?=/|$|[\s:;,=\"'])",
+            rw.local_dir.replace("\\", "\\\\"),
+            text,
+        )
+    return text
+
+
+@dataclass
+class ProcessSpec:
+    """What the pod runner executes for one container."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str | None = None
+    rewrites: list[MountRewrite] = field(default_factory=list)
+
+
+def process_spec(
+    pod: JsonDict,
+    container: JsonDict,
+    implicit: Mapping[str, str],
+    rewrites: list[MountRewrite],
+    config_maps: Mapping[str, Mapping[str, str]] | None = None,
+) -> ProcessSpec:
+    """Container command+args, expanded against its env, mount paths made local."""
+    env = container_env(pod, container, implicit, config_maps)
+    env = {key: rewrite_paths(value, rewrites) for key, value in env.items()}
+    argv = [expand(str(a), env) for a in (container.get("command") or [])]
+    argv += [expand(str(a), env) for a in (container.get("args") or [])]
+    argv = [rewrite_paths(a, rewrites) for a in argv]
+    working_dir = container.get("workingDir")
+    cwd = rewrite_paths(working_dir, rewrites) if working_dir else None
+    return ProcessSpec(argv=argv, env=env, cwd=cwd, rewrites=rewrites)
+
+
+def downward_api_files(pod: JsonDict, volume: JsonDict) -> dict[str, str]:
+    """Relative path -> content for a ``downwardAPI`` volume."""
+    files: dict[str, str] = {}
+    for item in (volume.get("downwardAPI") or {}).get("items") or []:
+        ref = item.get("fieldRef")
+        if ref:
+            value = field_value(pod, ref.get("fieldPath", ""))
+            if value is not None:
+                files[item["path"]] = value
+    return files
+
+
+def config_map_files(volume: JsonDict, data: Mapping[str, str]) -> dict[str, str]:
+    """Relative path -> content for a ``configMap`` volume (honours ``items``)."""
+    items = (volume.get("configMap") or {}).get("items")
+    if not items:
+        return dict(data)
+    return {item["path"]: data[item["key"]] for item in items if item["key"] in data}
+
+
+def is_runnable(pod: JsonDict, image_substrings: tuple[str, ...], runnable_label: str) -> bool:
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if labels.get(runnable_label) == "true":
+        return True
+    containers = (pod.get("spec") or {}).get("containers") or []
+    return any(sub in str(c.get("image", "")) for c in containers for sub in image_substrings)

@@ -1,0 +1,184 @@
+"""Local process bookkeeping: free loopback ports, pid files, process-group stops."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+PID_SUFFIX = ".pid.json"
+
+
+def free_port(host: str) -> int:
+    """A currently free TCP port on ``host`` (loopback only)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class PidRecord:
+    """A process we started in its own process group, with enough to recognise it later."""
+
+    name: str
+    pid: int
+    marker: str  # a substring of its /proc cmdline, guards against pid reuse
+
+    def write(self, directory: Path) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"{self.name}{PID_SUFFIX}"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def read(cls, path: Path) -> PidRecord | None:
+        try:
+            data = json.loads(path.read_text())
+            return cls(name=str(data["name"]), pid=int(data["pid"]), marker=str(data["marker"]))
+        except (OSError, ValueError, KeyError):
+            return None
+
+
+def cmdline(pid: int) -> str:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace")
+
+
+def is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+
+
+def alive(record: PidRecord) -> bool:
+    return not is_zombie(record.pid) and record.marker in cmdline(record.pid)
+
+
+def records(directory: Path) -> list[PidRecord]:
+    if not directory.is_dir():
+        return []
+    found = (PidRecord.read(p) for p in sorted(directory.glob(f"*{PID_SUFFIX}")))
+    return [r for r in found if r is not None]
+
+
+def start(
+    name: str,
+    argv: Sequence[str],
+    log_path: Path,
+    pid_dir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    marker: str | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in a new session (own process group), output to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            cwd=cwd,
+        )
+    PidRecord(name=name, pid=proc.pid, marker=marker or argv[0]).write(pid_dir)
+    return proc
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A group whose only members are zombies counts as gone.
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(entry.name)) == pgid and not is_zombie(int(entry.name)):
+                return True
+        except (ProcessLookupError, PermissionError):
+            continue
+    return False
+
+
+def stop_group(pgid: int, timeout_s: float, poll_s: float = 0.1) -> None:
+    """SIGTERM the process group, then SIGKILL what is left after ``timeout_s``."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _reap(pgid)
+        if not _group_alive(pgid):
+            return
+        time.sleep(poll_s)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and _group_alive(pgid):
+        _reap(pgid)
+        time.sleep(poll_s)
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def stop_record(record: PidRecord, pid_dir: Path, timeout_s: float) -> bool:
+    """Stop a recorded process group if it is still ours; remove its pid file."""
+    stopped = False
+    if alive(record):
+        stop_group(record.pid, timeout_s)
+        stopped = True
+    with contextlib.suppress(FileNotFoundError):
+        (pid_dir / f"{record.name}{PID_SUFFIX}").unlink()
+    return stopped
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of one process in KiB (0 if gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return 0
+    return 0
+
+
+def group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getpgid(int(entry.name)) == pgid:
+                    pids.append(int(entry.name))
+    return pids

@@ -1,0 +1,75 @@
+"""One typed settings object for the local cluster (env prefix ``MOONCAKE_LOCALCLUSTER_``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LOOPBACK_HOST = "127.0.0.1"
+
+
+def default_cache_root() -> Path:
+    """``$XDG_CACHE_HOME/mooncake-operator/localcluster`` (or ``~/.cache/...``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mooncake-operator" / "localcluster"
+
+
+class NodePoolSettings(BaseSettings):
+    """Shape of one fake GPU node."""
+
+    model_config = SettingsConfigDict(env_prefix="MOONCAKE_LOCALCLUSTER_NODE_")
+
+    gpus: int = Field(default=8, ge=0, description="nvidia.com/gpu capacity per node")
+    cpu: str = "192"
+    memory: str = "2048Gi"
+    pods: int = Field(default=110, ge=1)
+    ephemeral_storage: str = "4Ti"
+    instance_type: str = "p5.48xlarge"
+    gpu_product: str = "NVIDIA-H100-80GB-HBM3"
+
+
+class LocalClusterSettings(BaseSettings):
+    """Everything ``local-cluster`` needs: where things live, how many nodes, timeouts."""
+
+    model_config = SettingsConfigDict(env_prefix="MOONCAKE_LOCALCLUSTER_")
+
+    name: str = Field(default="default", pattern=r"^[a-z0-9][a-z0-9-]*$")
+    cache_root: Path = Field(default_factory=default_cache_root)
+    state_dir: Path | None = Field(
+        default=None, description="defaults to <cache_root>/state/<name>"
+    )
+    tools_dir: Path | None = Field(
+        default=None, description="the Go wrapper modules; defaults to <repo>/tools/localcluster"
+    )
+    go: str = "go"
+    host: str = LOOPBACK_HOST
+
+    prefill_nodes: int = Field(default=4, ge=0)
+    decode_nodes: int = Field(default=4, ge=0)
+    node: NodePoolSettings = Field(default_factory=NodePoolSettings)
+    pod_cidr_prefix: str = Field(
+        default="127.1", description="node N gets <prefix>.<N+1>.0/24 (must stay in 127/8)"
+    )
+    service_cidr: str = Field(
+        default="10.96.0.0/16", description="virtual only: nothing binds or routes to it"
+    )
+
+    ready_timeout_s: float = Field(default=90.0, gt=0)
+    stop_timeout_s: float = Field(default=10.0, gt=0)
+    poll_interval_s: float = Field(default=0.2, gt=0)
+
+    runnable_image_substrings: tuple[str, ...] = ("mooncake-operator",)
+    runnable_label: str = "mooncake.io/runnable"
+    kwok_node_annotation: str = "kwok.x-k8s.io/node"
+    kwok_node_annotation_value: str = "fake"
+    gpu_resource: str = "nvidia.com/gpu"
+    pool_label: str = "mooncake.io/pool"
+
+    def resolved_state_dir(self) -> Path:
+        return self.state_dir or self.cache_root / "state" / self.name
+
+    def binary_dir(self, component: str, version: str) -> Path:
+        return self.cache_root / f"{component}-{version}"
