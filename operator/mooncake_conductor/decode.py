@@ -1,0 +1,150 @@
+"""Decode-instance selection, one small rule per name.
+
+- ``random`` / ``round-robin``: ignore load (baselines).
+- ``least-load``: the smallest batch, then the least KV in use, ties at random.
+- ``tbt-slo`` (paper §4, decode side of Algorithm 1): predict each instance's
+  step time with this request added (cost model, continuous batching); keep
+  those under the TBT SLO with KV room for the whole request; take the one
+  with the smallest predicted step. None left means the request would break
+  its TBT SLO: the Conductor rejects it (429).
+- ``aibrix``: AIBrix's estimate ``(1000/throughput) * (1 + 1/max(running,1))``
+  ms, x1.5 past 90% KV use; smallest wins.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .cost import CostModel
+from .policies.base import least
+from .state import DecodeState, RequestInfo
+
+
+@dataclass(slots=True)
+class DecodeChoice:
+    decode: int | None
+    predicted_tbt_s: float = 0.0
+    reject_reason: str | None = None
+
+
+class DecodeSelector(ABC):
+    name: ClassVar[str] = ""
+
+    def __init__(self, cost: CostModel, tbt_slo_s: float, rng: random.Random) -> None:
+        self.cost = cost
+        self.tbt_slo_s = tbt_slo_s
+        self.rng = rng
+
+    @abstractmethod
+    def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice: ...
+
+    def predicted_step(self, req: RequestInfo, d: DecodeState) -> float:
+        return self.cost.decode_step_time(d.batch + 1, d.context_tokens + req.input_tokens)
+
+
+class RandomDecode(DecodeSelector):
+    name = "random"
+
+    def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
+        live = [d for d in decode if d.up]
+        if not live:
+            return DecodeChoice(None, reject_reason="no-decode-instance")
+        d = self.rng.choice(live)
+        return DecodeChoice(d.iid, self.predicted_step(req, d))
+
+
+class RoundRobinDecode(DecodeSelector):
+    name = "round-robin"
+
+    def __init__(self, cost: CostModel, tbt_slo_s: float, rng: random.Random) -> None:
+        super().__init__(cost, tbt_slo_s, rng)
+        self._next = 0
+
+    def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
+        live = [d for d in decode if d.up]
+        if not live:
+            return DecodeChoice(None, reject_reason="no-decode-instance")
+        d = live[self._next % len(live)]
+        self._next += 1
+        return DecodeChoice(d.iid, self.predicted_step(req, d))
+
+
+class LeastLoadDecode(DecodeSelector):
+    name = "least-load"
+
+    def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
+        live = [d for d in decode if d.up]
+        if not live:
+            return DecodeChoice(None, reject_reason="no-decode-instance")
+        scale = max(1, max(d.capacity_tokens for d in live))
+        iid = least([(d.batch + d.waiting + d.kv_usage * 1e-3 * scale / scale, d.iid)
+                     for d in live], self.rng)
+        d = next(x for x in live if x.iid == iid)
+        return DecodeChoice(iid, self.predicted_step(req, d))
+
+
+class TBTSLODecode(DecodeSelector):
+    name = "tbt-slo"
+
+    def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
+        live = [d for d in decode if d.up]
+        if not live:
+            return DecodeChoice(None, reject_reason="no-decode-instance")
+        need = req.input_tokens + req.output_tokens
+        options: list[tuple[float, int]] = []
+        fallback: list[tuple[float, int]] = []
+        for d in live:
+            step = self.predicted_step(req, d)
+            room = d.capacity_tokens <= 0 or (
+                d.context_tokens + d.reserved_tokens + need <= d.capacity_tokens
+            )
+            fallback.append((step, d.iid))
+            if step <= self.tbt_slo_s and room:
+                options.append((step, d.iid))
+        if not options:
+            step, iid = min(fallback)
+            return DecodeChoice(iid, step, reject_reason="tbt-slo")
+        iid = least(options, self.rng, rel_tol=0.01)
+        return DecodeChoice(iid, dict((i, s) for s, i in options)[iid])
+
+
+class AIBrixDecode(DecodeSelector):
+    name = "aibrix"
+    kv_full: ClassVar[float] = 0.9
+    kv_full_penalty: ClassVar[float] = 1.5
+
+    def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
+        live = [d for d in decode if d.up]
+        if not live:
+            return DecodeChoice(None, reject_reason="no-decode-instance")
+        est: list[tuple[float, int]] = []
+        for d in live:
+            tps = d.tokens_per_s or 1.0 / max(1e-9, self.cost.decode_step_time(1, req.input_tokens))
+            ms = (1000.0 / tps) * (1.0 + 1.0 / max(d.batch, 1))
+            if d.kv_usage > self.kv_full:
+                ms *= self.kv_full_penalty
+            est.append((ms, d.iid))
+        iid = least(est, self.rng)
+        d = next(x for x in live if x.iid == iid)
+        return DecodeChoice(iid, self.predicted_step(req, d))
+
+
+DECODE_SELECTORS: dict[str, type[DecodeSelector]] = {
+    cls.name: cls for cls in (RandomDecode, RoundRobinDecode, LeastLoadDecode, TBTSLODecode,
+                              AIBrixDecode)
+}
+
+
+def create_decode_selector(
+    name: str, cost: CostModel, tbt_slo_s: float, rng: random.Random
+) -> DecodeSelector:
+    try:
+        cls = DECODE_SELECTORS[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown decode selector {name!r}; known: {', '.join(sorted(DECODE_SELECTORS))}"
+        ) from None
+    return cls(cost, tbt_slo_s, rng)

@@ -1,0 +1,80 @@
+"""The Conductor: one call per request, policy + decode selection + admission.
+
+``Conductor.schedule`` is what the gateway calls in-process and what the
+simulator calls on every arrival. It asks the configured prefill policy for a
+placement, the decode selector for a decode instance, and — for policies
+with admission (paper §4: "reject at once") — turns predicted SLO misses into
+a rejection with a reason, which the gateway maps to HTTP 429.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .cost import CostModel, CostModelConfig
+from .decode import DecodeChoice, create_decode_selector
+from .policies.base import Placement, PolicyContext, SLOConfig, create_policy
+from .state import ClusterState, RequestInfo
+
+
+class ConductorConfig(BaseModel):
+    """Scheduler configuration: a policy by name with its parameters, SLOs, cost model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: str = "conductor"
+    params: dict[str, Any] = Field(default_factory=dict)
+    decode_selector: str | None = Field(None, description="default: the policy's own")
+    admission: bool | None = Field(None, description="default: the policy's own")
+    slo: SLOConfig = SLOConfig()
+    cost: CostModelConfig = CostModelConfig()
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class Decision:
+    placement: Placement
+    decode: DecodeChoice
+
+    @property
+    def rejected(self) -> bool:
+        return self.reject_reason is not None
+
+    @property
+    def reject_reason(self) -> str | None:
+        return self.placement.reject_reason or self.decode.reject_reason
+
+
+class Conductor:
+    def __init__(self, config: ConductorConfig | None = None, cost: CostModel | None = None):
+        self.config = config or ConductorConfig()
+        self.cost = cost or CostModel(self.config.cost)
+        self.rng = random.Random(self.config.seed)
+        ctx = PolicyContext(cost=self.cost, slo=self.config.slo, rng=self.rng)
+        self.policy = create_policy(self.config.policy, ctx, self.config.params)
+        decode_name = self.config.decode_selector or self.policy.default_decode
+        self.decode_selector = create_decode_selector(
+            decode_name, self.cost, self.config.slo.tbt_s, self.rng
+        )
+        self.admission = (
+            self.policy.admission if self.config.admission is None else self.config.admission
+        )
+
+    def schedule(self, req: RequestInfo, cluster: ClusterState, now: float) -> Decision:
+        placement = self.policy.choose(req, cluster, now)
+        decode = self.decode_selector.choose(req, cluster.decode)
+        if self.admission:
+            if placement.reject_reason is None and placement.ttft_s > self.config.slo.ttft_s:
+                placement.reject_reason = "ttft-slo"
+        else:
+            # without admission a predicted TBT miss still decodes on the best instance
+            if decode.reject_reason == "tbt-slo":
+                decode.reject_reason = None
+        decision = Decision(placement, decode)
+        if not decision.rejected:
+            self.policy.on_placed(req, placement, cluster)
+        return decision

@@ -1,0 +1,160 @@
+"""The one small interface every prefill policy implements, and its registry.
+
+A policy is a class with a ``name``, a pydantic ``Params`` model (its knobs and
+weights, with the published defaults) and ``choose(request, cluster, now) ->
+Placement``. Policies are created by name with :func:`create_policy`; each lives
+in its own module whose docstring states its rule and its source.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..cost import CostModel
+from ..state import ClusterState, PrefillState, RequestInfo
+
+
+class SLOConfig(BaseModel):
+    """Service-level objectives (paper §5: TTFT 30 s; TBT 100/200/300 ms)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ttft_s: float = Field(30.0, gt=0)
+    tbt_s: float = Field(0.1, gt=0)
+
+
+@dataclass(slots=True)
+class Placement:
+    """Where a request's prefill goes and what it is predicted to cost.
+
+    ``local_blocks`` are reused from the chosen instance's own cache;
+    ``fetch_blocks`` more are fetched from ``source`` (another instance or the
+    store pool) instead of being recomputed.
+    """
+
+    prefill: int | None
+    local_blocks: int = 0
+    fetch_blocks: int = 0
+    source: int | None = None
+    queue_s: float = 0.0
+    transfer_s: float = 0.0
+    prefill_s: float = 0.0
+    priority: float | None = None
+    reject_reason: str | None = None
+    cpp_group: list[int] = field(default_factory=list)
+    candidates: list[dict[str, float]] = field(default_factory=list)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.queue_s + self.transfer_s + self.prefill_s
+
+    @property
+    def reused_blocks(self) -> int:
+        return self.local_blocks + self.fetch_blocks
+
+
+@dataclass(slots=True)
+class PolicyContext:
+    """Shared, read-only things a policy may use."""
+
+    cost: CostModel
+    slo: SLOConfig
+    rng: random.Random
+
+
+class PrefillPolicy(ABC):
+    """Chooses the prefill instance for one request."""
+
+    name: ClassVar[str] = ""
+    Params: ClassVar[type[BaseModel]]
+    #: decode selector used unless the configuration names another
+    default_decode: ClassVar[str] = "least-load"
+    #: whether predicted SLO misses are rejected (HTTP 429) before any work is done
+    admission: ClassVar[bool] = False
+
+    def __init__(self, params: BaseModel, ctx: PolicyContext) -> None:
+        self.params = params
+        self.ctx = ctx
+
+    @abstractmethod
+    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
+        """Pick a prefill instance (or reject) for ``req``."""
+
+    def on_placed(self, req: RequestInfo, placement: Placement, cluster: ClusterState) -> None:  # noqa: B027
+        """Hook after a placement is committed (approximate-tree policies learn here)."""
+
+    # -- helpers shared by several policies ---------------------------------------------------
+    def local_placement(
+        self, req: RequestInfo, inst: PrefillState, local_blocks: int, now: float
+    ) -> Placement:
+        """Placement on ``inst`` reusing only its own cache, FIFO queue."""
+        cached = req.tokens_of(local_blocks)
+        return Placement(
+            prefill=inst.iid,
+            local_blocks=local_blocks,
+            queue_s=inst.wait_time(now),
+            prefill_s=self.ctx.cost.prefill_time(req.input_tokens, cached),
+        )
+
+
+P = TypeVar("P", bound=type[PrefillPolicy])
+_REGISTRY: dict[str, type[PrefillPolicy]] = {}
+
+
+def register(cls: P) -> P:
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY:
+        raise ValueError(f"policy {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def policy_names() -> list[str]:
+    _load_all()
+    return sorted(_REGISTRY)
+
+
+def policy_class(name: str) -> type[PrefillPolicy]:
+    _load_all()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def create_policy(
+    name: str, ctx: PolicyContext, params: dict[str, Any] | None = None
+) -> PrefillPolicy:
+    """Instantiate a registered policy by name with validated parameters."""
+    cls = policy_class(name)
+    return cls(cls.Params.model_validate(params or {}), ctx)
+
+
+_loader: list[Callable[[], None]] = []
+
+
+def _load_all() -> None:
+    if not _loader:
+        from . import _all  # noqa: F401  (imports every policy module once)
+
+        _loader.append(lambda: None)
+
+
+def least(
+    items: list[tuple[float, int]], rng: random.Random, rel_tol: float = 1e-9
+) -> int:
+    """Id with the smallest value; ties (within ``rel_tol``) broken at random so equal
+    instances share the load instead of the first one always winning."""
+    best = min(v for v, _ in items)
+    tol = abs(best) * rel_tol + 1e-12
+    ties = [i for v, i in items if v <= best + tol]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)

@@ -1,0 +1,1 @@
+"""The mooncake-operator CLI, kopf operator, manifests and the embedded local cluster."""

@@ -1,0 +1,423 @@
+"""Discrete-event replay of a Mooncake-format trace through the Conductor core.
+
+Model (one run):
+
+- **Arrivals** at ``timestamp / speed``. Each asks :class:`~mooncake_conductor.engine.Conductor`
+  for a decision; rejections are final (HTTP 429 in the real gateway).
+- **Prefill instances** serve their queue one prompt at a time, in the queue's
+  priority order (FIFO unless the policy sets priorities). When a prompt
+  starts, it reuses what the instance *actually* holds then (its own LRU
+  cache, which may have changed since the decision), plus the blocks the
+  decision fetched from another holder, if the holder still had them when the
+  fetch ran. A fetch starts at placement and runs over the network while the
+  prompt queues; the GPU cannot start the prompt before the fetch ends. Run
+  time is the cost model's prefill time. On completion every block of the
+  prompt is stored in the instance's cache (and the shared store pool, when
+  there is one): replication of fetched blocks is a side effect.
+- **Decode instances** run continuous batching. Between joins and finishes the
+  batch is constant, so steps are advanced in chunks of at most
+  ``chunk_steps`` with the cost model's step time at the chunk's start; a
+  request joins at the next step boundary after its KV arrives (the last
+  layer's share of the transfer; the rest streams during prefill). Requests
+  reserve KV for prompt plus output and wait when the instance is full.
+- **Metrics**: TTFT = first token (end of prefill) minus arrival; TBT = mean of
+  the longest 10% of a request's token intervals (paper §5); a request meets
+  the SLO when served with TTFT and TBT under their thresholds.
+
+The same cost model decides and executes, so differences between policies
+come from their decisions alone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from mooncake_conductor.blockkeys import namespace_seed, trace_block_keys
+from mooncake_conductor.cost import CostModel
+from mooncake_conductor.engine import Conductor, ConductorConfig, Decision
+from mooncake_conductor.index import DRAM, STORE, PrefixIndex
+from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
+
+from .trace import TRACE_BLOCK_TOKENS, TraceRecord
+
+
+class SimConfig(BaseModel):
+    """One simulated cluster and replay."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: int = Field(16, gt=0, description="prefill instances")
+    decode: int = Field(16, gt=0, description="decode instances")
+    speed: float = Field(1.0, gt=0, description="replay speed: arrivals at timestamp / speed")
+    prefill_cache_tokens: int = Field(
+        3_000_000, gt=0, description="local KV cache (DRAM) per prefill instance, tokens"
+    )
+    store_tokens: int = Field(0, ge=0, description="shared store pool, tokens (0 = none)")
+    decode_capacity_tokens: int | None = Field(
+        None, gt=0, description="KV capacity per decode instance (default: from HBM size)"
+    )
+    block_tokens: int = Field(TRACE_BLOCK_TOKENS, gt=0)
+    chunk_steps: int = Field(32, gt=0, description="longest decode chunk at constant step time")
+    tbt_top_share: float = Field(0.1, gt=0, le=1, description="TBT = mean of this top share")
+    conductor: ConductorConfig = ConductorConfig()
+    progress: bool = False
+
+
+@dataclass(slots=True)
+class _Req:
+    info: RequestInfo
+    decision: Decision | None = None
+    placed_at: float = 0.0
+    ttft: float = math.nan
+    tbt: float = math.nan
+    reused_tokens: int = 0
+    t_first: float = 0.0
+    remaining: int = 0
+    ctx: int = 0
+    seg0: int = 0
+    done: bool = False
+
+
+@dataclass(slots=True)
+class _Decoder:
+    state: DecodeState
+    running: list[int] = field(default_factory=list)
+    waiting: deque[int] = field(default_factory=deque)
+    last: float = 0.0
+    version: int = 0
+    seg_start: list[float] = field(default_factory=list)
+    seg_dt: list[float] = field(default_factory=list)
+    seg_steps: list[int] = field(default_factory=list)
+
+
+ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_WAKE = 0, 1, 2, 3
+
+
+class Simulation:
+    def __init__(self, records: list[TraceRecord], config: SimConfig) -> None:
+        self.cfg = config
+        self.records = records
+        self.cost = CostModel(config.conductor.cost)
+        self.conductor = Conductor(config.conductor, self.cost)
+        bt = config.block_tokens
+        n_p = config.prefill
+        self.index = PrefixIndex(max(1, config.prefill_cache_tokens // bt), instances=n_p)
+        store_id = None
+        if config.store_tokens > 0:
+            store_id = n_p
+            self.index.add_instance(store_id, max(1, config.store_tokens // bt))
+        dec_cap = config.decode_capacity_tokens or self.cost.kv_capacity_tokens
+        self.cluster = ClusterState(
+            prefill=[
+                PrefillState(iid=i, name=f"prefill-{i}", cache_capacity_tokens=config.prefill_cache_tokens)
+                for i in range(n_p)
+            ],
+            decode=[
+                DecodeState(iid=i, name=f"decode-{i}", capacity_tokens=dec_cap)
+                for i in range(config.decode)
+            ],
+            index=self.index,
+            store_id=store_id,
+        )
+        self.decoders = [_Decoder(state=d) for d in self.cluster.decode]
+        seed = namespace_seed("trace", bt)
+        self.reqs: list[_Req] = []
+        for rid, r in enumerate(records):
+            info = RequestInfo(
+                rid=rid,
+                arrival=r.timestamp_ms / 1000.0 / config.speed,
+                input_tokens=r.input_length,
+                output_tokens=max(1, r.output_length),
+                keys=trace_block_keys(r.hash_ids, seed),
+                block_tokens=bt,
+            )
+            self.reqs.append(_Req(info=info))
+        self._events: list[tuple[float, int, int, int, int]] = []
+        self._seq = 0
+        self.prefill_gpu_s = 0.0
+        self.reject_reasons: dict[str, int] = {}
+        self._running_rid: list[int] = [-1] * n_p
+        self._pending_keys: dict[int, list[int]] = {}
+
+    # -- event queue ---------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, a, b))
+
+    def run(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        for req in self.reqs:
+            self._push(req.info.arrival, ARRIVE, req.info.rid)
+        total = len(self.reqs)
+        done_arrivals = 0
+        next_report = 0.1
+        events = self._events
+        while events:
+            t, _, kind, a, b = heapq.heappop(events)
+            if kind == ARRIVE:
+                self._arrive(t, a)
+                done_arrivals += 1
+                if self.cfg.progress and done_arrivals / total >= next_report:
+                    self._progress(done_arrivals, total, started)
+                    next_report += 0.1
+            elif kind == PREFILL_DONE:
+                self._prefill_done(t, a, b)
+            elif kind == DECODE_JOIN:
+                self._decode_join(t, a, b)
+            else:
+                dec = self.decoders[a]
+                if b == dec.version:
+                    self._advance(dec, t)
+                    self._schedule_wake(dec)
+        if self.cfg.progress:
+            sys.stderr.write("\n")
+        return self._results(time.perf_counter() - started)
+
+    def _progress(self, done: int, total: int, started: float) -> None:
+        width = 30
+        filled = int(width * done / total)
+        sys.stderr.write(
+            f"\r  {self.cfg.conductor.policy:<20} [{'#' * filled}{'.' * (width - filled)}] "
+            f"{done}/{total} requests, {time.perf_counter() - started:5.1f} s"
+        )
+        sys.stderr.flush()
+
+    # -- prefill ------------------------------------------------------------------------------
+    def _arrive(self, now: float, rid: int) -> None:
+        req = self.reqs[rid]
+        decision = self.conductor.schedule(req.info, self.cluster, now)
+        req.decision = decision
+        reason = decision.reject_reason
+        if reason is not None:
+            self.reject_reasons[reason] = self.reject_reasons.get(reason, 0) + 1
+            req.done = True
+            return
+        pl = decision.placement
+        assert pl.prefill is not None
+        inst = self.cluster.prefill[pl.prefill]
+        req.placed_at = now
+        prio = pl.priority if pl.priority is not None else req.info.arrival
+        blocks = len(req.info.keys)
+        inst.enqueue(rid, prio, pl.prefill_s + pl.transfer_s, blocks, req.info.input_tokens)
+        self.index.add_pending(inst.iid, req.info.keys)
+        if self._running_rid[inst.iid] < 0:
+            self._start_next(inst, now)
+
+    def _start_next(self, inst: PrefillState, now: float) -> None:
+        if not inst.queue:
+            self._running_rid[inst.iid] = -1
+            inst.running_blocks = inst.running_tokens = 0
+            return
+        item = inst.pop()
+        req = self.reqs[item.rid]
+        info = req.info
+        assert req.decision is not None
+        pl = req.decision.placement
+        reuse = self.index.match(inst.iid, info.keys)
+        start = now
+        if pl.fetch_blocks and pl.source is not None:
+            target = pl.local_blocks + pl.fetch_blocks
+            if target > reuse and self.index.match(pl.source, info.keys) >= target:
+                fetched = info.tokens_of(target) - info.tokens_of(reuse)
+                start = max(now, req.placed_at + self.cost.transfer_time(fetched))
+                reuse = target
+        cached = info.tokens_of(reuse)
+        dur = self.cost.prefill_time(info.input_tokens, cached)
+        req.reused_tokens = cached
+        self.prefill_gpu_s += dur
+        inst.busy_until = start + dur
+        inst.running_blocks = len(info.keys)
+        inst.running_tokens = info.input_tokens
+        self._running_rid[inst.iid] = item.rid
+        self._push(inst.busy_until, PREFILL_DONE, inst.iid, item.rid)
+
+    def _prefill_done(self, now: float, iid: int, rid: int) -> None:
+        req = self.reqs[rid]
+        info = req.info
+        inst = self.cluster.prefill[iid]
+        self.index.remove_pending(iid, info.keys)
+        self.index.store(iid, info.keys, DRAM)
+        if self.cluster.store_id is not None:
+            self.index.store(self.cluster.store_id, info.keys, STORE)
+        inst.completed += 1
+        elapsed = now - max(req.placed_at, 0.0)
+        inst.avg_prefill_s += (self.cost.prefill_time(info.input_tokens, req.reused_tokens)
+                               - inst.avg_prefill_s) / min(inst.completed, 50)
+        del elapsed
+        req.ttft = now - info.arrival
+        req.t_first = now
+        self._start_next(inst, now)
+        assert req.decision is not None
+        did = req.decision.decode.decode
+        if info.output_tokens <= 1 or did is None:
+            req.tbt = 0.0
+            req.done = True
+            return
+        layers = self.cost.config.model.layers
+        join = now + self.cost.transfer_time(info.input_tokens) / layers
+        self._push(join, DECODE_JOIN, did, rid)
+
+    # -- decode -------------------------------------------------------------------------------
+    def _decode_join(self, now: float, did: int, rid: int) -> None:
+        dec = self.decoders[did]
+        st = dec.state
+        req = self.reqs[rid]
+        need = req.info.input_tokens + req.info.output_tokens
+        self._advance(dec, now)
+        if st.capacity_tokens and st.reserved_tokens + need > st.capacity_tokens and st.batch:
+            dec.waiting.append(rid)
+            st.waiting += 1
+            return
+        self._admit(dec, rid, now)
+        self._schedule_wake(dec)
+
+    def _admit(self, dec: _Decoder, rid: int, now: float) -> None:
+        st = dec.state
+        req = self.reqs[rid]
+        if st.batch and dec.last < now:
+            self._step_once(dec)  # finish the step in progress; join at its end
+        if not st.batch:
+            dec.last = max(dec.last, now)
+        req.remaining = req.info.output_tokens - 1
+        req.ctx = req.info.input_tokens + 1
+        req.seg0 = len(dec.seg_dt)
+        dec.running.append(rid)
+        st.batch += 1
+        st.context_tokens += req.ctx
+        st.reserved_tokens += req.info.input_tokens + req.info.output_tokens
+
+    def _step_once(self, dec: _Decoder) -> None:
+        st = dec.state
+        dt = self.cost.decode_step_time(st.batch, st.context_tokens)
+        self._apply_steps(dec, 1, dt)
+
+    def _apply_steps(self, dec: _Decoder, k: int, dt: float) -> None:
+        st = dec.state
+        dec.seg_start.append(dec.last)
+        dec.seg_dt.append(dt)
+        dec.seg_steps.append(k)
+        dec.last += k * dt
+        st.context_tokens += st.batch * k
+        finished: list[int] = []
+        for rid in dec.running:
+            r = self.reqs[rid]
+            r.remaining -= k
+            r.ctx += k
+            if r.remaining <= 0:
+                finished.append(rid)
+        if finished:
+            for rid in finished:
+                self._finish(dec, rid)
+
+    def _finish(self, dec: _Decoder, rid: int) -> None:
+        st = dec.state
+        r = self.reqs[rid]
+        dec.running.remove(rid)
+        st.batch -= 1
+        st.context_tokens -= r.ctx
+        st.reserved_tokens -= r.info.input_tokens + r.info.output_tokens
+        r.tbt = self._tbt(dec, r)
+        r.done = True
+        while dec.waiting:
+            nxt = self.reqs[dec.waiting[0]]
+            need = nxt.info.input_tokens + nxt.info.output_tokens
+            if st.batch and st.reserved_tokens + need > st.capacity_tokens:
+                break
+            dec.waiting.popleft()
+            st.waiting -= 1
+            self._admit(dec, nxt.info.rid, dec.last)
+
+    def _tbt(self, dec: _Decoder, r: _Req) -> float:
+        s0 = r.seg0
+        intervals: list[tuple[float, int]] = [
+            (dec.seg_start[s0] + dec.seg_dt[s0] - r.t_first, 1)
+        ]
+        if dec.seg_steps[s0] > 1:
+            intervals.append((dec.seg_dt[s0], dec.seg_steps[s0] - 1))
+        for s in range(s0 + 1, len(dec.seg_dt)):
+            intervals.append((dec.seg_dt[s], dec.seg_steps[s]))
+        total = sum(c for _, c in intervals)
+        take = max(1, math.ceil(total * self.cfg.tbt_top_share))
+        intervals.sort(reverse=True)
+        acc = 0.0
+        left = take
+        for dt, c in intervals:
+            use = min(c, left)
+            acc += dt * use
+            left -= use
+            if not left:
+                break
+        return acc / take
+
+    def _advance(self, dec: _Decoder, until: float) -> None:
+        st = dec.state
+        cap = self.cfg.chunk_steps
+        while st.batch:
+            dt = self.cost.decode_step_time(st.batch, st.context_tokens)
+            k_max = min(min(self.reqs[r].remaining for r in dec.running), cap)
+            k = min(k_max, int((until - dec.last) / dt + 1e-9))
+            if k <= 0:
+                return
+            self._apply_steps(dec, k, dt)
+            if k < k_max:
+                return
+        st.tokens_per_s = 0.0
+
+    def _schedule_wake(self, dec: _Decoder) -> None:
+        st = dec.state
+        dec.version += 1
+        if not st.batch:
+            return
+        dt = self.cost.decode_step_time(st.batch, st.context_tokens)
+        st.tokens_per_s = st.batch / dt
+        k = min(min(self.reqs[r].remaining for r in dec.running), self.cfg.chunk_steps)
+        self._push(dec.last + k * dt, DECODE_WAKE, st.iid, dec.version)
+
+    # -- results ------------------------------------------------------------------------------
+    def _results(self, wall: float) -> dict[str, Any]:
+        slo = self.cfg.conductor.slo
+        served = [r for r in self.reqs if r.decision is not None and not r.decision.rejected]
+        ttfts = sorted(r.ttft for r in served)
+        tbts = sorted(r.tbt for r in served)
+        ok = sum(1 for r in served if r.ttft <= slo.ttft_s and r.tbt <= slo.tbt_s)
+        prompt = sum(r.info.input_tokens for r in served)
+        reused = sum(r.reused_tokens for r in served)
+        n = len(self.reqs)
+
+        def pct(xs: list[float], q: float) -> float:
+            if not xs:
+                return math.nan
+            return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+        return {
+            "policy": self.cfg.conductor.policy,
+            "requests": n,
+            "completed": len(served),
+            "rejected": n - len(served),
+            "reject_reasons": dict(sorted(self.reject_reasons.items())),
+            "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
+            "ttft_p50_s": pct(ttfts, 0.5),
+            "ttft_p90_s": pct(ttfts, 0.9),
+            "ttft_p99_s": pct(ttfts, 0.99),
+            "tbt_mean_ms": 1000.0 * sum(tbts) / len(tbts) if tbts else math.nan,
+            "tbt_p90_ms": 1000.0 * pct(tbts, 0.9),
+            "tbt_p99_ms": 1000.0 * pct(tbts, 0.99),
+            "slo_attainment": ok / n if n else math.nan,
+            "token_hit_ratio": reused / prompt if prompt else 0.0,
+            "prefill_gpu_seconds": self.prefill_gpu_s,
+            "simulated_seconds": max((r.info.arrival for r in self.reqs), default=0.0),
+            "wall_seconds": wall,
+        }
+
+
+def simulate(records: list[TraceRecord], config: SimConfig) -> dict[str, Any]:
+    """Run one policy over ``records``; returns one result row."""
+    return Simulation(records, config).run()

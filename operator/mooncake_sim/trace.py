@@ -1,0 +1,163 @@
+"""Mooncake-format request traces: load, validate, summarise.
+
+One JSON object per line: ``timestamp`` (ms from start), ``input_length``,
+``output_length`` (tokens) and ``hash_ids`` (one id per ``block_tokens``-token
+block; equal ids mean equal block and equal whole prefix before it; the last
+block may be partial). Anything else stops loading with a :class:`TraceError`
+naming the line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+TRACE_BLOCK_TOKENS = 512
+BUNDLED = {"conversation": "conversation_trace.jsonl"}
+
+
+class TraceError(ValueError):
+    """A trace that cannot be replayed; ``str()`` names the file and line."""
+
+
+@dataclass(slots=True, frozen=True)
+class TraceRecord:
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def bundled_trace(name: str = "conversation") -> Path:
+    """Path of a trace shipped with the package (the Mooncake conversation trace)."""
+    ref = resources.files("mooncake_sim") / "traces" / BUNDLED[name]
+    return Path(str(ref))
+
+
+def _int_field(obj: dict[str, object], key: str, where: str) -> int:
+    if key not in obj:
+        raise TraceError(f"{where}: missing field {key!r}")
+    v = obj[key]
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise TraceError(f"{where}: {key!r} must be a number, got {v!r}")
+    if v != int(v):
+        raise TraceError(f"{where}: {key!r} must be a whole number of tokens, got {v!r}")
+    if v < 0:
+        raise TraceError(f"{where}: {key!r} must not be negative, got {v!r}")
+    return int(v)
+
+
+def parse_line(line: str, where: str, block_tokens: int = TRACE_BLOCK_TOKENS) -> TraceRecord:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(obj, dict):
+        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    ts = obj.get("timestamp")
+    if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts):
+        raise TraceError(f"{where}: 'timestamp' must be a number of milliseconds, got {ts!r}")
+    if ts < 0:
+        raise TraceError(f"{where}: 'timestamp' must not be negative, got {ts!r}")
+    n_in = _int_field(obj, "input_length", where)
+    n_out = _int_field(obj, "output_length", where)
+    if n_in == 0:
+        raise TraceError(f"{where}: 'input_length' must be at least 1")
+    ids = obj.get("hash_ids")
+    if not isinstance(ids, list) or any(
+        isinstance(h, bool) or not isinstance(h, int) for h in ids
+    ):
+        raise TraceError(f"{where}: 'hash_ids' must be a list of integers")
+    need = -(-n_in // block_tokens)
+    if len(ids) < need:
+        raise TraceError(
+            f"{where}: {len(ids)} hash_ids cannot cover input_length {n_in} "
+            f"({need} blocks of {block_tokens} tokens needed)"
+        )
+    return TraceRecord(float(ts), n_in, n_out, tuple(ids[:need]))
+
+
+def load_trace(
+    path: str | Path, block_tokens: int = TRACE_BLOCK_TOKENS, limit: int | None = None
+) -> list[TraceRecord]:
+    """Read and validate a whole trace; raise :class:`TraceError` on the first bad line."""
+    p = Path(path)
+    try:
+        fh = p.open(encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"{p}: cannot open ({exc.strerror})") from None
+    out: list[TraceRecord] = []
+    last_ts = -math.inf
+    with fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{lineno}"
+            try:
+                rec = parse_line(line, where, block_tokens)
+            except UnicodeDecodeError:
+                raise TraceError(f"{where}: not UTF-8 text") from None
+            if rec.timestamp_ms < last_ts:
+                raise TraceError(
+                    f"{where}: timestamps must not decrease "
+                    f"({rec.timestamp_ms:g} after {last_ts:g})"
+                )
+            last_ts = rec.timestamp_ms
+            out.append(rec)
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise TraceError(f"{p}: no requests in trace")
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class TraceStats:
+    requests: int
+    duration_s: float
+    rate_per_s: float
+    avg_input: float
+    avg_output: float
+    max_input: int
+    distinct_blocks: int
+    reuse_ceiling_tokens: float
+    reuse_ceiling_blocks: float
+
+
+def reuse_ceiling(records: list[TraceRecord], block_tokens: int = TRACE_BLOCK_TOKENS) -> tuple[float, float]:
+    """Share of input tokens (and of blocks) an unbounded, global cache could reuse: the
+    leading blocks of each request already seen in any earlier request."""
+    seen: set[int] = set()
+    reused_tokens = total_tokens = reused_blocks = total_blocks = 0
+    for r in records:
+        k = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            k += 1
+        reused_tokens += min(k * block_tokens, r.input_length)
+        total_tokens += r.input_length
+        reused_blocks += k
+        total_blocks += len(r.hash_ids)
+        seen.update(r.hash_ids)
+    return reused_tokens / max(1, total_tokens), reused_blocks / max(1, total_blocks)
+
+
+def trace_stats(records: list[TraceRecord], block_tokens: int = TRACE_BLOCK_TOKENS) -> TraceStats:
+    n = len(records)
+    duration = (records[-1].timestamp_ms - records[0].timestamp_ms) / 1000.0
+    tok, blk = reuse_ceiling(records, block_tokens)
+    return TraceStats(
+        requests=n,
+        duration_s=duration,
+        rate_per_s=n / duration if duration > 0 else math.inf,
+        avg_input=sum(r.input_length for r in records) / n,
+        avg_output=sum(r.output_length for r in records) / n,
+        max_input=max(r.input_length for r in records),
+        distinct_blocks=len({h for r in records for h in r.hash_ids}),
+        reuse_ceiling_tokens=tok,
+        reuse_ceiling_blocks=blk,
+    )
