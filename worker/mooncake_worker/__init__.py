@@ -1,0 +1,1 @@
+"""Mooncake worker: simulated engine and pod agent."""

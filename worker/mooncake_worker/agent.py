@@ -1,0 +1,297 @@
+"""Pod agent: keeps the prefixes a pod is asked to hold warm.
+
+The Conductor asks a pod to hold replicas of hot prefixes by patching the pod
+annotation :data:`REPLICA_ANNOTATION`. Kubernetes projects pod annotations into a
+file through the downward API (``fieldRef: metadata.annotations``), one
+``key="value"`` line per annotation with the value quoted like Go's ``strconv.Quote``.
+
+Annotation value: a JSON array of entries, each naming one prefix::
+
+    [{"prefix": "sys-prompt-7", "tokens": [101, 102, ...]},
+     {"prefix": "doc-42", "keys": [12345678901234567890, ...]}]
+
+- ``prefix``: an id (string or int) the Conductor uses to name the replica.
+- ``tokens``: the prefix's token ids; the agent derives the block keys itself
+  (full blocks only).
+- ``keys``: the prefix's block keys (``mooncake_conductor.blockkeys``); usable only
+  when the blocks are in the Mooncake Store (their payload carries the tokens).
+
+For every entry the agent loads the blocks from the Mooncake Store when configured,
+computes the rest with a prefill (with its modelled time), and pins the blocks in the
+cache while the entry is listed; BlockStored events announce them. When an entry
+disappears its blocks are unpinned and age out by LRU. ``GET /agent/state`` reports
+what is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .engine import Engine
+from .kvcache import Block
+from .store import BlockStore
+
+log = logging.getLogger(__name__)
+
+#: Pod annotation naming the prefixes a pod should hold.
+REPLICA_ANNOTATION = "mooncake.io/replicas"
+
+_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
+            "\\": "\\", '"': '"', "'": "'"}
+
+
+def go_unquote(s: str) -> str:
+    """Inverse of Go's ``strconv.Quote`` for a double-quoted string."""
+    if len(s) < 2 or s[0] != '"' or s[-1] != '"':
+        raise ValueError(f"not a quoted string: {s[:40]!r}")
+    body = s[1:-1]
+    out: list[str] = []
+    raw = bytearray()  # \xNN escapes are bytes of UTF-8
+    i = 0
+    while i < len(body):
+        c = body[i]
+        if c != "\\":
+            if raw:
+                out.append(raw.decode("utf-8", "replace"))
+                raw.clear()
+            out.append(c)
+            i += 1
+            continue
+        if i + 1 >= len(body):
+            raise ValueError("dangling backslash")
+        e = body[i + 1]
+        if e == "x":
+            raw.append(int(body[i + 2 : i + 4], 16))
+            i += 4
+            continue
+        if raw:
+            out.append(raw.decode("utf-8", "replace"))
+            raw.clear()
+        if e in _ESCAPES:
+            out.append(_ESCAPES[e])
+            i += 2
+        elif e == "u":
+            out.append(chr(int(body[i + 2 : i + 6], 16)))
+            i += 6
+        elif e == "U":
+            out.append(chr(int(body[i + 2 : i + 10], 16)))
+            i += 10
+        elif e in "01234567":
+            raw.append(int(body[i + 1 : i + 4], 8))
+            i += 4
+        else:
+            raise ValueError(f"unknown escape \\{e}")
+    if raw:
+        out.append(raw.decode("utf-8", "replace"))
+    return "".join(out)
+
+
+def parse_annotations(text: str) -> dict[str, str]:
+    """Parse a downward-API annotations file (bad lines are skipped)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or "=" not in line:
+            continue
+        key, _, value = line.partition("=")
+        try:
+            out[key.strip()] = go_unquote(value.strip())
+        except (ValueError, IndexError):
+            log.warning("skipping malformed annotation line %r", line[:80])
+    return out
+
+
+@dataclass
+class ReplicaSpec:
+    prefix: str
+    tokens: list[int] | None = None
+    keys: list[int] | None = None
+
+
+def parse_replicas(value: str) -> list[ReplicaSpec]:
+    """Parse the annotation value; raises ValueError on a malformed document."""
+    data = json.loads(value)
+    if not isinstance(data, list):
+        raise ValueError("replica annotation must be a JSON array")
+    out: list[ReplicaSpec] = []
+    for item in data:
+        if not isinstance(item, dict) or not isinstance(item.get("prefix"), str | int):
+            raise ValueError("each replica needs a 'prefix' id")
+        tokens, keys = item.get("tokens"), item.get("keys")
+        for name, v in (("tokens", tokens), ("keys", keys)):
+            if v is not None and not (
+                isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                            and t >= 0 for t in v)
+            ):
+                raise ValueError(f"'{name}' must be a list of non-negative ints")
+        if tokens is None and keys is None:
+            raise ValueError("each replica needs 'tokens' or 'keys'")
+        out.append(ReplicaSpec(str(item["prefix"]), tokens, keys))
+    return out
+
+
+@dataclass
+class Replica:
+    spec: ReplicaSpec
+    keys: list[int]
+    state: str = "pending"  # pending | warming | ready | partial | failed
+    source: str = ""
+    pinned: list[Block] = field(default_factory=list)
+    error: str | None = None
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "prefix": self.spec.prefix,
+            "blocks": len(self.keys),
+            "held_blocks": len(self.pinned),
+            "state": self.state,
+            "source": self.source,
+            "error": self.error,
+        }
+
+
+class PodAgent:
+    def __init__(self, engine: Engine, path: str, poll_s: float,
+                 store: BlockStore | None = None) -> None:
+        self.engine = engine
+        self.path = path
+        self.poll_s = poll_s
+        self.store = store
+        self.replicas: dict[str, Replica] = {}
+        self.generation = 0
+        self.last_error: str | None = None
+        self._mtime: float | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pod-agent")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "annotation": REPLICA_ANNOTATION,
+            "file": self.path,
+            "generation": self.generation,
+            "last_error": self.last_error,
+            "replicas": [r.report() for r in self.replicas.values()],
+            "held_blocks": sum(len(r.pinned) for r in self.replicas.values()),
+        }
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep polling whatever the file holds
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.exception("pod agent poll failed")
+            await asyncio.sleep(self.poll_s)
+
+    async def poll_once(self) -> bool:
+        """Re-read the file if its mtime changed; returns whether it was applied."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            mtime = None
+        else:
+            mtime = st.st_mtime_ns
+        if mtime == self._mtime and self.generation > 0:
+            return False
+        self._mtime = mtime
+        text = ""
+        if mtime is not None:
+            with open(self.path, encoding="utf-8") as f:
+                text = f.read()
+        value = parse_annotations(text).get(REPLICA_ANNOTATION, "[]")
+        try:
+            specs = parse_replicas(value)
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            self.last_error = f"bad {REPLICA_ANNOTATION}: {exc}"
+            self.generation += 1
+            return False
+        self.last_error = None
+        await self.apply(specs)
+        self.generation += 1
+        return True
+
+    async def apply(self, specs: list[ReplicaSpec]) -> None:
+        wanted = {s.prefix: s for s in specs}
+        for pid in list(self.replicas):
+            r = self.replicas[pid]
+            if pid not in wanted or wanted[pid] != r.spec:
+                self.engine.unpin(r.pinned)
+                r.pinned = []
+                del self.replicas[pid]
+        for pid, spec in wanted.items():
+            if pid not in self.replicas:
+                keys = (
+                    spec.keys if spec.keys is not None else self.engine.keys_of(spec.tokens or [])
+                )
+                self.replicas[pid] = Replica(spec, keys)
+        await asyncio.gather(
+            *(self._warm(r) for r in self.replicas.values() if r.state == "pending")
+        )
+
+    async def _warm(self, r: Replica) -> None:
+        r.state = "warming"
+        eng = self.engine
+        keys = r.keys
+        bs = eng.block_size
+        sources: list[str] = []
+        have = eng.cache.match(keys)
+        if have:
+            sources.append("cache")
+        if have < len(keys) and self.store is not None:
+            got = await self.store.get_blocks(keys[have:])
+            toks: list[list[int]] = []
+            for g in got:
+                if g is None or len(g[1]) != bs:
+                    break
+                if r.spec.tokens is not None:
+                    i = have + len(toks)
+                    if g[1] != r.spec.tokens[i * bs : (i + 1) * bs]:
+                        break
+                toks.append(g[1])
+            if toks:
+                parent = keys[have - 1] if have else None
+                n = eng.insert_blocks(keys[have : have + len(toks)], parent, toks)
+                t = eng.cost.transfer_time(n * bs) * eng.settings.time_scale
+                if t > 0:
+                    await asyncio.sleep(t)
+                sources.append("store")
+                have = eng.cache.match(keys)
+        tokens = r.spec.tokens
+        if have < len(keys) and tokens is not None:
+            prompt = tokens[: len(keys) * bs]
+            seq = eng.submit(prompt, 0, keys=keys)
+            assert seq.done is not None
+            await seq.done
+            sources.append("compute")
+            if self.store is not None:
+                await self.store.put_blocks(
+                    keys, [prompt[i * bs : (i + 1) * bs] for i in range(len(keys))]
+                )
+        if self.replicas.get(r.spec.prefix) is not r:
+            return  # removed while warming
+        r.pinned = eng.pin(keys)
+        r.source = "+".join(sources)
+        if len(r.pinned) == len(keys):
+            r.state = "ready"
+        elif r.pinned:
+            r.state = "partial"
+        else:
+            r.state = "failed"
+            r.error = "blocks not in the store and no tokens to compute them"

@@ -1,0 +1,99 @@
+"""ZeroMQ publisher of KV-event batches with a replay buffer (vLLM's ZmqEventPublisher
+protocol): PUB frames ``[topic, seq, payload]``; a ROUTER answers ``[b"", start_seq]``
+with every buffered batch from ``start_seq`` on, then the end marker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import zmq
+import zmq.asyncio
+
+from .codec import END_SEQ, KVEvent, KVEventBatch, decode_seq, encode_batch, encode_seq
+
+log = logging.getLogger(__name__)
+
+
+class KVEventPublisher:
+    def __init__(
+        self,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: bytes = b"",
+        buffer_steps: int = 10000,
+        data_parallel_rank: int | None = None,
+    ) -> None:
+        self.topic = topic
+        self.seq = 0
+        self.rank = data_parallel_rank
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(endpoint)
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._actx: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self.replay_endpoint: str | None = None
+        if replay_endpoint:
+            self._actx = zmq.asyncio.Context()
+            self._router = self._actx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.bind(replay_endpoint)
+            self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._router is not None and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> int:
+        """Send one batch; returns its sequence number."""
+        batch = KVEventBatch(time.time() if ts is None else ts, list(events), self.rank)
+        payload = encode_batch(batch)
+        seq = self.seq
+        self.seq += 1
+        self.buffer.append((seq, payload))
+        with contextlib.suppress(zmq.Again):
+            self._pub.send_multipart([self.topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
+        return seq
+
+    async def _serve_replay(self) -> None:
+        assert self._router is not None
+        router = self._router
+        while True:
+            try:
+                frames = await router.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:  # socket closed
+                log.debug("replay socket: %s", exc)
+                return
+            if len(frames) != 3:
+                continue
+            ident, _empty, start_frame = frames
+            try:
+                start = decode_seq(start_frame)
+            except ValueError:
+                start = 0
+            for seq, payload in list(self.buffer):
+                if seq >= start:
+                    await router.send_multipart([ident, b"", self.topic, encode_seq(seq), payload])
+            await router.send_multipart([ident, b"", b"", encode_seq(END_SEQ), b""])
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._router is not None:
+            self._router.close(0)
+        self._pub.close(0)
+        self._ctx.term()
+        if self._actx is not None:
+            self._actx.term()

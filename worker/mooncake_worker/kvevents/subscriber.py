@@ -1,0 +1,142 @@
+"""Reusable KV-event subscriber: SUB socket, sequence-gap detection, replay via DEALER.
+
+``on_batch(seq, batch)`` is called in sequence order. When a batch arrives with a
+sequence number past the expected one, the missing batches are asked for on the
+publisher's replay socket (``[b"", start_seq]`` → ``[b"", topic, seq, payload]...``,
+end marker seq -1) and delivered first; batches the publisher no longer buffers are
+counted in :attr:`KVEventSubscriber.lost`. A sequence number below the expected one
+means the publisher restarted: :attr:`restarts` counts it, ``on_reset`` is called
+(the engine's cache state starts over) and delivery continues from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from .codec import END_SEQ, DecodeError, KVEventBatch, decode_batch, decode_seq, encode_seq
+
+log = logging.getLogger(__name__)
+
+BatchHandler = Callable[[int, KVEventBatch], Awaitable[None] | None]
+
+
+class KVEventSubscriber:
+    def __init__(
+        self,
+        endpoint: str,
+        on_batch: BatchHandler,
+        replay_endpoint: str | None = None,
+        topic: bytes = b"",
+        expected_seq: int | None = None,
+        replay_timeout_s: float = 2.0,
+        on_reset: Callable[[], None] | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        """``expected_seq``: the first sequence number wanted (``0`` replays everything the
+        publisher still buffers when joining late; ``None`` starts wherever it joins)."""
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.on_batch = on_batch
+        self.on_reset = on_reset
+        self.next_seq = expected_seq
+        self.replay_timeout_s = replay_timeout_s
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self.received = 0
+        self.replayed = 0
+        self.gaps = 0
+        self.lost = 0
+        self.restarts = 0
+        self.bad = 0
+        self._sub: zmq.asyncio.Socket | None = None
+        self.connected = asyncio.Event()
+
+    def connect(self) -> None:
+        if self._sub is None:
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+            sub.connect(self.endpoint)
+            self._sub = sub
+            self.connected.set()
+
+    async def run(self) -> None:
+        """Receive until cancelled."""
+        self.connect()
+        assert self._sub is not None
+        try:
+            while True:
+                frames = await self._sub.recv_multipart()
+                await self.handle(frames)
+        finally:
+            self._sub.close(0)
+            self._sub = None
+
+    async def handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            self.bad += 1
+            return
+        _topic, seq_frame, payload = frames
+        try:
+            seq = decode_seq(seq_frame)
+            batch = decode_batch(payload)
+        except (ValueError, DecodeError) as exc:
+            self.bad += 1
+            log.warning("bad KV-event message: %s", exc)
+            return
+        if self.next_seq is not None:
+            if seq > self.next_seq:
+                self.gaps += 1
+                await self._recover(self.next_seq, seq)
+            elif seq < self.next_seq:
+                self.restarts += 1
+                if self.on_reset is not None:
+                    self.on_reset()
+        self.received += 1
+        await self._deliver(seq, batch)
+
+    async def _deliver(self, seq: int, batch: KVEventBatch) -> None:
+        self.next_seq = seq + 1
+        res = self.on_batch(seq, batch)
+        if res is not None:
+            await res
+
+    async def replay(self, start: int) -> list[tuple[int, KVEventBatch]]:
+        """Ask the replay socket for every buffered batch with seq ≥ ``start``."""
+        if self.replay_endpoint is None:
+            return []
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.replay_endpoint)
+        out: list[tuple[int, KVEventBatch]] = []
+        try:
+            await dealer.send_multipart([b"", encode_seq(start)])
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                if len(frames) != 4:
+                    continue
+                seq = decode_seq(frames[2])
+                if seq == END_SEQ:
+                    break
+                with contextlib.suppress(DecodeError):
+                    out.append((seq, decode_batch(frames[3])))
+        except TimeoutError:
+            log.warning("replay from %s timed out", self.replay_endpoint)
+        finally:
+            dealer.close(0)
+        return out
+
+    async def _recover(self, start: int, until: int) -> None:
+        got = 0
+        for seq, batch in await self.replay(start):
+            if start <= seq < until and seq >= (self.next_seq or 0):
+                self.replayed += 1
+                got += 1
+                await self._deliver(seq, batch)
+        self.lost += (until - start) - got

@@ -1,0 +1,140 @@
+"""KV handoff through a real Mooncake Store (``mooncake-transfer-engine-non-cuda``).
+
+Each full block is one store object under ``<key_prefix><block key as 16 hex digits>``.
+Its payload is a small header (magic ``MCKV1``, the block key as u64 LE, the token
+count as u32 LE, the token ids as u32 LE) padded with zeros to
+``block_size * kv_bytes_per_token * store_payload_scale`` bytes (real KV is
+``kv_bytes_per_token`` per token; the scale keeps tests small). A reader checks the
+header against the tokens it expects, so a stale or foreign object is never used.
+
+The transfer engine is pinned to loopback-or-configured ``store_local_hostname``
+(``MC_TCP_BIND_ADDRESS`` is set to it before the library is loaded). All store calls
+block, so they run in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from .settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+MAGIC = b"MCKV1"
+_HEAD = struct.Struct("<5sQI")
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+def encode_payload(key: int, tokens: Sequence[int], size: int) -> bytes:
+    body = _HEAD.pack(MAGIC, key, len(tokens)) + struct.pack(f"<{len(tokens)}I", *tokens)
+    return body + bytes(max(0, size - len(body)))
+
+
+def decode_payload(data: bytes) -> tuple[int, list[int]] | None:
+    if len(data) < _HEAD.size:
+        return None
+    magic, key, n = _HEAD.unpack_from(data)
+    if magic != MAGIC or len(data) < _HEAD.size + 4 * n:
+        return None
+    return key, list(struct.unpack_from(f"<{n}I", data, _HEAD.size))
+
+
+class BlockStore:
+    """Async façade over ``MooncakeDistributedStore`` for KV blocks."""
+
+    def __init__(self, settings: WorkerSettings, kv_bytes_per_token: int) -> None:
+        self.settings = settings
+        self.payload_bytes = max(
+            _HEAD.size + 4 * settings.block_size,
+            int(settings.block_size * kv_bytes_per_token * settings.store_payload_scale),
+        )
+        self._store: Any = None
+        self.puts = 0
+        self.gets = 0
+
+    def name(self, key: int) -> str:
+        return f"{self.settings.store_key_prefix}{key:016x}"
+
+    def _setup(self) -> Any:
+        s = self.settings
+        os.environ.setdefault("MC_TCP_BIND_ADDRESS", s.store_local_hostname)
+        from mooncake.store import MooncakeDistributedStore
+
+        store = MooncakeDistributedStore()
+        rc = store.setup(
+            s.store_local_hostname,
+            s.store_metadata,
+            s.store_segment_bytes,
+            s.store_buffer_bytes,
+            s.store_protocol,
+            "",
+            s.store_master,
+        )
+        if rc != 0:
+            raise StoreError(f"Mooncake Store setup failed (rc={rc}) for master {s.store_master}")
+        return store
+
+    async def connect(self) -> None:
+        self._store = await asyncio.to_thread(self._setup)
+
+    async def close(self) -> None:
+        if self._store is not None:
+            store, self._store = self._store, None
+            await asyncio.to_thread(store.close)
+
+    def _put(self, keys: Sequence[int], tokens: Sequence[Sequence[int]]) -> int:
+        names = [self.name(k) for k in keys]
+        exists = self._store.batch_is_exist(names)
+        todo = [i for i, e in enumerate(exists) if e != 1]
+        if not todo:
+            return 0
+        rc = self._store.put_batch(
+            [names[i] for i in todo],
+            [encode_payload(keys[i], tokens[i], self.payload_bytes) for i in todo],
+        )
+        if rc != 0:
+            # fall back to one object at a time (a batch fails as a whole)
+            n = 0
+            for i in todo:
+                if self._store.put(names[i], encode_payload(keys[i], tokens[i],
+                                                            self.payload_bytes)) == 0:
+                    n += 1
+            return n
+        return len(todo)
+
+    async def put_blocks(self, keys: Sequence[int], tokens: Sequence[Sequence[int]]) -> int:
+        """Store blocks not yet in the store; returns how many were written."""
+        if self._store is None or not keys:
+            return 0
+        n = await asyncio.to_thread(self._put, keys, tokens)
+        self.puts += n
+        return n
+
+    def _get(self, keys: Sequence[int]) -> list[bytes]:
+        return list(self._store.get_batch([self.name(k) for k in keys]))
+
+    async def get_blocks(self, keys: Sequence[int]) -> list[tuple[int, list[int]] | None]:
+        """Fetch blocks; ``None`` for every block missing or malformed."""
+        if self._store is None or not keys:
+            return [None] * len(keys)
+        raw = await asyncio.to_thread(self._get, keys)
+        out: list[tuple[int, list[int]] | None] = []
+        for k, data in zip(keys, raw, strict=True):
+            dec = decode_payload(data) if data else None
+            out.append(dec if dec is not None and dec[0] == k else None)
+        self.gets += sum(1 for o in out if o is not None)
+        return out
+
+    async def exists(self, keys: Sequence[int]) -> list[bool]:
+        if self._store is None or not keys:
+            return [False] * len(keys)
+        names = [self.name(k) for k in keys]
+        res = await asyncio.to_thread(self._store.batch_is_exist, names)
+        return [r == 1 for r in res]
