@@ -44,7 +44,10 @@ def _up(args: argparse.Namespace) -> int:
 def _down(args: argparse.Namespace) -> int:
     from mooncake_operator.localcluster import cluster
 
-    cluster.down(_settings(args), _log)
+    settings = _settings(args)
+    cluster.down(settings, _log)
+    if args.purge:
+        cluster.purge(settings, _log)
     return 0
 
 
@@ -95,6 +98,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     down = sub.add_parser("down", help="stop every process of the cluster")
     _common(down)
+    down.add_argument(
+        "--purge", action="store_true", help="also delete the state dir (etcd data, certs, logs)"
+    )
     down.set_defaults(handler=_down)
 
     status = sub.add_parser("status", help="what is running, ports, memory")

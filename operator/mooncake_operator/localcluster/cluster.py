@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import ssl
 import sys
 import time
@@ -411,6 +412,16 @@ def down(settings: LocalClusterSettings, log: Log = print) -> int:
     if stopped == 0:
         log(f"local cluster {settings.name!r}: nothing was running")
     return stopped
+
+
+def purge(settings: LocalClusterSettings, log: Log = print) -> None:
+    """Delete the state dir of a stopped cluster."""
+    paths = state_paths(settings)
+    if running_records(paths):
+        raise RuntimeError("cluster is still running; run down first")
+    if paths.root.exists():
+        shutil.rmtree(paths.root)
+        log(f"removed {paths.root}")
 
 
 def status(settings: LocalClusterSettings) -> dict[str, object]:

@@ -240,3 +240,20 @@ def test_k8s_ldflags_set_versions() -> None:
     flags = components.component("kube-apiserver").ldflags("v1.36.3")
     assert "-X k8s.io/component-base/version.gitVersion=v1.36.3" in flags
     assert "-X k8s.io/component-base/version.gitMinor=36" in flags
+
+
+def test_cli_registers_actions() -> None:
+    import argparse
+
+    from mooncake_operator.localcluster import cli
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command")
+    cli.register(sub)
+    for action in ("build", "up", "down", "status", "kubeconfig"):
+        args = parser.parse_args(["local-cluster", action])
+        assert callable(args.handler)
+    args = parser.parse_args(["local-cluster", "up", "--prefill-nodes", "2", "--name", "x"])
+    settings = cli._settings(args)
+    assert settings.prefill_nodes == 2 and settings.name == "x"
+    assert settings.resolved_state_dir().name == "x"
