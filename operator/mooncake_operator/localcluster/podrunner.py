@@ -87,6 +87,20 @@ class RunningPod:
     done: bool = False
 
 
+def _link_nested_mounts(rewrites: list[podspec.MountRewrite]) -> None:
+    """A mount inside another mount's path shows up there, as a symlink."""
+    for inner in rewrites:
+        for outer in rewrites:
+            outer_path = outer.mount_path.rstrip("/")
+            if inner is outer or not inner.mount_path.startswith(outer_path + "/"):
+                continue
+            link = Path(outer.local_dir) / inner.mount_path[len(outer_path) + 1 :]
+            if link.is_symlink() or link.exists():
+                continue
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(inner.local_dir)
+
+
 class PodRunner:
     def __init__(self, settings: LocalClusterSettings, paths: StatePaths, client: KubeHttp):
         self.settings = settings
@@ -266,8 +280,10 @@ class PodRunner:
             local = running.directory / "volumes" / mount["name"]
             if mount.get("subPath"):
                 local = local / mount["subPath"]
-            local.mkdir(parents=True, exist_ok=True) if not mount.get("subPath") else None
+            else:
+                local.mkdir(parents=True, exist_ok=True)
             rewrites.append(podspec.MountRewrite(mount["mountPath"], str(local)))
+        _link_nested_mounts(rewrites)
         return rewrites
 
     def _env_maps(self, pod: JsonDict, container: JsonDict) -> dict[str, dict[str, str]]:

@@ -204,7 +204,10 @@ def test_runnable_pod_serves_on_pod_ip_and_stops(k8s_cluster: LocalK8s, namespac
         ["python", "-m", "http.server", "--bind", "$(POD_IP)", "8080", "--directory", "/podinfo"],
         container={
             "readinessProbe": {"httpGet": {"path": "/name", "port": 8080}, "periodSeconds": 1},
-            "volumeMounts": [{"name": "podinfo", "mountPath": "/podinfo"}],
+            "volumeMounts": [
+                {"name": "podinfo", "mountPath": "/podinfo"},
+                {"name": "cfg", "mountPath": "/podinfo/cfg"},
+            ],
             "env": [{"name": "ME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
         },
         volumes=[
@@ -216,8 +219,13 @@ def test_runnable_pod_serves_on_pod_ip_and_stops(k8s_cluster: LocalK8s, namespac
                         {"path": "annotations", "fieldRef": {"fieldPath": "metadata.annotations"}},
                     ]
                 },
-            }
+            },
+            {"name": "cfg", "configMap": {"name": "web-config"}},
         ],
+    )
+    http.post(
+        f"/api/v1/namespaces/{namespace}/configmaps",
+        {"metadata": {"name": "web-config"}, "data": {"greeting": "hello"}},
     )
     http.post(f"/api/v1/namespaces/{namespace}/pods", pod)
     path = f"/api/v1/namespaces/{namespace}/pods/web"
@@ -234,6 +242,7 @@ def test_runnable_pod_serves_on_pod_ip_and_stops(k8s_cluster: LocalK8s, namespac
     ip = obj["status"]["podIP"]
     assert ip.startswith("127.1.")
     assert _http_get(f"http://{ip}:8080/name") == "web"
+    assert _http_get(f"http://{ip}:8080/cfg/greeting") == "hello"
 
     # Downward-API files follow annotation changes.
     http.patch(path, {"metadata": {"annotations": {"mooncake.io/role": "prefill"}}})
@@ -286,3 +295,18 @@ def test_job_pods_of_other_images_complete(k8s_cluster: LocalK8s, namespace: str
     http.post(f"/apis/batch/v1/namespaces/{namespace}/jobs", job)
     path = f"/apis/batch/v1/namespaces/{namespace}/jobs/fake"
     wait_for("job succeeded", lambda: http.get(path).get("status", {}).get("succeeded") == 1)
+
+
+def test_crashing_container_is_restarted(k8s_cluster: LocalK8s, namespace: str) -> None:
+    http = k8s_cluster.http()
+    pod = _runnable_pod("crash", ["python", "-c", "raise SystemExit(1)"])
+    http.post(f"/api/v1/namespaces/{namespace}/pods", pod)
+    path = f"/api/v1/namespaces/{namespace}/pods/crash"
+
+    def restarted() -> dict[str, Any] | None:
+        statuses = http.get(path)["status"].get("containerStatuses") or [{}]
+        return statuses[0] if statuses[0].get("restartCount", 0) >= 1 else None
+
+    status = wait_for("a restart", restarted)
+    assert status["lastState"]["terminated"]["exitCode"] == 1
+    assert http.get(path)["status"]["phase"] == "Running"
