@@ -290,7 +290,7 @@ def is_up(settings: LocalClusterSettings) -> bool:
 
 
 def _apply_nodes(client: KubeHttp, settings: LocalClusterSettings, log: Log) -> None:
-    for node in manifests.gpu_nodes(settings):
+    for node in manifests.all_nodes(settings):
         name = node["metadata"]["name"]
         try:
             client.post("/api/v1/nodes", node)
@@ -301,7 +301,10 @@ def _apply_nodes(client: KubeHttp, settings: LocalClusterSettings, log: Log) -> 
             client.patch(f"/api/v1/nodes/{name}", patch, STRATEGIC_PATCH)
         status = {"status": {k: node["status"][k] for k in ("capacity", "allocatable")}}
         client.patch(f"/api/v1/nodes/{name}/status", status, STRATEGIC_PATCH)
-    log(f"nodes: {settings.prefill_nodes} prefill + {settings.decode_nodes} decode GPU nodes")
+    log(
+        f"nodes: {settings.prefill_nodes} prefill + {settings.decode_nodes} decode GPU nodes, "
+        f"{settings.cpu_nodes} CPU node(s)"
+    )
 
 
 def _nodes_ready(client: KubeHttp, settings: LocalClusterSettings) -> bool:

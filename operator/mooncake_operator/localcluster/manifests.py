@@ -9,6 +9,7 @@ from typing import Any
 from mooncake_operator.localcluster.settings import LocalClusterSettings
 
 POOLS = ("prefill", "decode")
+SYSTEM_POOL = "system"
 GPU_TAINT_VALUE = "present"
 KUBECONFIG_CONTEXT = "mooncake-local"
 
@@ -16,9 +17,10 @@ JsonDict = dict[str, Any]
 
 
 def node_names(settings: LocalClusterSettings) -> list[tuple[str, str]]:
-    """(node name, pool) in creation order: all prefill nodes, then all decode nodes."""
+    """(node name, pool) in creation order: prefill GPU nodes, decode GPU nodes, CPU nodes."""
     counts = {"prefill": settings.prefill_nodes, "decode": settings.decode_nodes}
-    return [(f"gpu-{pool}-{i}", pool) for pool in POOLS for i in range(counts[pool])]
+    names = [(f"gpu-{pool}-{i}", pool) for pool in POOLS for i in range(counts[pool])]
+    return names + [(f"cpu-{i}", SYSTEM_POOL) for i in range(settings.cpu_nodes)]
 
 
 def pod_cidr(settings: LocalClusterSettings, index: int) -> str:
@@ -26,15 +28,35 @@ def pod_cidr(settings: LocalClusterSettings, index: int) -> str:
     return f"{settings.pod_cidr_prefix}.{index + 1}.0/24"
 
 
-def gpu_node(settings: LocalClusterSettings, name: str, pool: str, index: int) -> JsonDict:
+def fake_node(settings: LocalClusterSettings, name: str, pool: str, index: int) -> JsonDict:
+    """A fake node; GPU pools get GPUs, GPU labels and the GPU taint, the system pool not."""
     node = settings.node
+    gpu = pool != SYSTEM_POOL
     resources = {
         "cpu": node.cpu,
         "memory": node.memory,
         "pods": str(node.pods),
         "ephemeral-storage": node.ephemeral_storage,
-        settings.gpu_resource: str(node.gpus),
     }
+    if gpu:
+        resources[settings.gpu_resource] = str(node.gpus)
+    labels = {
+        "kubernetes.io/arch": "amd64",
+        "kubernetes.io/os": "linux",
+        "kubernetes.io/hostname": name,
+        "kubernetes.io/role": "agent",
+        "type": "kwok",
+        "node.kubernetes.io/instance-type": node.instance_type if gpu else node.cpu_instance_type,
+        settings.pool_label: pool,
+    }
+    taints = []
+    if gpu:
+        labels["nvidia.com/gpu.present"] = "true"
+        labels["nvidia.com/gpu.count"] = str(node.gpus)
+        labels["nvidia.com/gpu.product"] = node.gpu_product
+        taints.append(
+            {"key": settings.gpu_resource, "value": GPU_TAINT_VALUE, "effect": "NoSchedule"}
+        )
     cidr = pod_cidr(settings, index)
     return {
         "apiVersion": "v1",
@@ -45,26 +67,9 @@ def gpu_node(settings: LocalClusterSettings, name: str, pool: str, index: int) -
                 settings.kwok_node_annotation: settings.kwok_node_annotation_value,
                 "node.alpha.kubernetes.io/ttl": "0",
             },
-            "labels": {
-                "kubernetes.io/arch": "amd64",
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/role": "agent",
-                "type": "kwok",
-                "node.kubernetes.io/instance-type": node.instance_type,
-                "nvidia.com/gpu.present": "true",
-                "nvidia.com/gpu.count": str(node.gpus),
-                "nvidia.com/gpu.product": node.gpu_product,
-                settings.pool_label: pool,
-            },
+            "labels": labels,
         },
-        "spec": {
-            "podCIDR": cidr,
-            "podCIDRs": [cidr],
-            "taints": [
-                {"key": settings.gpu_resource, "value": GPU_TAINT_VALUE, "effect": "NoSchedule"}
-            ],
-        },
+        "spec": {"podCIDR": cidr, "podCIDRs": [cidr], "taints": taints},
         "status": {
             "capacity": dict(resources),
             "allocatable": dict(resources),
@@ -84,9 +89,9 @@ def gpu_node(settings: LocalClusterSettings, name: str, pool: str, index: int) -
     }
 
 
-def gpu_nodes(settings: LocalClusterSettings) -> list[JsonDict]:
+def all_nodes(settings: LocalClusterSettings) -> list[JsonDict]:
     return [
-        gpu_node(settings, name, pool, index)
+        fake_node(settings, name, pool, index)
         for index, (name, pool) in enumerate(node_names(settings))
     ]
 

@@ -28,6 +28,7 @@ class NodePoolSettings(BaseSettings):
     pods: int = Field(default=110, ge=1)
     ephemeral_storage: str = "4Ti"
     instance_type: str = "p5.48xlarge"
+    cpu_instance_type: str = "m7i.8xlarge"
     gpu_product: str = "NVIDIA-H100-80GB-HBM3"
 
 
@@ -49,6 +50,9 @@ class LocalClusterSettings(BaseSettings):
 
     prefill_nodes: int = Field(default=4, ge=0)
     decode_nodes: int = Field(default=4, ge=0)
+    cpu_nodes: int = Field(
+        default=1, ge=0, description="untainted nodes without GPUs, for the operator and gateway"
+    )
     node: NodePoolSettings = Field(default_factory=NodePoolSettings)
     pod_cidr_prefix: str = Field(
         default="127.1", description="node N gets <prefix>.<N+1>.0/24 (must stay in 127/8)"

@@ -97,7 +97,7 @@ def test_gpu_nodes_are_ready(k8s_cluster: LocalK8s) -> None:
     from kubernetes import client
 
     api = client.CoreV1Api(k8s_cluster.api_client())
-    nodes = api.list_node().items
+    nodes = api.list_node(label_selector="nvidia.com/gpu.present=true").items
     assert len(nodes) == 8
     for node in nodes:
         assert node.status.allocatable[GPU] == "8"
@@ -105,6 +105,20 @@ def test_gpu_nodes_are_ready(k8s_cluster: LocalK8s) -> None:
         assert ready and ready[0].status == "True"
     pools = sorted(n.metadata.labels["mooncake.io/pool"] for n in nodes)
     assert pools == ["decode"] * 4 + ["prefill"] * 4
+    system = api.list_node(label_selector="mooncake.io/pool=system").items
+    assert len(system) == 1 and not system[0].spec.taints
+
+
+def test_untolerating_pods_land_on_the_cpu_node(k8s_cluster: LocalK8s, namespace: str) -> None:
+    http = k8s_cluster.http()
+    pod = {
+        "metadata": {"name": "plain"},
+        "spec": {"containers": [{"name": "c", "image": "nginx"}]},
+    }
+    http.post(f"/api/v1/namespaces/{namespace}/pods", pod)
+    path = f"/api/v1/namespaces/{namespace}/pods/plain"
+    obj = wait_for("scheduled", lambda: (o := http.get(path))["spec"].get("nodeName") and o)
+    assert obj["spec"]["nodeName"] == "cpu-0"
 
 
 def test_kubectl_works(k8s_cluster: LocalK8s) -> None:

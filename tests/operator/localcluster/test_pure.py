@@ -44,12 +44,17 @@ def test_ensure_pki_is_created_once(tmp_path: Path) -> None:
 
 def test_gpu_nodes_default_pools() -> None:
     settings = LocalClusterSettings()
-    nodes = manifests.gpu_nodes(settings)
+    every = manifests.all_nodes(settings)
+    assert len(every) == 9
+    cpu = [n for n in every if n["metadata"]["labels"]["mooncake.io/pool"] == "system"]
+    assert len(cpu) == 1 and cpu[0]["spec"]["taints"] == []
+    assert "nvidia.com/gpu" not in cpu[0]["status"]["capacity"]
+    nodes = [n for n in every if n not in cpu]
     assert len(nodes) == 8
     pools = [n["metadata"]["labels"]["mooncake.io/pool"] for n in nodes]
     assert pools.count("prefill") == 4 and pools.count("decode") == 4
-    cidrs = [n["spec"]["podCIDR"] for n in nodes]
-    assert len(set(cidrs)) == 8
+    cidrs = [n["spec"]["podCIDR"] for n in every]
+    assert len(set(cidrs)) == 9
     for node in nodes:
         net = ipaddress.ip_network(node["spec"]["podCIDR"])
         assert net.subnet_of(ipaddress.ip_network("127.0.0.0/8"))
@@ -63,9 +68,9 @@ def test_gpu_nodes_default_pools() -> None:
 
 
 def test_node_counts_follow_settings() -> None:
-    settings = LocalClusterSettings(prefill_nodes=1, decode_nodes=2)
+    settings = LocalClusterSettings(prefill_nodes=1, decode_nodes=2, cpu_nodes=2)
     names = [name for name, _ in manifests.node_names(settings)]
-    assert names == ["gpu-prefill-0", "gpu-decode-0", "gpu-decode-1"]
+    assert names == ["gpu-prefill-0", "gpu-decode-0", "gpu-decode-1", "cpu-0", "cpu-1"]
 
 
 def test_kubeconfig_is_self_contained() -> None:
