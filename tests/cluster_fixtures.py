@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_operator.localcluster import cluster
+from mooncake_operator.localcluster import cluster, components
 from mooncake_operator.localcluster.kubehttp import KubeHttp
 from mooncake_operator.localcluster.settings import LocalClusterSettings
 
@@ -50,9 +50,37 @@ class LocalK8s:
         return dict(os.environ, KUBECONFIG=str(self.kubeconfig))
 
 
+def _binaries_missing(settings: LocalClusterSettings) -> list[str]:
+    tools = components.find_tools_dir(settings)
+    return [
+        name
+        for name in components.RUNTIME_COMPONENTS
+        if not components.binary_path(settings, components.component(name), tools).is_file()
+    ]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build missing binaries before any test runs, outside the per-test timeout."""
+    if not any(item.get_closest_marker("cluster") for item in session.items):
+        return
+    settings = LocalClusterSettings(name=TEST_CLUSTER_NAME)
+    if _binaries_missing(settings):
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+        def log(message: str) -> None:
+            if reporter is not None:
+                reporter.write_line(message)
+
+        log("local-cluster binaries missing: building them now (long; see docs/local-cluster.md)")
+        components.build_all(settings, components.RUNTIME_COMPONENTS, log)
+
+
 @pytest.fixture(scope="session")
 def k8s_cluster() -> Iterator[LocalK8s]:
     settings = LocalClusterSettings(name=TEST_CLUSTER_NAME)
+    # Start from empty state: no objects or pods left over from an earlier run.
+    cluster.down(settings)
+    cluster.purge(settings)
     info = cluster.up(settings)
     try:
         yield LocalK8s(settings=settings, info=info)
