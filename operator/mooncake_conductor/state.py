@@ -73,6 +73,11 @@ class PrefillState:
     def running_remaining(self, now: float) -> float:
         return max(0.0, self.busy_until - now)
 
+    def paper_queue_time(self) -> float:
+        """The paper's ``T_queue``: predicted prefill time of the requests queued here,
+        without the remainder of the one already running (FAST'25 §4)."""
+        return self.queued_work_s
+
     def wait_time(self, now: float, priority: float | None = None) -> float:
         """Predicted seconds until a new prefill with ``priority`` starts here."""
         wait = self.running_remaining(now)
@@ -87,8 +92,16 @@ class PrefillState:
         self.queued_blocks += blocks
         self.queued_tokens += tokens
 
-    def pop(self) -> QueuedWork:
-        item = heapq.heappop(self.queue)
+    def pop(self, rid: int | None = None) -> QueuedWork:
+        """Take the first item in priority order, or the one for request ``rid``."""
+        if rid is None:
+            item = heapq.heappop(self.queue)
+        else:
+            pos = next(i for i, q in enumerate(self.queue) if q.rid == rid)
+            item = self.queue[pos]
+            self.queue[pos] = self.queue[-1]
+            self.queue.pop()
+            heapq.heapify(self.queue)
         self.queued_work_s = max(0.0, self.queued_work_s - item.work_s) if self.queue else 0.0
         self.queued_blocks -= item.blocks
         self.queued_tokens -= item.tokens

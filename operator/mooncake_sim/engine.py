@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mooncake_conductor.blockkeys import namespace_seed, trace_block_keys
 from mooncake_conductor.cost import CostModel
+from mooncake_conductor.cpp import plan_cpp
 from mooncake_conductor.engine import Conductor, ConductorConfig, Decision
 from mooncake_conductor.index import DRAM, STORE, PrefixIndex
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
@@ -145,7 +146,9 @@ class Simulation:
         self.prefill_gpu_s = 0.0
         self.reject_reasons: dict[str, int] = {}
         self._running_rid: list[int] = [-1] * n_p
-        self._pending_keys: dict[int, list[int]] = {}
+        self._gangs: dict[int, set[int]] = {}
+        self._gang_order: dict[int, int] = {}
+        self._gang_counter = 0
 
     # -- event queue ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
@@ -202,26 +205,51 @@ class Simulation:
             return
         pl = decision.placement
         assert pl.prefill is not None
-        inst = self.cluster.prefill[pl.prefill]
         req.placed_at = now
         prio = pl.priority if pl.priority is not None else req.info.arrival
         blocks = len(req.info.keys)
-        inst.enqueue(rid, prio, pl.prefill_s + pl.transfer_s, blocks, req.info.input_tokens)
-        self.index.add_pending(inst.iid, req.info.keys)
-        if self._running_rid[inst.iid] < 0:
-            self._start_next(inst, now)
+        members = pl.cpp_group or [pl.prefill]
+        if pl.cpp_group:
+            self._gangs[rid] = set()
+        self.index.add_pending(pl.prefill, req.info.keys)
+        for iid in members:
+            inst = self.cluster.prefill[iid]
+            inst.enqueue(rid, prio, pl.prefill_s + pl.transfer_s, blocks, req.info.input_tokens)
+            if self._running_rid[iid] < 0:
+                self._start_next(inst, now)
 
     def _start_next(self, inst: PrefillState, now: float) -> None:
         if not inst.queue:
             self._running_rid[inst.iid] = -1
             inst.running_blocks = inst.running_tokens = 0
             return
-        item = inst.pop()
+        item = inst.pop(self._committed_gang(inst))
         req = self.reqs[item.rid]
         info = req.info
         assert req.decision is not None
         pl = req.decision.placement
-        reuse = self.index.match(inst.iid, info.keys)
+        self._running_rid[inst.iid] = item.rid
+        inst.running_blocks = len(info.keys)
+        inst.running_tokens = info.input_tokens
+        if pl.cpp_group:
+            self._gang_member_ready(item.rid, inst, now)
+            return
+        reuse, start = self._reuse_at_start(req, inst.iid, now)
+        cached = info.tokens_of(reuse)
+        dur = self.cost.prefill_time(info.input_tokens, cached)
+        req.reused_tokens = cached
+        self.prefill_gpu_s += dur
+        inst.busy_until = start + dur
+        self._push(inst.busy_until, PREFILL_DONE, inst.iid, item.rid)
+
+    def _reuse_at_start(self, req: _Req, iid: int, now: float) -> tuple[int, float]:
+        """Blocks the prefill on ``iid`` reuses when it starts, and when it can start: its
+        own cache now, or the decision's fetched prefix if the holder still had it (the
+        fetch ran from placement on, so the start waits for it to finish)."""
+        info = req.info
+        assert req.decision is not None
+        pl = req.decision.placement
+        reuse = self.index.match(iid, info.keys)
         start = now
         if pl.fetch_blocks and pl.source is not None:
             target = pl.local_blocks + pl.fetch_blocks
@@ -229,29 +257,62 @@ class Simulation:
                 fetched = info.tokens_of(target) - info.tokens_of(reuse)
                 start = max(now, req.placed_at + self.cost.transfer_time(fetched))
                 reuse = target
+        return reuse, start
+
+    def _committed_gang(self, inst: PrefillState) -> int | None:
+        """A CPP request another group member already waits for goes first, the earliest
+        committed first; with that order no two groups can wait on each other."""
+        best: tuple[int, int] | None = None
+        for q in inst.queue:
+            order = self._gang_order.get(q.rid)
+            if order is not None and (best is None or order < best[0]):
+                best = (order, q.rid)
+        return None if best is None else best[1]
+
+    def _gang_member_ready(self, rid: int, inst: PrefillState, now: float) -> None:
+        """A CPP group member reached the request; start when every member has."""
+        req = self.reqs[rid]
+        assert req.decision is not None
+        pl = req.decision.placement
+        ready = self._gangs[rid]
+        ready.add(inst.iid)
+        if rid not in self._gang_order:
+            self._gang_counter += 1
+            self._gang_order[rid] = self._gang_counter
+        inst.busy_until = now + pl.prefill_s
+        if len(ready) < len(pl.cpp_group):
+            return
+        del self._gangs[rid]
+        del self._gang_order[rid]
+        info = req.info
+        leader = pl.cpp_group[0]
+        reuse, ready = self._reuse_at_start(req, leader, now)
         cached = info.tokens_of(reuse)
-        dur = self.cost.prefill_time(info.input_tokens, cached)
+        now = ready
+        plan = plan_cpp(self.cost, info.input_tokens, cached, len(pl.cpp_group),
+                        pl.cpp_chunk_tokens)
         req.reused_tokens = cached
-        self.prefill_gpu_s += dur
-        inst.busy_until = start + dur
-        inst.running_blocks = len(info.keys)
-        inst.running_tokens = info.input_tokens
-        self._running_rid[inst.iid] = item.rid
-        self._push(inst.busy_until, PREFILL_DONE, inst.iid, item.rid)
+        self.prefill_gpu_s += plan.gpu_seconds
+        end = now + plan.makespan_s
+        for iid in pl.cpp_group:
+            self.cluster.prefill[iid].busy_until = end
+            self._push(end, PREFILL_DONE, iid, rid)
 
     def _prefill_done(self, now: float, iid: int, rid: int) -> None:
         req = self.reqs[rid]
         info = req.info
         inst = self.cluster.prefill[iid]
+        assert req.decision is not None
+        if iid != req.decision.placement.prefill:  # a CPP member that is not the leader
+            self._start_next(inst, now)
+            return
         self.index.remove_pending(iid, info.keys)
         self.index.store(iid, info.keys, DRAM)
         if self.cluster.store_id is not None:
             self.index.store(self.cluster.store_id, info.keys, STORE)
         inst.completed += 1
-        elapsed = now - max(req.placed_at, 0.0)
-        inst.avg_prefill_s += (self.cost.prefill_time(info.input_tokens, req.reused_tokens)
-                               - inst.avg_prefill_s) / min(inst.completed, 50)
-        del elapsed
+        observed = self.cost.prefill_time(info.input_tokens, req.reused_tokens)
+        inst.avg_prefill_s += (observed - inst.avg_prefill_s) / min(inst.completed, 50)
         req.ttft = now - info.arrival
         req.t_first = now
         self._start_next(inst, now)

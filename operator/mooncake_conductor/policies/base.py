@@ -48,6 +48,7 @@ class Placement:
     priority: float | None = None
     reject_reason: str | None = None
     cpp_group: list[int] = field(default_factory=list)
+    cpp_chunk_tokens: int = 0
     candidates: list[dict[str, float]] = field(default_factory=list)
 
     @property

@@ -19,15 +19,24 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why:
    (vLLM-style engines reuse them), so a burst of requests sharing a new
    prefix follows the first one instead of recomputing it everywhere.
 4. **Short jobs first, with aging.** Each request gets the queue priority
-   ``arrival + priority_weight * predicted_prefill``: a short prompt may pass
-   a long one that arrived less than ``priority_weight`` times the short one's
-   own... prefill time earlier, never more. Queue time is predicted for that
-   order. With heavy-tailed prompt lengths this cuts mean TTFT the most
-   (shortest-processing-time rule, aged so long prompts are not starved).
+   ``arrival + priority_weight * predicted_prefill``, so a short prompt may
+   pass a longer one only if it arrived less than ``priority_weight`` times
+   the difference of their prefill times later. Queue time is predicted for
+   that order. With heavy-tailed prompt lengths this is the shortest-
+   processing-time rule that cuts mean waiting most, aged so that long
+   prompts are never starved.
 5. **No pile-ups on ties.** Instances whose predicted TTFT is within
    ``tie_tolerance`` of the best are chosen among at random, so a hot shared
    prefix held everywhere does not send every request to instance 0.
-6. **Decode under TBT.** The default decode selector is ``tbt-slo`` (predicted
+6. **Chunked pipeline prefill for long prompts** (paper §3.2, which uses it
+   but leaves the when open). When a prompt needs at least
+   ``cpp.min_new_tokens`` of new compute, groups of 2..``cpp.max_group``
+   instances with the shortest queues are priced with the CPP pipeline model
+   (:mod:`mooncake_conductor.cpp`) whenever the best single instance would
+   break the TTFT SLO; the best group is used if it does better. Prompts no
+   single instance could prefill in time are served instead of rejected, and
+   CPP's pipeline bubbles are paid only where they buy an SLO.
+7. **Decode under TBT.** The default decode selector is ``tbt-slo`` (predicted
    step time with this request added must stay under the TBT SLO).
 """
 
@@ -35,7 +44,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..state import ClusterState, RequestInfo
+from ..cpp import CPPConfig, plan_cpp
+from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, PrefillPolicy, register
 
 
@@ -51,6 +61,8 @@ class ConductorParams(BaseModel):
         0.02, ge=0, description="relative TTFT band treated as a tie (random pick inside)"
     )
     tie_tolerance_s: float = Field(0.005, ge=0, description="absolute TTFT band for ties")
+    explain: bool = Field(False, description="attach the top candidates to each placement")
+    cpp: CPPConfig = CPPConfig()
 
 
 @register
@@ -114,9 +126,63 @@ class ConductorPolicy(PrefillPolicy):
         band = best * (1.0 + prm.tie_tolerance) + prm.tie_tolerance_s
         ties = [o for o in options if o.ttft_s <= band]
         choice = ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties)
-        choice.candidates = [
-            {"instance": float(o.prefill or 0), "ttft_s": o.ttft_s, "queue_s": o.queue_s,
-             "transfer_s": o.transfer_s, "prefill_s": o.prefill_s}
-            for o in sorted(options, key=lambda o: o.ttft_s)[:3]
-        ]
+        cpp = self._cpp(req, live, stored, choice, now)
+        if cpp is not None:
+            options.append(cpp)
+            choice = cpp
+        if prm.explain:
+            choice.candidates = [
+                {"instance": float(o.prefill or 0), "ttft_s": o.ttft_s, "queue_s": o.queue_s,
+                 "transfer_s": o.transfer_s, "prefill_s": o.prefill_s,
+                 "group": float(len(o.cpp_group) or 1)}
+                for o in sorted(options, key=lambda o: o.ttft_s)[:5]
+            ]
         return choice
+
+    def _cpp(
+        self,
+        req: RequestInfo,
+        live: list[PrefillState],
+        stored: dict[int, int],
+        single: Placement,
+        now: float,
+    ) -> Placement | None:
+        """The best chunked-pipeline placement, when the best single instance would break
+        ``trigger_share`` of the TTFT SLO and a group does better."""
+        assert isinstance(self.params, ConductorParams)
+        cfg = self.params.cpp
+        n = req.input_tokens
+        if not cfg.enabled or cfg.max_group < 2 or len(live) < 2:
+            return None
+        if single.ttft_s <= cfg.trigger_share * self.ctx.slo.ttft_s:
+            return None
+        if n - req.tokens_of(single.reused_blocks) < cfg.min_new_tokens:
+            return None
+        by_wait = sorted(live, key=lambda p: p.wait_time(now))
+        best_src, best_len = None, 0
+        for iid, m in stored.items():
+            if m > best_len:
+                best_src, best_len = iid, m
+        best: Placement | None = None
+        for size in range(2, min(cfg.max_group, len(by_wait)) + 1):
+            members = by_wait[:size]
+            leader = max(members, key=lambda p: stored.get(p.iid, 0))
+            local = stored.get(leader.iid, 0)
+            fetch = best_len - local if best_src is not None and best_len > local else 0
+            reuse = local + fetch
+            transfer = self.ctx.cost.transfer_time(req.tokens_of(reuse) - req.tokens_of(local))
+            plan = plan_cpp(self.ctx.cost, n, req.tokens_of(reuse), size, cfg.chunk_tokens)
+            prio = req.arrival + self.params.priority_weight * plan.makespan_s
+            wait = max(p.wait_time(now, prio) for p in members)
+            if best is None or max(wait, transfer) + plan.makespan_s < best.ttft_s:
+                best = Placement(
+                    prefill=leader.iid, local_blocks=local, fetch_blocks=fetch,
+                    source=best_src if fetch else None, queue_s=wait,
+                    transfer_s=max(0.0, transfer - wait), prefill_s=plan.makespan_s,
+                    priority=prio,
+                    cpp_group=[leader.iid] + [p.iid for p in members if p is not leader],
+                    cpp_chunk_tokens=cfg.chunk_tokens,
+                )
+        if best is not None and best.ttft_s < single.ttft_s:
+            return best
+        return None

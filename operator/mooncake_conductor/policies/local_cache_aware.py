@@ -1,6 +1,7 @@
 """``local-cache-aware``: longest local prefix, with load as a limit and tie-break.
 
-Rule: an instance is eligible when its predicted queue is no longer than the
+Rule: an instance is eligible when its queue (the paper's measure: predicted
+prefill time of the requests queued there) is no longer than the
 shortest queue plus ``slack`` x (the time to prefill this prompt from scratch)
 — waiting longer than a recompute would take is never worth a cache hit.
 Among eligible instances take the longest prefix held *locally* (no transfer
@@ -32,7 +33,7 @@ class LocalCacheAwarePolicy(PrefillPolicy):
         live = [p for p in cluster.prefill if p.up]
         if not live:
             return Placement(prefill=None, reject_reason="no-prefill-instance")
-        waits = {p.iid: p.wait_time(now) for p in live}
+        waits = {p.iid: p.paper_queue_time() for p in live}
         limit = min(waits.values()) + self.params.slack * self.ctx.cost.prefill_time(
             req.input_tokens
         )

@@ -1,0 +1,77 @@
+"""Chunked pipeline parallel prefill (CPP), Mooncake §3.2 / seed §6.
+
+A group of ``X`` prefill instances splits the model's layers into ``X``
+pipeline stages; the prompt is cut into chunks that flow through the stages
+one after another, so one long prompt uses ``X`` nodes at once without the
+cross-node traffic of tensor parallelism.
+
+Cost model: chunk ``j`` (tokens ``[s_j, e_j)``, everything before it already
+computed) takes ``t_j = prefill_compute(e_j, s_j)`` on one whole node, so
+``t_j / X`` per stage, plus the activations it hands to the next stage
+(``tokens * d_model * elem_bytes`` over the NIC). Every chunk takes the same
+time on every stage (a proportionate flow shop), so the pipeline finishes after
+``sum_j st_j + (X - 1) * max_j st_j``. Each member is busy for that makespan;
+the KV of the whole prompt ends up on the group's leader.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .cost import CostModel
+
+
+class CPPConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = True
+    chunk_tokens: int = Field(4096, gt=0, description="tokens per pipeline chunk")
+    max_group: int = Field(4, ge=1, description="largest group of prefill instances")
+    min_new_tokens: int = Field(
+        8192, ge=0, description="consider CPP only when this many tokens must be computed"
+    )
+    trigger_share: float = Field(
+        1.0, gt=0, description="use CPP when the best single-instance TTFT exceeds this share "
+        "of the TTFT SLO (1.0: only prompts one instance cannot serve in time)",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CPPPlan:
+    group_size: int
+    chunks: tuple[tuple[int, int], ...]
+    stage_s: tuple[float, ...]
+    makespan_s: float
+
+    @property
+    def gpu_seconds(self) -> float:
+        """Node-seconds the group is held (every member for the whole makespan)."""
+        return self.group_size * self.makespan_s
+
+
+def plan_cpp(cost: CostModel, n: int, cached: int, group_size: int, chunk_tokens: int) -> CPPPlan:
+    """Chunks and pipeline makespan for prefilling ``n`` tokens with ``cached`` reused."""
+    if group_size < 1:
+        raise ValueError("group_size must be at least 1")
+    if chunk_tokens < 1:
+        raise ValueError("chunk_tokens must be positive")
+    cached = min(max(cached, 0), n)
+    m = cost.config.model
+    nic = cost.config.hardware.nic_bytes_per_s * cost.config.efficiency.transfer_efficiency
+    chunks: list[tuple[int, int]] = []
+    stages: list[float] = []
+    start = cached
+    while start < n:
+        end = min(n, start + chunk_tokens)
+        compute = cost.prefill_compute_time(end, start) / group_size
+        handoff = 0.0 if group_size == 1 else (end - start) * m.d_model * m.elem_bytes / nic
+        chunks.append((start, end))
+        stages.append(compute + handoff)
+        start = end
+    if not stages:
+        stages.append(cost.prefill_compute_time(n, n))
+        chunks.append((n, n))
+    makespan = sum(stages) + (group_size - 1) * max(stages)
+    return CPPPlan(group_size, tuple(chunks), tuple(stages), makespan)
