@@ -39,7 +39,7 @@ class LocalK8s:
         """A fresh ``kubernetes.client.ApiClient`` for this cluster."""
         from kubernetes import config
 
-        return config.new_client_from_config(config_file=str(self.kubeconfig))
+        return config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
 
     def http(self) -> KubeHttp:
         """The package's small JSON client (client-cert auth)."""

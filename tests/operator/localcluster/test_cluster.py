@@ -96,7 +96,7 @@ def _pods(http: KubeHttp, ns: str, app: str) -> list[dict[str, Any]]:
 def test_gpu_nodes_are_ready(k8s_cluster: LocalK8s) -> None:
     from kubernetes import client
 
-    api = client.CoreV1Api(k8s_cluster.api_client())
+    api: Any = client.CoreV1Api(k8s_cluster.api_client())
     nodes = api.list_node(label_selector="nvidia.com/gpu.present=true").items
     assert len(nodes) == 8
     for node in nodes:

@@ -56,8 +56,8 @@ def test_gpu_nodes_default_pools() -> None:
     cidrs = [n["spec"]["podCIDR"] for n in every]
     assert len(set(cidrs)) == 9
     for node in nodes:
-        net = ipaddress.ip_network(node["spec"]["podCIDR"])
-        assert net.subnet_of(ipaddress.ip_network("127.0.0.0/8"))
+        net = ipaddress.IPv4Network(node["spec"]["podCIDR"])
+        assert net.subnet_of(ipaddress.IPv4Network("127.0.0.0/8"))
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "8"
         assert node["status"]["capacity"]["nvidia.com/gpu"] == "8"
         assert node["metadata"]["annotations"]["kwok.x-k8s.io/node"] == "fake"
