@@ -338,7 +338,7 @@ class PodRunner:
                 cwd=Path(spec.cwd) if spec.cwd else running.directory,
                 marker=argv0,
             )
-            cp.record = procs.PidRecord(name, cp.proc.pid, argv0)
+            cp.record = procs.PidRecord.read(self.paths.pod_pids / f"{name}{procs.PID_SUFFIX}")
             cp.message = ""
         except OSError as err:
             cp.exit_code = NO_COMMAND_EXIT
@@ -509,8 +509,8 @@ class PodRunner:
         cp.finished_at = _now()
         cp.ready = False
         if cp.record is not None:
-            with contextlib.suppress(FileNotFoundError):
-                (self.paths.pod_pids / f"{cp.record.name}{procs.PID_SUFFIX}").unlink()
+            # Like a container exit: whatever the main process left in its group goes too.
+            procs.stop_record(cp.record, self.paths.pod_pids, self.settings.stop_timeout_s)
             cp.record = None
         policy = running.restart_policy
         if policy == "Always" or (policy == "OnFailure" and cp.exit_code != 0):

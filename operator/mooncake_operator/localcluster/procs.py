@@ -38,7 +38,8 @@ class PidRecord:
 
     name: str
     pid: int
-    marker: str  # a substring of its /proc cmdline, guards against pid reuse
+    marker: str  # what it runs (for people reading the pid file)
+    start_time: int = 0  # /proc/<pid>/stat starttime: survives exec, guards against pid reuse
 
     def write(self, directory: Path) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
@@ -52,7 +53,12 @@ class PidRecord:
     def read(cls, path: Path) -> PidRecord | None:
         try:
             data = json.loads(path.read_text())
-            return cls(name=str(data["name"]), pid=int(data["pid"]), marker=str(data["marker"]))
+            return cls(
+                name=str(data["name"]),
+                pid=int(data["pid"]),
+                marker=str(data["marker"]),
+                start_time=int(data.get("start_time", 0)),
+            )
         except (OSError, ValueError, KeyError):
             return None
 
@@ -65,16 +71,35 @@ def cmdline(pid: int) -> str:
     return raw.replace(b"\0", b" ").decode(errors="replace")
 
 
-def is_zombie(pid: int) -> bool:
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/<pid>/stat after the command name (index 0 is field 3, the state)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
+        return None
+    return stat.rsplit(")", 1)[-1].split()
+
+
+STARTTIME_INDEX = 19  # field 22 of /proc/<pid>/stat
+
+
+def start_time(pid: int) -> int:
+    fields = _stat_fields(pid)
+    return int(fields[STARTTIME_INDEX]) if fields else 0
+
+
+def is_zombie(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] == "Z"
 
 
 def alive(record: PidRecord) -> bool:
-    return not is_zombie(record.pid) and record.marker in cmdline(record.pid)
+    """The recorded process itself still runs (not a zombie, not a reused pid)."""
+    if is_zombie(record.pid):
+        return False
+    if record.start_time:
+        return start_time(record.pid) == record.start_time
+    return record.marker in cmdline(record.pid)
 
 
 def records(directory: Path) -> list[PidRecord]:
@@ -106,11 +131,14 @@ def start(
             env=env,
             cwd=cwd,
         )
-    PidRecord(name=name, pid=proc.pid, marker=marker or argv[0]).write(pid_dir)
+    record = PidRecord(
+        name=name, pid=proc.pid, marker=marker or argv[0], start_time=start_time(proc.pid)
+    )
+    record.write(pid_dir)
     return proc
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -136,13 +164,13 @@ def stop_group(pgid: int, timeout_s: float, poll_s: float = 0.1) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         _reap(pgid)
-        if not _group_alive(pgid):
+        if not group_alive(pgid):
             return
         time.sleep(poll_s)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and _group_alive(pgid):
+    while time.monotonic() < deadline and group_alive(pgid):
         _reap(pgid)
         time.sleep(poll_s)
 
@@ -155,7 +183,10 @@ def _reap(pid: int) -> None:
 def stop_record(record: PidRecord, pid_dir: Path, timeout_s: float) -> bool:
     """Stop a recorded process group if it is still ours; remove its pid file."""
     stopped = False
-    if alive(record):
+    leader_gone = _stat_fields(record.pid) is None or is_zombie(record.pid)
+    # Members of its group may outlive the leader (e.g. a shell's children): stop them too.
+    # A pid still used as a process group id is never reused, so the group is still ours.
+    if alive(record) or (leader_gone and group_alive(record.pid)):
         stop_group(record.pid, timeout_s)
         stopped = True
     with contextlib.suppress(FileNotFoundError):

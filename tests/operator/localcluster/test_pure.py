@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import time
 from pathlib import Path
 
 import pytest
@@ -262,3 +263,25 @@ def test_cli_registers_actions() -> None:
     settings = cli._settings(args)
     assert settings.prefill_nodes == 2 and settings.name == "x"
     assert settings.resolved_state_dir().name == "x"
+
+
+def test_stop_record_stops_the_whole_group_after_exec(tmp_path: Path) -> None:
+    from mooncake_operator.localcluster import procs
+
+    pid_dir = tmp_path / "pids"
+    proc = procs.start(
+        "grp", ["sh", "-c", "sleep 60 & exec sleep 61"], tmp_path / "grp.log", pid_dir
+    )
+    record = procs.PidRecord.read(pid_dir / f"grp{procs.PID_SUFFIX}")
+    assert record is not None and record.start_time > 0
+    deadline = time.monotonic() + 5
+    while len(procs.group_pids(proc.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    members = procs.group_pids(proc.pid)
+    assert len(members) == 2
+    assert procs.alive(record)  # exec kept pid and start time
+    assert procs.stop_record(record, pid_dir, timeout_s=5)
+    proc.wait(timeout=5)
+    assert all(procs.is_zombie(pid) for pid in members)
+    assert procs.records(pid_dir) == []
+    assert not procs.alive(record)
