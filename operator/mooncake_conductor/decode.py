@@ -79,9 +79,8 @@ class LeastLoadDecode(DecodeSelector):
         live = [d for d in decode if d.up]
         if not live:
             return DecodeChoice(None, reject_reason="no-decode-instance")
-        scale = max(1, max(d.capacity_tokens for d in live))
-        iid = least([(d.batch + d.waiting + d.kv_usage * 1e-3 * scale / scale, d.iid)
-                     for d in live], self.rng)
+        # kv_usage < 1 only breaks ties between equal batch sizes
+        iid = least([(d.batch + d.waiting + d.kv_usage, d.iid) for d in live], self.rng)
         d = next(x for x in live if x.iid == iid)
         return DecodeChoice(iid, self.predicted_step(req, d))
 

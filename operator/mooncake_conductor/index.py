@@ -108,6 +108,13 @@ class PrefixIndex:
             if key in table:
                 table.move_to_end(key)
 
+    def demote(self, instance: int, keys: Sequence[int]) -> None:
+        """Move the held ones of ``keys`` to the least-recently-used end (evicted first)."""
+        table = self._table(instance)
+        for key in keys:
+            if key in table:
+                table.move_to_end(key, last=False)
+
     def _evict_to(self, instance: int, capacity: int) -> list[int]:
         table = self._lru[instance]
         if table is None or len(table) <= capacity:

@@ -120,7 +120,7 @@ class DecodeState:
     capacity_tokens: int = 0
     waiting: int = 0
     reserved_tokens: int = 0
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # tokens per second of one running sequence (1 / step time)
 
     @property
     def kv_usage(self) -> float:

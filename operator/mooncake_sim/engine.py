@@ -257,6 +257,10 @@ class Simulation:
                 fetched = info.tokens_of(target) - info.tokens_of(reuse)
                 start = max(now, req.placed_at + self.cost.transfer_time(fetched))
                 reuse = target
+                if pl.migrate:
+                    self.index.demote(pl.source, info.keys[:target])
+                else:
+                    self.index.touch(pl.source, info.keys[:target])
         return reuse, start
 
     def _committed_gang(self, inst: PrefillState) -> int | None:
@@ -438,7 +442,7 @@ class Simulation:
         if not st.batch:
             return
         dt = self.cost.decode_step_time(st.batch, st.context_tokens)
-        st.tokens_per_s = st.batch / dt
+        st.tokens_per_s = 1.0 / dt
         k = min(min(self.reqs[r].remaining for r in dec.running), self.cfg.chunk_steps)
         self._push(dec.last + k * dt, DECODE_WAKE, st.iid, dec.version)
 

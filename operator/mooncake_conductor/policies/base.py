@@ -49,11 +49,18 @@ class Placement:
     reject_reason: str | None = None
     cpp_group: list[int] = field(default_factory=list)
     cpp_chunk_tokens: int = 0
+    #: after a fetch, the source's copy goes to the cold end of its LRU (migration)
+    migrate: bool = False
     candidates: list[dict[str, float]] = field(default_factory=list)
 
     @property
     def ttft_s(self) -> float:
         return self.queue_s + self.transfer_s + self.prefill_s
+
+    @property
+    def gpu_seconds(self) -> float:
+        """Prefill node-seconds this placement uses (every CPP member for the makespan)."""
+        return self.prefill_s * max(1, len(self.cpp_group))
 
     @property
     def reused_blocks(self) -> int:

@@ -61,6 +61,14 @@ class ConductorParams(BaseModel):
         0.02, ge=0, description="relative TTFT band treated as a tie (random pick inside)"
     )
     tie_tolerance_s: float = Field(0.005, ge=0, description="absolute TTFT band for ties")
+    migrate_on_fetch: bool = Field(
+        True, description="after a fetch the source's copy moves to the cold end of its LRU: "
+        "the newest copy stays hot, the old one ages out unless reused there",
+    )
+    work_weight: float = Field(
+        1.0, ge=0, description="weight of a choice's GPU seconds, times the busy share of "
+        "the prefill pool, added to its TTFT when ranking (0: pure TTFT)",
+    )
     explain: bool = Field(False, description="attach the top candidates to each placement")
     cpp: CPPConfig = CPPConfig()
 
@@ -120,16 +128,29 @@ class ConductorPolicy(PrefillPolicy):
                         prefill=p.iid, local_blocks=local, fetch_blocks=best_len - local,
                         source=best_src, queue_s=f_wait, transfer_s=f_transfer,
                         prefill_s=fetch_prefill, priority=f_prio,
+                        migrate=prm.migrate_on_fetch,
                     )
             options.append(option)
-        best = min(o.ttft_s for o in options)
+        # score = TTFT + busy share x GPU seconds: the work a choice adds delays later
+        # requests in proportion to how busy the pool is (0 when idle: pure TTFT)
+        busy = sum(1 for p in live if p.busy_until > now or p.queue) / len(live)
+        kappa = prm.work_weight * busy
+
+        def score(o: Placement) -> float:
+            return o.ttft_s + kappa * o.gpu_seconds
+
+        best = min(score(o) for o in options)
         band = best * (1.0 + prm.tie_tolerance) + prm.tie_tolerance_s
-        ties = [o for o in options if o.ttft_s <= band]
+        ties = [o for o in options if score(o) <= band]
+        no_copy = [o for o in ties if not o.fetch_blocks]  # a tie never pays a new copy
+        ties = no_copy or ties
         choice = ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties)
         cpp = self._cpp(req, live, stored, choice, now)
         if cpp is not None:
             options.append(cpp)
-            choice = cpp
+            rescue = choice.ttft_s > prm.cpp.trigger_share * self.ctx.slo.ttft_s
+            if (rescue and cpp.ttft_s < choice.ttft_s) or score(cpp) < score(choice):
+                choice = cpp
         if prm.explain:
             choice.candidates = [
                 {"instance": float(o.prefill or 0), "ttft_s": o.ttft_s, "queue_s": o.queue_s,
@@ -147,14 +168,12 @@ class ConductorPolicy(PrefillPolicy):
         single: Placement,
         now: float,
     ) -> Placement | None:
-        """The best chunked-pipeline placement, when the best single instance would break
-        ``trigger_share`` of the TTFT SLO and a group does better."""
+        """The best chunked-pipeline placement over the least-loaded instances, for prompts
+        with at least ``min_new_tokens`` to compute."""
         assert isinstance(self.params, ConductorParams)
         cfg = self.params.cpp
         n = req.input_tokens
         if not cfg.enabled or cfg.max_group < 2 or len(live) < 2:
-            return None
-        if single.ttft_s <= cfg.trigger_share * self.ctx.slo.ttft_s:
             return None
         if n - req.tokens_of(single.reused_blocks) < cfg.min_new_tokens:
             return None
@@ -182,7 +201,6 @@ class ConductorPolicy(PrefillPolicy):
                     priority=prio,
                     cpp_group=[leader.iid] + [p.iid for p in members if p is not leader],
                     cpp_chunk_tokens=cfg.chunk_tokens,
+                    migrate=self.params.migrate_on_fetch,
                 )
-        if best is not None and best.ttft_s < single.ttft_s:
-            return best
-        return None
+        return best
