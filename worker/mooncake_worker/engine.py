@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from .settings import WorkerSettings
 from .tokenizer import advance, context_state, next_token
 
 _ids = itertools.count()
+log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -160,6 +162,22 @@ class Engine:
 
     # -- loop -----------------------------------------------------------------------------
     async def run(self) -> None:
+        """Step forever; a failing step fails its requests instead of stopping the loop."""
+        while True:
+            try:
+                await self._loop()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("engine step failed; failing the affected requests")
+                for seq in [*self.running, *self.waiting]:
+                    with contextlib.suppress(Exception):
+                        self._release(seq)
+                    self._finish(seq, "error")
+                self.running, self.waiting = [], deque()
+                await asyncio.sleep(0)
+
+    async def _loop(self) -> None:
         scale = self.settings.time_scale
         while True:
             if not self.running and not self.waiting:
@@ -187,9 +205,11 @@ class Engine:
             n = len(seq.prompt)
             m = cache.match(seq.keys)
             total = self.blocks_needed(n, seq.max_tokens)
+            blocks = cache.acquire(seq.keys[:m])  # first, so reserving cannot evict them
             try:
                 cache.reserve(total - m)
             except CacheFull:
+                cache.release(blocks)
                 if self.running:
                     break  # wait for running sequences to free blocks
                 # nothing will free blocks (the rest is pinned): fail instead of hanging
@@ -197,7 +217,7 @@ class Engine:
                 self._finish(seq, "error")
                 continue
             self.waiting.popleft()
-            seq.blocks = cache.acquire(seq.keys[:m])
+            seq.blocks = blocks
             seq.reserved = total - m
             # the last prompt token is always recomputed (its logits are needed)
             seq.cached_tokens = min(m * bs, n - 1) if n else 0
