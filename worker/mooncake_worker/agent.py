@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import Engine
+from .engine import Engine, QueueFull, TooLarge
 from .kvcache import Block
 from .store import BlockStore
 
@@ -276,7 +276,11 @@ class PodAgent:
         tokens = r.spec.tokens
         if have < len(keys) and tokens is not None:
             prompt = tokens[: len(keys) * bs]
-            seq = eng.submit(prompt, 0, keys=keys)
+            try:
+                seq = eng.submit(prompt, 0, keys=keys)
+            except (QueueFull, TooLarge) as exc:
+                r.state, r.error = "failed", str(exc)
+                return
             assert seq.done is not None
             await seq.done
             sources.append("compute")

@@ -1,0 +1,136 @@
+"""Pod agent: annotation file parsing, warming by compute and from Mooncake Store, pinning,
+and ageing out after removal."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mooncake_conductor.blockkeys import block_keys, namespace_seed
+from mooncake_worker.agent import (
+    REPLICA_ANNOTATION,
+    go_unquote,
+    parse_annotations,
+    parse_replicas,
+)
+from worker_fixtures import Master, WorkerProc, run_worker
+
+MODEL = "llama3-70b-sim"
+SEED = namespace_seed(MODEL, 16)
+
+
+def go_quote(s: str) -> str:
+    """What kubelet writes (Go's strconv.Quote, enough of it for JSON text)."""
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def write_annotations(path: Path, replicas: list[dict[str, Any]] | None) -> None:
+    lines = ['kubernetes.io/config.seen="2026-01-01T00:00:00Z"']
+    if replicas is not None:
+        lines.append(f"{REPLICA_ANNOTATION}={go_quote(json.dumps(replicas))}")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(sorted(lines)) + "\n")
+    os.replace(tmp, path)  # kubelet swaps the file atomically too
+
+
+def wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.05)
+    assert cond()
+
+
+def test_go_unquote() -> None:
+    assert go_unquote(r'"a\"b\\c\n\t\u00e9\x41\U0001F600"') == 'a"b\\c\n\té' + "A\U0001f600"
+    assert go_unquote(r'"\xc3\xa9"') == "é"
+    with pytest.raises(ValueError):
+        go_unquote("unquoted")
+
+
+def test_parse_annotations_and_replicas() -> None:
+    value = json.dumps([{"prefix": "p1", "tokens": [1, 2, 3]}, {"prefix": 7, "keys": [9]}])
+    text = f'a="1"\nbroken line\n{REPLICA_ANNOTATION}={go_quote(value)}\n'
+    ann = parse_annotations(text)
+    assert ann["a"] == "1"
+    specs = parse_replicas(ann[REPLICA_ANNOTATION])
+    assert [(s.prefix, s.tokens, s.keys) for s in specs] == [("p1", [1, 2, 3], None),
+                                                             ("7", None, [9])]
+    for bad in ('{"prefix": 1}', '[{"tokens": [1]}]', '[{"prefix": "x"}]',
+                '[{"prefix": "x", "tokens": ["a"]}]', "not json"):
+        with pytest.raises(ValueError):
+            parse_replicas(bad)
+
+
+def held(w: WorkerProc) -> set[int]:
+    return set(w.get("/kv/blocks")["keys"])
+
+
+def state(w: WorkerProc) -> dict[str, Any]:
+    return w.get("/agent/state")
+
+
+def test_agent_warms_pins_and_releases(tmp_path: Path) -> None:
+    ann = tmp_path / "annotations"
+    tokens = list(range(1000, 1000 + 160))  # 10 blocks
+    keys = block_keys(tokens, 16, SEED)
+    write_annotations(ann, [{"prefix": "sys-a", "tokens": tokens}])
+    # tiny cache (16 blocks) so that unpinned blocks age out quickly
+    with run_worker("--time-scale", "0", "--cache-tokens", "256", "--annotations-file", str(ann),
+                    "--agent-poll", "0.05") as w:
+        wait(lambda: any(r["state"] == "ready" for r in state(w)["replicas"]))
+        st = state(w)
+        assert st["annotation"] == REPLICA_ANNOTATION
+        assert st["replicas"][0]["held_blocks"] == 10 and st["replicas"][0]["source"] == "compute"
+        assert set(keys) <= held(w)
+        # pinned: traffic that needs the rest of the cache cannot evict them
+        for i in range(4):
+            code, _ = w.post("/v1/completions", {"prompt": [5000 + i] * 90, "max_tokens": 1})
+            assert code == 200
+        assert set(keys) <= held(w)
+        # removed from the annotation: unpinned, then aged out by LRU
+        write_annotations(ann, [])
+        wait(lambda: state(w)["replicas"] == [])
+        assert w.get("/kv/blocks")["used_blocks"] == 0
+        for i in range(4):
+            w.post("/v1/completions", {"prompt": [6000 + i] * 90, "max_tokens": 1})
+        assert not set(keys) & held(w)
+
+
+def test_agent_bad_annotation_is_reported(tmp_path: Path) -> None:
+    ann = tmp_path / "annotations"
+    ann.write_text(f'{REPLICA_ANNOTATION}="not json"\n')
+    with run_worker("--time-scale", "0", "--annotations-file", str(ann),
+                    "--agent-poll", "0.05") as w:
+        wait(lambda: state(w)["last_error"] is not None)
+        assert state(w)["replicas"] == []
+        code, _ = w.post("/v1/completions", {"prompt": "still serving", "max_tokens": 1})
+        assert code == 200
+
+
+@pytest.mark.store
+def test_agent_warms_from_store_by_keys(tmp_path: Path, mooncake_master: Master) -> None:
+    store = ("--store", mooncake_master.rpc, "--store-metadata", mooncake_master.metadata)
+    tokens = list(range(2000, 2000 + 96))  # 6 blocks
+    keys = block_keys(tokens, 16, SEED)
+    with run_worker("--time-scale", "0", *store) as src:
+        # a prefill on the source worker puts the blocks in the store
+        code, body = src.post("/v1/completions", {
+            "prompt": tokens, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True},
+        })
+        assert code == 200 and body["kv_transfer_params"]["stored_blocks"] == 6
+        ann = tmp_path / "annotations"
+        write_annotations(ann, [{"prefix": "doc-1", "keys": keys}])
+        with run_worker("--time-scale", "0", "--annotations-file", str(ann),
+                        "--agent-poll", "0.05", *store) as w:
+            wait(lambda: any(r["state"] == "ready" for r in state(w)["replicas"]))
+            assert state(w)["replicas"][0]["source"] == "store"
+            assert set(keys) <= held(w)
+            code, body = w.post("/v1/completions", {"prompt": tokens, "max_tokens": 1})
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 95

@@ -1,0 +1,121 @@
+"""vLLM's P/D handshake between two worker processes, with and without Mooncake Store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from mooncake_conductor.blockkeys import block_keys, namespace_seed
+from mooncake_worker.tokenizer import Tokenizer
+from worker_fixtures import Master, WorkerProc, run_worker
+
+MODEL = "llama3-70b-sim"
+PROMPT = " ".join(f"context{i % 97} piece{i}" for i in range(150))  # 300 tokens
+MAX_TOKENS = 12
+
+
+def client(w: WorkerProc) -> openai.OpenAI:
+    return openai.OpenAI(base_url=w.base_url, api_key="x", max_retries=0, timeout=30)
+
+
+def kv_params(resp: Any) -> dict[str, Any]:
+    extra = resp.model_extra or {}
+    kvp = extra.get("kv_transfer_params")
+    assert isinstance(kvp, dict), extra
+    return kvp
+
+
+def handshake(prefill: WorkerProc, decode: WorkerProc, stream: bool = False) -> tuple[str, str, Any, dict[str, Any]]:  # noqa: E501
+    """The proxy's two calls: prefill with max_tokens=1, then decode with its params."""
+    p = client(prefill).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, stream=False,
+        extra_body={"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                           "remote_engine_id": None, "remote_block_ids": None,
+                                           "remote_host": None, "remote_port": None}},
+    )
+    kvp = kv_params(p)
+    if stream:
+        chunks = list(client(decode).completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
+            stream_options={"include_usage": True}, extra_body={"kv_transfer_params": kvp},
+        ))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        usage = chunks[-1].usage
+    else:
+        d = client(decode).completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS,
+            extra_body={"kv_transfer_params": kvp},
+        )
+        text, usage = d.choices[0].text, d.usage
+    return p.choices[0].text, text, usage, kvp
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[str]:
+    with run_worker("--time-scale", "0", "--role", "both") as w:
+        yield client(w).completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS
+        ).choices[0].text
+
+
+def test_pd_without_store_recomputes(reference: str) -> None:
+    with run_worker("--time-scale", "0", "--role", "prefill") as pw, \
+            run_worker("--time-scale", "0", "--role", "decode") as dw:
+        first, text, usage, kvp = handshake(pw, dw)
+        assert kvp["do_remote_prefill"] is True and kvp["do_remote_decode"] is False
+        assert kvp["remote_port"] == pw.port and kvp["remote_host"] == "127.0.0.1"
+        tokens = Tokenizer().encode(PROMPT)
+        assert kvp["remote_block_keys"] == block_keys(tokens, 16, namespace_seed(MODEL, 16))
+        assert kvp["kv_store"] is None
+        assert len(first.split()) == 1
+        assert text == reference and text.startswith(first)
+        assert usage.prompt_tokens_details.cached_tokens == 0  # no store: decode recomputed
+        _, streamed, _, _ = handshake(pw, dw, stream=True)
+        assert streamed == reference
+
+
+@pytest.mark.store
+def test_pd_through_mooncake_store(mooncake_master: Master, reference: str) -> None:
+    store = ("--store", mooncake_master.rpc, "--store-metadata", mooncake_master.metadata)
+    with run_worker("--time-scale", "0", "--role", "prefill", *store) as pw, \
+            run_worker("--time-scale", "0", "--role", "decode", *store) as dw:
+        first, text, usage, kvp = handshake(pw, dw)
+        nfull = len(Tokenizer().encode(PROMPT)) // 16
+        assert kvp["kv_store"] == "mooncake" and kvp["stored_blocks"] == nfull
+        # the decode worker never saw this prompt: its cached tokens came from the store
+        assert usage.prompt_tokens_details.cached_tokens == nfull * 16
+        assert text == reference and text.startswith(first)
+        # and its KV events announce the transferred blocks
+        held = set(dw.get("/kv/blocks")["keys"])
+        assert set(kvp["remote_block_keys"]) <= held
+        _, streamed, usage2, _ = handshake(pw, dw, stream=True)
+        assert streamed == reference
+        assert usage2.prompt_tokens_details.cached_tokens == nfull * 16
+
+
+@pytest.mark.store
+def test_store_handoff_charges_transfer_time(mooncake_master: Master) -> None:
+    """With time-scale > 0 the decode side waits the modelled transfer time."""
+    import time
+
+    store = ("--store", mooncake_master.rpc, "--store-metadata", mooncake_master.metadata)
+    with run_worker("--time-scale", "0", *store) as pw, \
+            run_worker("--time-scale", "20", *store) as dw:
+        p = client(pw).completions.create(
+            model=MODEL, prompt=PROMPT + " transfer", max_tokens=1,
+            extra_body={"kv_transfer_params": {"do_remote_decode": True}},
+        )
+        kvp = kv_params(p)
+        t0 = time.monotonic()
+        client(dw).completions.create(model=MODEL, prompt=PROMPT + " transfer", max_tokens=1,
+                                      extra_body={"kv_transfer_params": kvp})
+        elapsed = time.monotonic() - t0
+        from mooncake_conductor.cost import CostModel
+
+        cm = CostModel()
+        n = len(Tokenizer().encode(PROMPT + " transfer"))
+        nfull = n // 16
+        want = 20 * (cm.transfer_time(nfull * 16) + cm.prefill_time(n, nfull * 16, nfull * 16))
+        assert elapsed >= want * 0.9
