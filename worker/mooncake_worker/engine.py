@@ -72,7 +72,7 @@ class EngineObserver:
     def on_step(self, running: int, waiting: int, usage: float) -> None: ...
     def on_prefix_query(self, queried: int, hit: int) -> None: ...
     def on_first_token(self, seconds: float) -> None: ...
-    def on_token_gap(self, seconds: float) -> None: ...
+    def on_token_gap(self, seconds: float, n: int = 1) -> None: ...
     def on_events(self, events: list[KVEvent]) -> None: ...
 
 
@@ -276,6 +276,7 @@ class Engine:
         obs = self.observer
         max_len = self.settings.max_model_len
         still: list[Sequence_] = []
+        gaps: dict[float, int] = {}  # previous token time -> sequences (one observe each)
         for seq in self.running:
             if seq.aborted:
                 continue
@@ -291,7 +292,8 @@ class Engine:
                     seq.first_token_at = now
                     obs.on_first_token(now - seq.arrival)
                 else:
-                    obs.on_token_gap(now - seq.last_token_at)
+                    last = seq.last_token_at
+                    gaps[last] = gaps.get(last, 0) + 1
                 seq.last_token_at = now
                 if seq.stream is not None:
                     seq.stream.put_nowait(tok)
@@ -303,6 +305,8 @@ class Engine:
             else:
                 still.append(seq)
         self.running = still
+        for last, n in gaps.items():
+            obs.on_token_gap(now - last, n)
         self.flush_events()
         obs.on_step(len(still), len(self.waiting), self.cache.usage)
 

@@ -80,19 +80,30 @@ class Tokenizer:
     @staticmethod
     def decode_token(tid: int) -> str:
         """Text of one generated id: a space then its base-16 syllables."""
-        if tid < FIRST_WORD_ID:
-            return ""
-        x = tid - FIRST_WORD_ID
-        out = []
-        while True:
-            out.append(_SYLLABLES[x & 15])
-            x >>= 4
-            if not x:
-                break
-        return " " + "".join(out)
+        text = _WORDS.get(tid)
+        if text is None:
+            text = _WORDS[tid] = _word(tid)
+        return text
 
     def decode(self, ids: Sequence[int]) -> str:
-        return "".join(self.decode_token(t) for t in ids)
+        get = _WORDS.get
+        return "".join(get(t) or self.decode_token(t) for t in ids)
+
+
+_WORDS: dict[int, str] = {}
+
+
+def _word(tid: int) -> str:
+    if tid < FIRST_WORD_ID:
+        return ""
+    x = tid - FIRST_WORD_ID
+    out = []
+    while True:
+        out.append(_SYLLABLES[x & 15])
+        x >>= 4
+        if not x:
+            break
+    return " " + "".join(out)
 
 
 def message_text(content: Any) -> str:
