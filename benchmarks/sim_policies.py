@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--policies", default=DEFAULT_COMPARE)
     ap.add_argument("--workloads", default="mooncake-conversation," + ",".join(
         f"synth-{s}" for s in SHAPES))
+    ap.add_argument("--utilization", type=float, default=None,
+                    help="cold-prefill load to replay at (default: the preset's)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     preset = PRESETS["paper-fig5"]
@@ -45,7 +47,8 @@ def main() -> None:
         else:
             records = generate(wl.removeprefix("synth-"), args.requests, seed=11)
         stats = trace_stats(records)
-        speed = speed_for_utilization(records, preset.prefill, preset.target_utilization)
+        speed = speed_for_utilization(
+            records, preset.prefill, args.utilization or preset.target_utilization)
         jobs = []
         for pol in policies:
             cfg = SimConfig(

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .cost import CostModel, CostModelConfig
 from .decode import DecodeChoice, create_decode_selector
 from .policies.base import Placement, PolicyContext, SLOConfig, create_policy
+from .replication import HotPrefixTracker, ReplicationAction, ReplicationConfig
 from .state import ClusterState, RequestInfo
 
 
@@ -31,6 +32,8 @@ class ConductorConfig(BaseModel):
     decode_selector: str | None = Field(None, description="default: the policy's own")
     admission: bool | None = Field(None, description="default: the policy's own")
     slo: SLOConfig = SLOConfig()
+    replication: ReplicationConfig = ReplicationConfig()
+    replicate: bool | None = Field(None, description="default: the policy's own")
     cost: CostModelConfig = CostModelConfig()
     seed: int = 0
 
@@ -63,6 +66,10 @@ class Conductor:
         self.admission = (
             self.policy.admission if self.config.admission is None else self.config.admission
         )
+        self.replicate = (
+            self.policy.replication if self.config.replicate is None else self.config.replicate
+        )
+        self.hot = HotPrefixTracker(self.config.replication)
 
     def schedule(self, req: RequestInfo, cluster: ClusterState, now: float) -> Decision:
         placement = self.policy.choose(req, cluster, now)
@@ -77,4 +84,11 @@ class Conductor:
         decision = Decision(placement, decode)
         if not decision.rejected:
             self.policy.on_placed(req, placement, cluster)
+            self.hot.record(req.keys[: placement.reused_blocks], now)
         return decision
+
+    def plan_replication(self, cluster: ClusterState, now: float) -> list[ReplicationAction]:
+        """Hot-prefix copies to make now (empty unless replication is on)."""
+        if not self.replicate:
+            return []
+        return self.hot.plan(cluster, now)

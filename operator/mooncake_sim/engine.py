@@ -99,7 +99,7 @@ class _Decoder:
     seg_steps: list[int] = field(default_factory=list)
 
 
-ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_WAKE = 0, 1, 2, 3
+ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_WAKE, REPLICATE, REPLICA_DONE = 0, 1, 2, 3, 4, 5
 
 
 class Simulation:
@@ -147,6 +147,9 @@ class Simulation:
         self.reject_reasons: dict[str, int] = {}
         self._running_rid: list[int] = [-1] * n_p
         self._gangs: dict[int, set[int]] = {}
+        self._replicas: dict[int, Any] = {}
+        self._replica_seq = 0
+        self.replicated_tokens = 0
         self._gang_order: dict[int, int] = {}
         self._gang_counter = 0
 
@@ -159,6 +162,9 @@ class Simulation:
         started = time.perf_counter()
         for req in self.reqs:
             self._push(req.info.arrival, ARRIVE, req.info.rid)
+        if self.conductor.replicate and self.reqs:
+            self._push(self.reqs[0].info.arrival, REPLICATE, 0)
+        last_arrival = self.reqs[-1].info.arrival if self.reqs else 0.0
         total = len(self.reqs)
         done_arrivals = 0
         next_report = 0.1
@@ -175,6 +181,13 @@ class Simulation:
                 self._prefill_done(t, a, b)
             elif kind == DECODE_JOIN:
                 self._decode_join(t, a, b)
+            elif kind == REPLICATE:
+                self._replicate(t)
+                if t < last_arrival:
+                    self._push(t + self.conductor.config.replication.interval_s, REPLICATE, 0)
+            elif kind == REPLICA_DONE:
+                action = self._replicas.pop(a)
+                self.index.store(action.target, action.keys, DRAM)
             else:
                 dec = self.decoders[a]
                 if b == dec.version:
@@ -192,6 +205,16 @@ class Simulation:
             f"{done}/{total} requests, {time.perf_counter() - started:5.1f} s"
         )
         sys.stderr.flush()
+
+    # -- hot-prefix replication ---------------------------------------------------------------
+    def _replicate(self, now: float) -> None:
+        bt = self.cfg.block_tokens
+        for action in self.conductor.plan_replication(self.cluster, now):
+            tokens = len(action.keys) * bt
+            self._replica_seq += 1
+            self._replicas[self._replica_seq] = action
+            self.replicated_tokens += tokens
+            self._push(now + self.cost.transfer_time(tokens), REPLICA_DONE, self._replica_seq)
 
     # -- prefill ------------------------------------------------------------------------------
     def _arrive(self, now: float, rid: int) -> None:
@@ -478,6 +501,7 @@ class Simulation:
             "slo_attainment": ok / n if n else math.nan,
             "token_hit_ratio": reused / prompt if prompt else 0.0,
             "prefill_gpu_seconds": self.prefill_gpu_s,
+            "replicated_tokens": self.replicated_tokens,
             "simulated_seconds": max((r.info.arrival for r in self.reqs), default=0.0),
             "wall_seconds": wall,
         }

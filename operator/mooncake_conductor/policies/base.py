@@ -85,6 +85,8 @@ class PrefillPolicy(ABC):
     default_decode: ClassVar[str] = "least-load"
     #: whether predicted SLO misses are rejected (HTTP 429) before any work is done
     admission: ClassVar[bool] = False
+    #: whether hot prefixes are replicated ahead of need (seed §7)
+    replication: ClassVar[bool] = False
 
     def __init__(self, params: BaseModel, ctx: PolicyContext) -> None:
         self.params = params

@@ -36,7 +36,11 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why:
    break the TTFT SLO; the best group is used if it does better. Prompts no
    single instance could prefill in time are served instead of rejected, and
    CPP's pipeline bubbles are paid only where they buy an SLO.
-7. **Decode under TBT.** The default decode selector is ``tbt-slo`` (predicted
+7. **Hot prefixes replicated ahead of need** (seed §7): a prefix accessed
+   often whose holders are all loaded past the average gets copied to a cool
+   instance (:mod:`mooncake_conductor.replication`), instead of waiting for
+   fetches to spread it one request at a time.
+8. **Decode under TBT.** The default decode selector is ``tbt-slo`` (predicted
    step time with this request added must stay under the TBT SLO).
 """
 
@@ -66,8 +70,8 @@ class ConductorParams(BaseModel):
         "the newest copy stays hot, the old one ages out unless reused there",
     )
     work_weight: float = Field(
-        1.0, ge=0, description="weight of a choice's GPU seconds, times the busy share of "
-        "the prefill pool, added to its TTFT when ranking (0: pure TTFT)",
+        1.0, ge=0, description="weight of a choice's GPU seconds, times (busy share of the "
+        "prefill pool + requests waiting per instance), added to its TTFT (0: pure TTFT)",
     )
     explain: bool = Field(False, description="attach the top candidates to each placement")
     cpp: CPPConfig = CPPConfig()
@@ -79,6 +83,7 @@ class ConductorPolicy(PrefillPolicy):
     Params = ConductorParams
     default_decode = "tbt-slo"
     admission = True
+    replication = True
 
     def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
         assert isinstance(self.params, ConductorParams)
@@ -131,10 +136,12 @@ class ConductorPolicy(PrefillPolicy):
                         migrate=prm.migrate_on_fetch,
                     )
             options.append(option)
-        # score = TTFT + busy share x GPU seconds: the work a choice adds delays later
-        # requests in proportion to how busy the pool is (0 when idle: pure TTFT)
-        busy = sum(1 for p in live if p.busy_until > now or p.queue) / len(live)
-        kappa = prm.work_weight * busy
+        # score = TTFT + kappa x GPU seconds. Work a choice adds delays the requests that
+        # would have used that time: on average the busy share of the pool plus the
+        # requests already waiting per instance (0 when idle: pure TTFT).
+        busy = sum(1 for p in live if p.busy_until > now or p.queue)
+        waiting = sum(len(p.queue) for p in live)
+        kappa = prm.work_weight * (busy + waiting) / len(live)
 
         def score(o: Placement) -> float:
             return o.ttft_s + kappa * o.gpu_seconds

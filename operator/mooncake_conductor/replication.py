@@ -1,0 +1,130 @@
+"""Hot-prefix replication (seed §7; paper §4.2 "hotspot migration", done ahead of need).
+
+Rule: every scheduled request records an access to the longest prefix the
+cluster holds for it. Access rates decay exponentially (``half_life_s``). A
+prefix is *hot* when its rate reaches ``min_rate_per_s``; it is a *hot spot*
+when even its least loaded holder is loaded past ``load_ratio`` times the
+pool's average (predicted queue seconds, plus ``load_floor_s`` so an idle pool
+never counts as hot) and it has fewer than ``max_replicas`` copies. For each
+hot spot, up to ``max_actions`` per round, copy the prefix from that holder to
+the least loaded live instance that does not hold it and has room: loaded
+below the average, preferring caches under ``max_fill`` (a full LRU cache
+makes room by dropping its least recently used blocks).
+
+Output: :class:`ReplicationAction` ``(prefix, source, target)``. The simulator
+applies an action after its transfer time; the operator turns it into a
+replica annotation on the target pod, whose worker warms the prefix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .state import ClusterState
+
+
+class ReplicationConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = True
+    interval_s: float = Field(5.0, gt=0, description="how often a plan is made")
+    half_life_s: float = Field(60.0, gt=0, description="access-rate decay half-life")
+    min_rate_per_s: float = Field(0.05, gt=0, description="accesses per second to be hot")
+    min_blocks: int = Field(2, ge=1, description="shorter prefixes are not worth a copy")
+    load_ratio: float = Field(1.5, ge=1, description="holder load / average to be a hot spot")
+    load_floor_s: float = Field(0.5, ge=0, description="added to the average load")
+    max_replicas: int = Field(4, ge=1, description="most copies of one prefix")
+    max_fill: float = Field(0.95, gt=0, le=1, description="target cache fill limit")
+    max_actions: int = Field(4, ge=0, description="actions per round")
+    max_tracked: int = Field(4096, gt=0, description="prefixes tracked (LRU)")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicationAction:
+    prefix: int  # the key of the prefix's last block: names the whole prefix
+    keys: tuple[int, ...]
+    source: int
+    target: int
+    rate_per_s: float
+
+
+@dataclass(slots=True)
+class _Tracked:
+    keys: tuple[int, ...]
+    rate: float
+    at: float
+
+
+class HotPrefixTracker:
+    """Access rates of prefixes, and replication plans from them."""
+
+    def __init__(self, config: ReplicationConfig | None = None) -> None:
+        self.config = config or ReplicationConfig()
+        self._tracked: OrderedDict[int, _Tracked] = OrderedDict()
+        self._decay = math.log(2.0) / self.config.half_life_s
+
+    def record(self, keys: list[int] | tuple[int, ...], now: float) -> None:
+        """One access to the prefix ``keys`` (the blocks the cluster already holds)."""
+        if len(keys) < self.config.min_blocks:
+            return
+        prefix = keys[-1]
+        t = self._tracked.get(prefix)
+        if t is None:
+            t = _Tracked(tuple(keys), 0.0, now)
+            self._tracked[prefix] = t
+            if len(self._tracked) > self.config.max_tracked:
+                self._tracked.popitem(last=False)
+        else:
+            self._tracked.move_to_end(prefix)
+        t.rate = self._rate(t, now) + self._decay  # each access adds decay-rate units
+        t.at = now
+
+    def _rate(self, t: _Tracked, now: float) -> float:
+        return t.rate * math.exp(-self._decay * max(0.0, now - t.at))
+
+    def hot(self, now: float) -> list[tuple[int, float, tuple[int, ...]]]:
+        """Hot prefixes ``(prefix, accesses per second, keys)``, hottest first."""
+        out = [
+            (p, r, t.keys)
+            for p, t in self._tracked.items()
+            if (r := self._rate(t, now)) >= self.config.min_rate_per_s
+        ]
+        out.sort(key=lambda x: -x[1])
+        return out
+
+    def plan(self, cluster: ClusterState, now: float) -> list[ReplicationAction]:
+        cfg = self.config
+        if not cfg.enabled or cfg.max_actions == 0:
+            return []
+        live = [p for p in cluster.prefill if p.up]
+        if len(live) < 2:
+            return []
+        load = {p.iid: p.wait_time(now) for p in live}
+        avg = sum(load.values()) / len(live)
+        index = cluster.index
+        actions: list[ReplicationAction] = []
+        taken: set[int] = set()
+        for prefix, rate, keys in self.hot(now):
+            holders = [p.iid for p in live if index.match(p.iid, keys) == len(keys)]
+            if not holders or len(holders) >= cfg.max_replicas:
+                continue
+            source = min(holders, key=lambda i: load[i])
+            if load[source] <= cfg.load_ratio * avg + cfg.load_floor_s:
+                continue
+            targets = [
+                p.iid for p in live
+                if p.iid not in holders and p.iid not in taken and load[p.iid] <= avg
+            ]
+            if not targets:
+                continue
+            target = min(targets, key=lambda i: (
+                index.size(i) >= cfg.max_fill * index.capacity(i), load[i]))
+            taken.add(target)
+            actions.append(ReplicationAction(prefix, keys, source, target, rate))
+            if len(actions) >= cfg.max_actions:
+                break
+        return actions
