@@ -29,6 +29,9 @@ from .tokenizer import advance, context_state, next_token
 _ids = itertools.count()
 log = logging.getLogger(__name__)
 
+#: Largest lag (s) behind the modelled timeline that the step pacing makes up for.
+CATCH_UP_S = 0.005
+
 
 class QueueFull(Exception):
     """The waiting queue is at ``max_waiting``."""
@@ -190,7 +193,10 @@ class Engine:
             self.busy_model_s += modelled
             if scale > 0:
                 now = time.monotonic()
-                self._deadline = max(self._deadline, now - modelled * scale) + modelled * scale
+                # pace against the previous step's deadline (absorbing loop overhead), but
+                # never try to catch up more than CATCH_UP_S (e.g. after idling)
+                base = self._deadline if self._deadline > now - CATCH_UP_S else now
+                self._deadline = base + modelled * scale
                 delay = self._deadline - now
                 await asyncio.sleep(delay if delay > 0 else 0)
             else:

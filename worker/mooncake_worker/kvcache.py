@@ -144,7 +144,8 @@ class PrefixCache:
 
     def release(self, blocks: Sequence[Block]) -> None:
         """Drop one reference from each block; unreferenced cached blocks join the LRU
-        (the first block of a sequence ends up least recent, as in vLLM)."""
+        tail first, so a sequence's last blocks are evicted before its first (as in vLLM:
+        first blocks are the most shared)."""
         for b in reversed(blocks):
             b.ref -= 1
             if b.ref > 0:

@@ -1,0 +1,180 @@
+"""The engine model in-process: calibrated timing, continuous batching, chunked prefill,
+block accounting and LRU eviction."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+from mooncake_conductor.cost import CostModel
+from mooncake_worker.engine import Engine, EngineObserver, QueueFull, TooLarge
+from mooncake_worker.kvcache import PrefixCache
+from mooncake_worker.kvevents.codec import BlockRemoved, BlockStored, KVEvent
+from mooncake_worker.settings import WorkerSettings
+
+COST = CostModel()
+
+
+def engine(**kw: object) -> Engine:
+    return Engine(WorkerSettings(**kw))  # type: ignore[arg-type]
+
+
+async def run(e: Engine, prompt: list[int], max_tokens: int) -> float:
+    t0 = time.monotonic()
+    seq = e.submit(prompt, max_tokens)
+    assert seq.done is not None
+    await seq.done
+    return time.monotonic() - t0
+
+
+def test_prefill_and_decode_time_follow_the_cost_model() -> None:
+    scale = 0.5
+
+    async def main() -> tuple[float, float]:
+        e = engine(time_scale=scale)
+        e.start()
+        try:
+            ttft_only = await run(e, list(range(300, 4300)), 1)
+            with_decode = await run(e, list(range(10_000, 10_100)), 21)
+        finally:
+            await e.stop()
+        return ttft_only, with_decode
+
+    ttft_only, with_decode = asyncio.run(main())
+    want = COST.prefill_time(4000) * scale
+    assert want * 0.95 <= ttft_only <= want * 1.5 + 0.05
+    want2 = (COST.prefill_time(100) + 20 * COST.decode_step_time(1, 110)) * scale
+    assert want2 * 0.95 <= with_decode <= want2 * 1.5 + 0.05
+
+
+def test_continuous_batching_runs_sequences_together() -> None:
+    scale = 1.0
+
+    async def main() -> float:
+        e = engine(time_scale=scale)
+        e.start()
+        t0 = time.monotonic()
+        seqs = [e.submit([500 + i] * 32, 30) for i in range(8)]
+        await asyncio.gather(*(s.done for s in seqs if s.done is not None))
+        await e.stop()
+        return time.monotonic() - t0
+
+    elapsed = asyncio.run(main())
+    one = (8 * COST.prefill_time(32) + 29 * COST.decode_step_time(8, 8 * 62)) * scale
+    assert elapsed < one * 1.5 + 0.05  # not 8 times the single-sequence time
+    assert elapsed > one * 0.9
+
+
+def test_chunked_prefill_splits_the_prompt() -> None:
+    async def main() -> int:
+        e = engine(time_scale=0, chunked_prefill_tokens=256)
+        e.start()
+        await run(e, list(range(1000, 2000)), 1)
+        await e.stop()
+        return e.steps
+
+    assert asyncio.run(main()) == 4  # ceil(1000 / 256) prefill steps, first token in the last
+
+
+def test_time_scale_zero_never_sleeps() -> None:
+    async def main() -> float:
+        e = engine(time_scale=0)
+        e.start()
+        took = await run(e, list(range(300, 8300)), 500)
+        await e.stop()
+        return took
+
+    assert asyncio.run(main()) < 2.0  # modelled: ~8.7 s
+
+
+class Collect(EngineObserver):
+    def __init__(self) -> None:
+        self.events: list[KVEvent] = []
+        self.queries: list[tuple[int, int]] = []
+
+    def on_events(self, events: list[KVEvent]) -> None:
+        self.events.extend(events)
+
+    def on_prefix_query(self, queried: int, hit: int) -> None:
+        self.queries.append((queried, hit))
+
+
+def test_prefix_reuse_counts_and_eviction_order() -> None:
+    obs = Collect()
+
+    async def main() -> Engine:
+        e = Engine(WorkerSettings(time_scale=0, cache_tokens=16 * 12, block_size=16), obs)
+        e.start()
+        a = list(range(1000, 1064))  # 4 blocks
+        b = list(range(2000, 2064))
+        await run(e, a, 1)
+        await run(e, a, 1)  # reuses a's 4 blocks (63 tokens: the last one is recomputed)
+        await run(e, b, 1)
+        assert obs.queries == [(64, 0), (64, 63), (64, 0)]
+        assert not any(isinstance(ev, BlockRemoved) for ev in obs.events)
+        c = list(range(3000, 3064))
+        await run(e, c, 49)  # needs 8 blocks, 4 blank: evicts the least recently used (a's)
+        removed = [h for ev in obs.events if isinstance(ev, BlockRemoved)
+                   for h in ev.block_hashes]
+        assert sorted(removed) == sorted(e.keys_of(a))  # type: ignore[type-var]
+        held = e.cache.held_keys()
+        assert set(e.keys_of(b)) <= held
+        assert not set(e.keys_of(a)) & held
+        await e.stop()
+        return e
+
+    e = asyncio.run(main())
+    assert e.cache.used == 0 and e.cache.reserved == 0
+
+
+def test_queue_full_and_too_large() -> None:
+    async def main() -> None:
+        e = engine(time_scale=0, max_waiting=2, cache_tokens=160)
+        e.submit([1] * 10, 1)
+        e.submit([1] * 10, 1)
+        with pytest.raises(QueueFull):
+            e.submit([1] * 10, 1)
+        with pytest.raises(TooLarge):
+            e.submit([1] * 150, 20)
+        await e.stop()
+
+    asyncio.run(main())
+
+
+def test_random_load_keeps_block_accounting_consistent() -> None:
+    rng = random.Random(3)
+
+    obs = Collect()
+
+    async def main() -> Engine:
+        e = Engine(WorkerSettings(time_scale=0, cache_tokens=16 * 40, max_running=6), obs)
+        e.start()
+        prefixes = [[rng.randrange(256, 5000) for _ in range(rng.randint(10, 120))]
+                    for _ in range(5)]
+        seqs = []
+        for _ in range(80):
+            p = rng.choice(prefixes) + [rng.randrange(256, 5000)
+                                        for _ in range(rng.randint(0, 100))]
+            seqs.append(e.submit(p, rng.randint(1, 60)))
+            if rng.random() < 0.2:
+                await asyncio.sleep(0)
+            if rng.random() < 0.1:
+                e.abort(rng.choice(seqs))
+        await asyncio.gather(*(s.done for s in seqs if s.done is not None))
+        await e.stop()
+        return e
+
+    e = asyncio.run(main())
+    c: PrefixCache = e.cache
+    assert c.used == 0 and c.reserved == 0
+    assert len(c.lru) == len(c.cached) <= c.capacity
+    # every announced block is held, every held block was announced (net of removals)
+    held: set[int] = set()
+    for ev in obs.events:
+        if isinstance(ev, BlockStored):
+            held |= {int(h) for h in ev.block_hashes}  # type: ignore[arg-type]
+        elif isinstance(ev, BlockRemoved):
+            held -= {int(h) for h in ev.block_hashes}  # type: ignore[arg-type]
+    assert held == set(c.cached)
