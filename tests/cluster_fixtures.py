@@ -45,6 +45,12 @@ class LocalK8s:
         """The package's small JSON client (client-cert auth)."""
         return cluster.kube_client(cluster.StatePaths(self.state_dir), self.info.server)
 
+    def binary(self, component: str) -> Path | None:
+        """A cached binary of this repo's pinned components (e.g. ``helm``), if built."""
+        tools = components.find_tools_dir(self.settings)
+        path = components.binary_path(self.settings, components.component(component), tools)
+        return path if path.is_file() else None
+
     def env(self) -> dict[str, str]:
         """Environment for subprocesses (kubectl, helm) pointing at this cluster."""
         return dict(os.environ, KUBECONFIG=str(self.kubeconfig))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -324,3 +326,25 @@ def test_crashing_container_is_restarted(k8s_cluster: LocalK8s, namespace: str) 
     status = wait_for("a restart", restarted)
     assert status["lastState"]["terminated"]["exitCode"] == 1
     assert http.get(path)["status"]["phase"] == "Running"
+
+
+def test_helm_installs_a_chart(k8s_cluster: LocalK8s, namespace: str, tmp_path: Path) -> None:
+    helm = k8s_cluster.binary("helm")
+    if helm is None:
+        pytest.skip("helm not built (mooncake-operator local-cluster build helm)")
+    env = k8s_cluster.env()
+    run = functools.partial(
+        subprocess.run, env=env, capture_output=True, text=True, check=True, timeout=120
+    )
+    run([str(helm), "create", str(tmp_path / "demo")])
+    run([str(helm), "install", "demo", str(tmp_path / "demo"), "-n", namespace])
+    releases = run([str(helm), "list", "-n", namespace, "-q"]).stdout.split()
+    assert releases == ["demo"]
+    http = k8s_cluster.http()
+    wait_for(
+        "chart pod running",
+        lambda: any(
+            p["status"].get("phase") == "Running"
+            for p in http.get(f"/api/v1/namespaces/{namespace}/pods")["items"]
+        ),
+    )
