@@ -1,7 +1,7 @@
 """Session fixture ``k8s_cluster``: the embedded control plane with fake GPU nodes.
 
 Registered from ``tests/conftest.py`` via ``pytest_plugins``. It starts the cluster
-(name ``pytest``, its own state dir) once per session — building the Go binaries first
+(its own state dir under pytest's tmp dir) once per session — building the Go binaries first
 if they are not cached, which takes long; CI runs ``mooncake-operator local-cluster
 build`` beforehand — and stops every process at the end.
 """
@@ -86,11 +86,12 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 @pytest.fixture(scope="session")
-def k8s_cluster() -> Iterator[LocalK8s]:
-    settings = LocalClusterSettings(name=TEST_CLUSTER_NAME)
-    # Start from empty state: no objects or pods left over from an earlier run.
-    cluster.down(settings)
-    cluster.purge(settings)
+def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalK8s]:
+    # Own state dir per session: fresh etcd, no leftovers, no clash with other sessions.
+    settings = LocalClusterSettings(
+        name=f"{TEST_CLUSTER_NAME}-{os.getpid()}",
+        state_dir=tmp_path_factory.mktemp("localcluster"),
+    )
     info = cluster.up(settings)
     try:
         yield LocalK8s(settings=settings, info=info)
