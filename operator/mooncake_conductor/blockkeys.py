@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -84,7 +85,9 @@ class _Powers:
 _POW = _Powers()
 
 
-def block_keys(tokens: Sequence[int] | npt.NDArray[np.integer], block_size: int, seed: int) -> list[int]:
+def block_keys(
+    tokens: Sequence[int] | npt.NDArray[np.integer[Any]], block_size: int, seed: int
+) -> list[int]:
     """Keys of every full block of ``tokens`` (vectorised; equals :func:`block_keys_reference`)."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")

@@ -131,7 +131,7 @@ class CostModel:
         self._decode_flops_per_seq = 2.0 * m.params
         self._decode_peak = h.peak_flops * e.decode_mfu
         self._decode_overhead = e.decode_overhead_s
-        # attention FLOPs per token of context in decode (QK^T and AV): 4*d per layer / ... per token
+        # attention FLOPs per token of context in one decode step (QK^T and AV): 4*d per layer
         self._decode_attn_flops_per_ctx = 4.0 * m.layers * m.d_model
         self._flops_l_a_d = m.layers * m.flops_a * m.d_model
         self._flops_l_b_d2 = m.layers * m.flops_b * m.d_model * m.d_model
@@ -162,6 +162,14 @@ class CostModel:
         compute = self.prefill_compute_time(n, cached)
         load = max(0, cached - cached_in_hbm) * self.kv_bytes_per_token / self._h2d
         return max(compute, load)
+
+    def reuse_breakeven_bandwidth(self, prefix_tokens: int) -> float:
+        """Bytes/s above which loading a cached prefix beats recomputing it (paper §3:
+        reuse pays when ``B/G > 2*d*s / (gqa*(a*p*d + b*d^2))``)."""
+        m = self.config.model
+        d, p = float(m.d_model), float(prefix_tokens)
+        ratio = 2 * d * m.elem_bytes / (m.gqa * (m.flops_a * p * d + m.flops_b * d * d))
+        return ratio * self.config.hardware.peak_flops
 
     # -- transfer ----------------------------------------------------------------------------
     def kv_bytes(self, tokens: int) -> int:
@@ -225,7 +233,7 @@ class PrefillPredictor(BaseModel):
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting (small dense systems only)."""
     size = len(b)
-    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    m = [[*row, b[i]] for i, row in enumerate(a)]
     for col in range(size):
         pivot = max(range(col, size), key=lambda r: abs(m[r][col]))
         if abs(m[pivot][col]) < 1e-300:

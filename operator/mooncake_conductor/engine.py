@@ -13,11 +13,11 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cost import CostModel, CostModelConfig
-from .decode import DecodeChoice, create_decode_selector
-from .policies.base import Placement, PolicyContext, SLOConfig, create_policy
+from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
+from .policies.base import Placement, PolicyContext, SLOConfig, create_policy, policy_class
 from .replication import HotPrefixTracker, ReplicationAction, ReplicationConfig
 from .state import ClusterState, RequestInfo
 
@@ -36,6 +36,18 @@ class ConductorConfig(BaseModel):
     replicate: bool | None = Field(None, description="default: the policy's own")
     cost: CostModelConfig = CostModelConfig()
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _known_policy_and_params(self) -> ConductorConfig:
+        try:
+            cls = policy_class(self.policy)
+        except KeyError as exc:
+            raise ValueError(str(exc.args[0])) from None
+        cls.Params.model_validate(self.params)  # field-level errors surface here
+        if self.decode_selector is not None and self.decode_selector not in DECODE_SELECTORS:
+            known = ", ".join(sorted(DECODE_SELECTORS))
+            raise ValueError(f"unknown decode selector {self.decode_selector!r}; known: {known}")
+        return self
 
 
 @dataclass(slots=True)

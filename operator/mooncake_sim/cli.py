@@ -75,9 +75,8 @@ def _run_one(args: tuple[list[Any], dict[str, Any], bool]) -> dict[str, Any]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
     from mooncake_conductor.policies import policy_names
+    from pydantic import ValidationError
 
     from .presets import PRESETS, speed_for_utilization
     from .trace import TraceError, load_trace
@@ -163,9 +162,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             SimConfig.model_validate(cfg).model_dump()
             configs.append(cfg)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(x) for x in first["loc"])
-        return _fail(f"bad setting {loc}: {first['msg']}")
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        return _fail(f"bad setting {loc}: {err['msg']}")
 
     settings = {
         "trace": str(path),

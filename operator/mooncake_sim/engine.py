@@ -38,14 +38,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from mooncake_conductor.blockkeys import namespace_seed, trace_block_keys
 from mooncake_conductor.cost import CostModel
 from mooncake_conductor.cpp import plan_cpp
 from mooncake_conductor.engine import Conductor, ConductorConfig, Decision
 from mooncake_conductor.index import DRAM, STORE, PrefixIndex
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
+from pydantic import BaseModel, ConfigDict, Field
 
 from .trace import TRACE_BLOCK_TOKENS, TraceRecord
 
@@ -118,7 +117,8 @@ class Simulation:
         dec_cap = config.decode_capacity_tokens or self.cost.kv_capacity_tokens
         self.cluster = ClusterState(
             prefill=[
-                PrefillState(iid=i, name=f"prefill-{i}", cache_capacity_tokens=config.prefill_cache_tokens)
+                PrefillState(iid=i, name=f"prefill-{i}",
+                             cache_capacity_tokens=config.prefill_cache_tokens)
                 for i in range(n_p)
             ],
             decode=[
@@ -313,9 +313,9 @@ class Simulation:
         del self._gang_order[rid]
         info = req.info
         leader = pl.cpp_group[0]
-        reuse, ready = self._reuse_at_start(req, leader, now)
+        reuse, start = self._reuse_at_start(req, leader, now)
         cached = info.tokens_of(reuse)
-        now = ready
+        now = start
         plan = plan_cpp(self.cost, info.input_tokens, cached, len(pl.cpp_group),
                         pl.cpp_chunk_tokens)
         req.reused_tokens = cached

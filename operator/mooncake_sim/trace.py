@@ -127,7 +127,9 @@ class TraceStats:
     reuse_ceiling_blocks: float
 
 
-def reuse_ceiling(records: list[TraceRecord], block_tokens: int = TRACE_BLOCK_TOKENS) -> tuple[float, float]:
+def reuse_ceiling(
+    records: list[TraceRecord], block_tokens: int = TRACE_BLOCK_TOKENS
+) -> tuple[float, float]:
     """Share of input tokens (and of blocks) an unbounded, global cache could reuse: the
     leading blocks of each request already seen in any earlier request."""
     seen: set[int] = set()

@@ -184,7 +184,9 @@ class ConductorPolicy(PrefillPolicy):
             return None
         if n - req.tokens_of(single.reused_blocks) < cfg.min_new_tokens:
             return None
-        by_wait = sorted(live, key=lambda p: p.wait_time(now))
+        rng = self.ctx.rng
+        order = {p.iid: (p.wait_time(now), rng.random()) for p in live}  # random among equals
+        by_wait = sorted(live, key=lambda p: order[p.iid])
         best_src, best_len = None, 0
         for iid, m in stored.items():
             if m > best_len:
@@ -192,7 +194,7 @@ class ConductorPolicy(PrefillPolicy):
         best: Placement | None = None
         for size in range(2, min(cfg.max_group, len(by_wait)) + 1):
             members = by_wait[:size]
-            leader = max(members, key=lambda p: stored.get(p.iid, 0))
+            leader = max(members, key=lambda p: (stored.get(p.iid, 0), -order[p.iid][1]))
             local = stored.get(leader.iid, 0)
             fetch = best_len - local if best_src is not None and best_len > local else 0
             reuse = local + fetch

@@ -1,8 +1,9 @@
 """``least-load``: the instance with the least predicted queued work.
 
 Rule: minimise the instance's load, measured as the paper measures queue
-time: the predicted prefill time of the requests queued there; ignore cache. The paper's "load balancing"
-baseline (Figure 5: 5.27 s average TTFT). Ties broken at random.
+time: the predicted prefill time of the requests queued there; ignore cache.
+The paper's "load balancing" baseline (Figure 5: 5.27 s average TTFT). Ties
+broken at random.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class LeastLoadPolicy(PrefillPolicy):
         live = [p for p in cluster.prefill if p.up]
         if not live:
             return Placement(prefill=None, reject_reason="no-prefill-instance")
-        iid = least([(p.paper_queue_time(), p.iid) for p in live], self.ctx.rng)
+        loads = [(p.paper_queue_time(), p.iid) for p in live]
+        iid = least(loads, self.ctx.rng)
         inst = cluster.prefill[iid]
         return self.local_placement(req, inst, cluster.index.match(iid, req.keys), now)

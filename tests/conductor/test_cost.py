@@ -1,0 +1,112 @@
+import math
+
+import pytest
+from mooncake_conductor.cost import (
+    CostModel,
+    CostModelConfig,
+    EfficiencySpec,
+    fit_prefill_predictor,
+)
+
+PAPER = CostModel()  # LLaMA3-70B on 8xA800, FAST'25 Table 1
+
+
+def test_kv_bytes_per_token_is_320_kib() -> None:
+    # p * l * (2*d/gqa) * s = 80 * 2048 * 2
+    assert PAPER.kv_bytes_per_token == 327_680
+    assert PAPER.kv_bytes(1000) == 327_680_000
+
+
+@pytest.mark.parametrize("n", [1, 512, 8192, 128_000])
+def test_flops_formula(n: int) -> None:
+    layers, d, a, b = 80, 8192, 4, 22
+    expected = layers * (a * n * n * d + b * n * d * d)
+    assert PAPER.flops(n) == pytest.approx(expected, rel=1e-12)
+
+
+def test_reuse_breakeven_about_6_gbps_for_8k_prefix() -> None:
+    # paper §3: "for an 8k prefix this needs about 6 GB/s on 8xA800"
+    bw = PAPER.reuse_breakeven_bandwidth(8192)
+    assert 5.5e9 < bw < 6.5e9
+
+
+def test_prefill_time_from_flops_over_mfu() -> None:
+    cfg = CostModelConfig(
+        efficiency=EfficiencySpec(mfu_max=0.5, mfu_half_tokens=0, prefill_overhead_s=0.0)
+    )
+    cm = CostModel(cfg)
+    n = 8192
+    expected = PAPER.flops(n) / (8 * 312e12 * 0.5)
+    assert cm.prefill_time(n) == pytest.approx(expected, rel=1e-9)
+    # reusing p tokens saves exactly flops(p)
+    p = 4096
+    saved = (PAPER.flops(n) - PAPER.flops(p)) / (8 * 312e12 * 0.5)
+    assert cm.prefill_compute_time(n, p) == pytest.approx(saved, rel=1e-9)
+
+
+def test_prefill_monotone_and_cache_helps() -> None:
+    assert PAPER.prefill_time(4096) < PAPER.prefill_time(8192) < PAPER.prefill_time(16384)
+    assert PAPER.prefill_time(16384, 8192) < PAPER.prefill_time(16384)
+    # fully cached: nothing to compute, only the prefix to load from host memory
+    assert PAPER.prefill_time(16384, 16384) == pytest.approx(
+        max(PAPER.config.efficiency.prefill_overhead_s, PAPER.h2d_time(16384))
+    )
+    assert PAPER.prefill_time(16384, 16384, cached_in_hbm=16384) == pytest.approx(
+        PAPER.config.efficiency.prefill_overhead_s
+    )
+
+
+def test_cached_prefix_load_overlaps_compute() -> None:
+    cm = CostModel(CostModelConfig(hardware={"h2d_gbytes_per_s": 0.01}))
+    # with a uselessly slow host link, loading the prefix dominates the pass
+    t = cm.prefill_time(8192, 8000)
+    assert t == pytest.approx(cm.h2d_time(8000))
+    assert cm.prefill_time(8192, 8000, cached_in_hbm=8000) < t
+
+
+def test_transfer_uses_slower_link() -> None:
+    # B = min(B_nic = 100 GB/s, B_h2d = 128 GB/s) x efficiency 0.9
+    assert PAPER.transfer_time(10_000) == pytest.approx(10_000 * 327_680 / (100e9 * 0.9))
+    assert PAPER.transfer_time(0) == 0.0
+
+
+def test_decode_step_grows_with_batch_and_context() -> None:
+    assert PAPER.decode_step_time(0, 0) == 0.0
+    one = PAPER.decode_step_time(1, 1000)
+    # one sequence: memory-bound, weights 141 GB over 16.3 TB/s x 0.7, plus overhead
+    assert one == pytest.approx(0.003 + (70.6e9 * 2 + 1000 * 327_680) / (8 * 2039e9 * 0.7))
+    assert PAPER.decode_step_time(64, 800_000) > PAPER.decode_step_time(16, 200_000) > one
+
+
+def test_queue_time() -> None:
+    assert CostModel.queue_time([1.0, 2.0], 0.5) == 3.5
+    assert CostModel.queue_time([], -1.0) == 0.0
+
+
+def test_fit_recovers_a_known_polynomial() -> None:
+    def truth(n: float, p: float) -> float:
+        return 0.01 + 1e-4 * (n - p) + 3e-9 * (n * n - p * p)
+
+    samples = [(n, p, truth(n, p)) for n in range(1000, 33000, 4000) for p in (0, n // 4, n // 2)]
+    fit = fit_prefill_predictor(samples)
+    assert fit.max_abs_pct_error < 1e-3
+    assert fit.predict(20000, 5000) == pytest.approx(truth(20000, 5000), rel=1e-4)
+
+
+def test_fit_on_cost_model_reports_error() -> None:
+    samples = [
+        (n, p, PAPER.prefill_time(n, p))
+        for n in range(512, 65536, 2048)
+        for p in (0, n // 3, (2 * n) // 3)
+    ]
+    fit = fit_prefill_predictor(samples)
+    assert fit.samples == len(samples)
+    assert 0 < fit.mean_abs_pct_error < 15
+    assert math.isfinite(fit.max_abs_pct_error)
+
+
+def test_fit_rejects_bad_samples() -> None:
+    with pytest.raises(ValueError, match="at least"):
+        fit_prefill_predictor([(1, 0, 1.0)])
+    with pytest.raises(ValueError, match="bad sample"):
+        fit_prefill_predictor([(100, 200, 1.0)] * 6)

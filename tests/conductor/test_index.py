@@ -1,0 +1,125 @@
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mooncake_conductor.index import DRAM, HBM, PrefixIndex
+
+
+def test_match_all_one_pass() -> None:
+    ix = PrefixIndex(100, instances=3)
+    ix.store(0, [1, 2, 3])
+    ix.store(1, [1, 2])
+    ix.store(2, [9])
+    assert ix.match_all([1, 2, 3, 4]) == {0: 3, 1: 2}
+    assert ix.match_all([1, 2, 3, 4], mask=0b10) == {1: 2}
+    assert ix.match(0, [1, 2, 3, 4]) == 3
+    assert ix.match(2, [1, 2]) == 0
+
+
+def test_lru_evicts_leaves_before_roots() -> None:
+    ix = PrefixIndex(3, instances=1)
+    evicted = ix.store(0, [1, 2, 3])
+    assert evicted == []
+    evicted = ix.store(0, [7])
+    assert evicted == [3]  # the prefix's last block, not its root
+    assert ix.match(0, [1, 2, 3]) == 2
+
+
+def test_touch_and_demote_change_eviction_order() -> None:
+    ix = PrefixIndex(3, instances=1)
+    ix.store(0, [1])
+    ix.store(0, [2])
+    ix.store(0, [3])
+    ix.touch(0, [1])
+    assert ix.store(0, [4]) == [2]
+    ix.demote(0, [4])
+    assert ix.store(0, [5]) == [4]
+
+
+def test_remove_and_clear() -> None:
+    ix = PrefixIndex(10, instances=2)
+    ix.store(0, [1, 2])
+    ix.store(1, [1, 2])
+    ix.remove(0, [2])
+    assert ix.match_all([1, 2]) == {0: 1, 1: 2}
+    ix.clear(1)
+    assert ix.match_all([1, 2]) == {0: 1}
+    assert ix.holder_mask(2) == 0
+    ix.remove_instance(0)
+    assert len(ix) == 0
+    assert ix.match_all([1]) == {}
+
+
+def test_pending_counts_only_when_asked() -> None:
+    ix = PrefixIndex(10, instances=2)
+    ix.store(0, [1])
+    ix.add_pending(1, [1, 2])
+    ix.add_pending(1, [1, 2])
+    assert ix.match_all([1, 2]) == {0: 1}
+    assert ix.match_all([1, 2], include_pending=True) == {0: 1, 1: 2}
+    ix.remove_pending(1, [1, 2])
+    assert ix.match(1, [1, 2], include_pending=True) == 2  # one reference left
+    ix.remove_pending(1, [1, 2])
+    assert ix.match(1, [1, 2], include_pending=True) == 0
+
+
+def test_tiers() -> None:
+    ix = PrefixIndex(10, instances=1)
+    ix.store(0, [1, 2], DRAM)
+    ix.store(0, [1], HBM)
+    assert ix.tier_counts(0, [1, 2]) == {HBM: 1, DRAM: 1}
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "remove", "clear", "touch"]),
+        st.integers(0, 3),
+        st.lists(st.integers(0, 30), min_size=1, max_size=8),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops, capacity=st.integers(1, 12), query=st.lists(st.integers(0, 30), max_size=10))
+def test_index_invariants(ops: list, capacity: int, query: list[int]) -> None:
+    ix = PrefixIndex(capacity, instances=4)
+    model: list[set[int]] = [set() for _ in range(4)]
+    for op, inst, keys in ops:
+        if op == "store":
+            evicted = ix.store(inst, keys)
+            model[inst] |= set(keys)
+            model[inst] -= set(evicted)
+        elif op == "remove":
+            ix.remove(inst, keys)
+            model[inst] -= set(keys)
+        elif op == "clear":
+            ix.clear(inst)
+            model[inst] = set()
+        else:
+            ix.touch(inst, keys)
+        # capacity is respected, and the index agrees with what was stored minus evictions
+        assert ix.size(inst) <= capacity
+        assert ix.blocks(inst) == model[inst]
+    for inst in range(4):
+        # holder masks agree with per-instance tables
+        for key in ix.blocks(inst):
+            assert ix.holder_mask(key) >> inst & 1
+    matches = ix.match_all(query)
+    for inst in range(4):
+        m = matches.get(inst, 0)
+        # a match never exceeds what is stored: every matched key is held
+        assert all(k in model[inst] for k in query[:m])
+        if m < len(query):
+            assert query[m] not in model[inst]
+        assert ix.match(inst, query) == m
+
+
+@settings(max_examples=80, deadline=None)
+@given(keys=st.lists(st.integers(0, 1000), min_size=1, max_size=20, unique=True))
+def test_removal_undoes_storage(keys: list[int]) -> None:
+    ix = PrefixIndex(100, instances=2)
+    ix.store(1, keys[:1])
+    before = {k: ix.holder_mask(k) for k in keys}
+    ix.store(0, keys)
+    ix.remove(0, keys)
+    assert {k: ix.holder_mask(k) for k in keys} == before
+    assert ix.blocks(0) == set()

@@ -1,0 +1,49 @@
+from mooncake_conductor.replication import HotPrefixTracker, ReplicationConfig
+
+from .helpers import cluster, queue
+
+KEYS = list(range(10))
+
+
+def test_hot_prefix_on_loaded_holder_is_copied_to_the_coolest_instance() -> None:
+    c = cluster(4)
+    c.index.store(0, KEYS)
+    queue(c.prefill[0], 20.0)
+    queue(c.prefill[1], 2.0)
+    queue(c.prefill[3], 1.0)
+    tr = HotPrefixTracker(ReplicationConfig())
+    for t in range(30):
+        tr.record(KEYS, float(t))
+    actions = tr.plan(c, 30.0)
+    assert len(actions) == 1
+    a = actions[0]
+    assert (a.source, a.target, a.keys, a.prefix) == (0, 2, tuple(KEYS), KEYS[-1])
+    assert a.rate_per_s > 0.05
+
+
+def test_no_action_when_balanced_cold_or_short() -> None:
+    c = cluster(3)
+    c.index.store(0, KEYS)
+    tr = HotPrefixTracker()
+    for t in range(30):
+        tr.record(KEYS, float(t))
+    assert tr.plan(c, 30.0) == []  # holder not loaded
+    queue(c.prefill[0], 20.0)
+    assert tr.plan(c, 10_000.0) == []  # rate decayed: no longer hot
+    tr.record(KEYS[:1], 1.0)
+    assert all(len(k) >= 2 for _, _, k in tr.hot(1.0))
+
+
+def test_max_replicas_and_tracking_bound() -> None:
+    c = cluster(3)
+    c.index.store(0, KEYS)
+    c.index.store(1, KEYS)
+    queue(c.prefill[0], 20.0)
+    queue(c.prefill[1], 20.0)
+    tr = HotPrefixTracker(ReplicationConfig(max_replicas=2, max_tracked=5))
+    for t in range(30):
+        tr.record(KEYS, float(t))
+    assert tr.plan(c, 30.0) == []
+    for i in range(20):
+        tr.record([1000 + i, 2000 + i], 31.0)
+    assert len(tr._tracked) == 5

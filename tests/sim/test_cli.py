@@ -1,0 +1,84 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mooncake_operator.cli import main
+from mooncake_sim.synth import generate, write_trace
+
+
+@pytest.fixture(scope="module")
+def small_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("trace") / "small.jsonl"
+    write_trace(generate("conversation", 300, seed=2), p)
+    return p
+
+
+def test_simulate_json_has_the_documented_keys(small_trace: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    rc = main(["simulate", "--trace", str(small_trace), "--compare", "random,conductor",
+               "--prefill", "4", "--decode", "4", "--speed", "2", "--json", str(out),
+               "--jobs", "1"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["settings"]["prefill"] == 4 and data["settings"]["speed"] == 2.0
+    assert [r["policy"] for r in data["results"]] == ["random", "conductor"]
+    for r in data["results"]:
+        for key in ("policy", "requests", "completed", "rejected", "ttft_mean_s", "ttft_p50_s",
+                    "ttft_p90_s", "ttft_p99_s", "tbt_p90_ms", "slo_attainment",
+                    "token_hit_ratio", "prefill_gpu_seconds", "wall_seconds"):
+            assert key in r
+        assert r["requests"] == 300
+    table = capsys.readouterr().out
+    assert "conductor" in table and "TTFT mean" in table
+
+
+def test_preset_works_on_any_trace(small_trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(small_trace), "--preset", "paper-fig5",
+                 "--policy", "least-load", "--json", str(out)]) == 0
+    s = json.loads(out.read_text())["settings"]
+    assert (s["prefill"], s["decode"], s["prefill_cache_tokens"]) == (16, 16, 3_000_000)
+    assert s["ttft_slo_s"] == 30.0 and s["tbt_slo_ms"] == 100.0 and s["speed"] > 0
+
+
+def test_plot(small_trace: Path, tmp_path: Path) -> None:
+    png = tmp_path / "r.png"
+    assert main(["simulate", "--trace", str(small_trace), "--policy", "conductor",
+                 "--prefill", "4", "--decode", "2", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--policy", "nope"], "unknown policy nope"),
+        (["--compare", "random,random"], "listed twice"),
+        (["--preset", "nope"], "unknown preset"),
+        (["--prefill", "0"], "--prefill must be positive"),
+        (["--speed", "-1"], "--speed must be a positive number"),
+        (["--params", "{bad"], "--params is not valid JSON"),
+        (["--params", '{"priority_weight": -1}'], "bad setting"),
+        (["--params", '{"no_such": 1}'], "bad setting"),
+    ],
+)
+def test_bad_arguments_exit_2(small_trace: Path, args: list[str], message: str,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--trace", str(small_trace), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_trace_stats_prints_the_ceiling(small_trace: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "mooncake_operator.cli", "trace-stats",
+                        str(small_trace)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    assert "requests         300" in r.stdout
+    assert "reuse ceiling" in r.stdout
+
+
+def test_list_policies(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--list-policies"]) == 0
+    out = capsys.readouterr().out
+    assert "kvcache-centric" in out and "conductor" in out and "sglang-cache-aware" in out

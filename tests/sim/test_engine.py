@@ -1,0 +1,94 @@
+import math
+
+import pytest
+from mooncake_conductor.engine import ConductorConfig
+from mooncake_sim.engine import SimConfig, Simulation, simulate
+from mooncake_sim.synth import generate
+from mooncake_sim.trace import TraceRecord, reuse_ceiling
+
+KEYS = (
+    "policy", "requests", "completed", "rejected", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s",
+    "ttft_p99_s", "tbt_p90_ms", "slo_attainment", "token_hit_ratio", "prefill_gpu_seconds",
+    "wall_seconds",
+)
+
+
+def cfg(policy: str, **kw: object) -> SimConfig:
+    return SimConfig(prefill=4, decode=4, conductor=ConductorConfig(policy=policy), **kw)
+
+
+def test_single_request_timing_is_the_cost_model() -> None:
+    rec = [TraceRecord(0.0, 8192, 11, tuple(range(16)))]
+    sim = Simulation(rec, cfg("least-load"))
+    r = sim.run()
+    assert set(KEYS) <= set(r)
+    assert r["completed"] == 1 and r["rejected"] == 0
+    assert r["ttft_mean_s"] == pytest.approx(sim.cost.prefill_time(8192))
+    # 10 decode steps alone on an instance: TBT = the largest interval (top 10% of 10)
+    step = sim.cost.decode_step_time(1, 8193)
+    assert r["tbt_p90_ms"] >= 1000 * step * 0.99
+    assert r["token_hit_ratio"] == 0.0
+
+
+def test_second_turn_reuses_the_first_on_the_same_instance() -> None:
+    recs = [TraceRecord(0.0, 4096, 2, tuple(range(8))),
+            TraceRecord(60_000.0, 6000, 2, tuple(range(12)))]
+    for policy in ("local-cache-aware", "kvcache-centric", "conductor"):
+        r = simulate(recs, cfg(policy))
+        assert r["token_hit_ratio"] == pytest.approx(4096 / (4096 + 6000)), policy
+
+
+def test_queueing_appears_under_load_and_counts_conserve() -> None:
+    recs = [TraceRecord(0.0, 16_384, 5, tuple(range(i * 100, i * 100 + 32))) for i in range(12)]
+    r = simulate(recs, cfg("round-robin"))
+    assert r["completed"] + r["rejected"] == 12
+    one = simulate(recs[:1], cfg("round-robin"))["ttft_mean_s"]
+    assert r["ttft_mean_s"] > 1.5 * one  # three prompts queue on each of 4 instances
+
+
+def test_deterministic_for_a_seed() -> None:
+    recs = generate("toolagent", 300, seed=3)
+    a = simulate(recs, cfg("random", speed=3.0))
+    b = simulate(recs, cfg("random", speed=3.0))
+    a.pop("wall_seconds"), b.pop("wall_seconds")
+    assert a == b
+
+
+def test_hit_ratio_never_beats_the_ceiling() -> None:
+    recs = generate("conversation", 800, seed=5)
+    ceiling, _ = reuse_ceiling(recs)
+    for policy in ("sglang-cache-aware", "conductor"):
+        r = simulate(recs, SimConfig(prefill=16, decode=16,
+                                     conductor=ConductorConfig(policy=policy)))
+        assert r["rejected"] == 0
+        assert r["token_hit_ratio"] <= ceiling + 1e-9
+
+
+def test_store_pool_serves_fetches() -> None:
+    recs = [TraceRecord(0.0, 8192, 2, tuple(range(16))),
+            TraceRecord(1.0, 8192, 2, tuple(range(16)))]
+    r = simulate(recs, SimConfig(prefill=2, decode=1, store_tokens=100_000,
+                                 conductor=ConductorConfig(policy="kvcache-centric")))
+    assert r["completed"] == 2
+
+
+def test_cpp_gangs_complete_without_deadlock() -> None:
+    # many SLO-breaking prompts at once force overlapping CPP groups
+    recs = [TraceRecord(float(i), 100_000, 3, tuple(range(i * 1000, i * 1000 + 196)))
+            for i in range(10)]
+    sim = Simulation(recs, cfg("conductor", speed=1.0))
+    r = sim.run()
+    assert r["completed"] + r["rejected"] == 10
+    assert r["completed"] >= 1
+    assert all(math.isfinite(q.ttft) for q in sim.reqs if not q.decision.rejected)
+    assert any(q.decision.placement.cpp_group for q in sim.reqs)
+
+
+def test_decode_capacity_makes_requests_wait() -> None:
+    recs = [TraceRecord(0.0, 4096, 50, tuple(range(i * 10, i * 10 + 8))) for i in range(4)]
+    small = simulate(recs, SimConfig(prefill=4, decode=1, decode_capacity_tokens=9000,
+                                     conductor=ConductorConfig(policy="least-load")))
+    big = simulate(recs, SimConfig(prefill=4, decode=1,
+                                   conductor=ConductorConfig(policy="least-load")))
+    assert small["completed"] == 4
+    assert small["tbt_p99_ms"] > big["tbt_p99_ms"]

@@ -1,0 +1,90 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mooncake_sim.trace import (
+    TraceError,
+    bundled_trace,
+    load_trace,
+    reuse_ceiling,
+    trace_stats,
+)
+
+GOOD = [
+    {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]},
+    {"timestamp": 10, "input_length": 1100, "output_length": 5, "hash_ids": [1, 2, 3]},
+    {"timestamp": 10, "input_length": 512, "output_length": 1, "hash_ids": [9]},
+]
+
+
+def write(tmp_path: Path, lines: list[str]) -> Path:
+    p = tmp_path / "t.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+def test_load_and_ceiling(tmp_path: Path) -> None:
+    recs = load_trace(write(tmp_path, [json.dumps(x) for x in GOOD]))
+    assert [r.input_length for r in recs] == [600, 1100, 512]
+    # request 2 reuses blocks 1,2 (1024 tokens) of 2212 input tokens in all
+    tok, blk = reuse_ceiling(recs)
+    assert tok == pytest.approx(1024 / 2212)
+    assert blk == pytest.approx(2 / 6)
+    st = trace_stats(recs)
+    assert st.requests == 3 and st.duration_s == pytest.approx(0.01) and st.distinct_blocks == 4
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        ('{"timestamp": 5, "input_length": -3, "output_length": 1, "hash_ids": []}',
+         "'input_length' must not be negative"),
+        ('{"timestamp": 5, "input_length": 1600, "output_length": 1, "hash_ids": [1, 2]}',
+         "2 hash_ids cannot cover input_length 1600"),
+        ('{"timestamp": 5, "input_length": 10, "output_length": 1, "hash_ids": ["a"]}',
+         "'hash_ids' must be a list of integers"),
+        ('{"timestamp": "x", "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+         "'timestamp' must be a number"),
+        ('{"timestamp": 5, "output_length": 1, "hash_ids": [1]}', "missing field 'input_length'"),
+        ('{"timestamp": 5, "input_length": 1.5, "output_length": 1, "hash_ids": [1]}',
+         "whole number"),
+        ('{"timestamp": 1, "input_length": 10, "output_length": 1, "hash_ids": [1]}',
+         "timestamps must not decrease"),
+    ],
+)
+def test_malformed_lines_name_the_line(tmp_path: Path, line: str, message: str) -> None:
+    p = write(tmp_path, [json.dumps(GOOD[0]) for _ in range(1)] + [
+        '{"timestamp": 3, "input_length": 10, "output_length": 1, "hash_ids": [5]}', line])
+    with pytest.raises(TraceError) as err:
+        load_trace(p)
+    assert f"{p}:3" in str(err.value)
+    assert message in str(err.value)
+
+
+def test_empty_and_missing(tmp_path: Path) -> None:
+    with pytest.raises(TraceError, match="no requests"):
+        load_trace(write(tmp_path, [""]))
+    with pytest.raises(TraceError, match="cannot open"):
+        load_trace(tmp_path / "absent.jsonl")
+
+
+@pytest.mark.parametrize("cmd", ["simulate --trace", "trace-stats"])
+def test_cli_exit_2_without_traceback(tmp_path: Path, cmd: str) -> None:
+    bad = write(tmp_path, [json.dumps(GOOD[0]), "{oops"])
+    r = subprocess.run([sys.executable, "-m", "mooncake_operator.cli", *cmd.split(), str(bad)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert f"{bad}:2: not valid JSON" in r.stderr
+
+
+def test_bundled_trace_matches_the_published_statistics() -> None:
+    recs = load_trace(bundled_trace())
+    st = trace_stats(recs)
+    assert st.requests == 12_031
+    assert st.avg_input == pytest.approx(12_035, abs=1)
+    assert st.reuse_ceiling_tokens == pytest.approx(0.374, abs=0.001)
