@@ -348,3 +348,22 @@ def test_helm_installs_a_chart(k8s_cluster: LocalK8s, namespace: str, tmp_path: 
             for p in http.get(f"/api/v1/namespaces/{namespace}/pods")["items"]
         ),
     )
+
+
+def test_runnable_job_completes_with_its_real_exit(k8s_cluster: LocalK8s, namespace: str) -> None:
+    http = k8s_cluster.http()
+    template = _runnable_pod("unused", ["python", "-c", "print('done')"], restartPolicy="Never")
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "real"},
+        "spec": {"backoffLimit": 0, "template": {"spec": template["spec"]}},
+    }
+    http.post(f"/apis/batch/v1/namespaces/{namespace}/jobs", job)
+    path = f"/apis/batch/v1/namespaces/{namespace}/jobs/real"
+    wait_for("job succeeded", lambda: http.get(path).get("status", {}).get("succeeded") == 1)
+    pods = http.get(f"/api/v1/namespaces/{namespace}/pods?labelSelector=job-name%3Dreal")["items"]
+    terminated = pods[0]["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["exitCode"] == 0 and terminated["reason"] == "Completed"
+    log_files = list(k8s_cluster.state_dir.glob(f"pods/{namespace}_real-*/main.log"))
+    assert log_files and log_files[0].read_text().strip() == "done"
