@@ -144,32 +144,48 @@ class Replica:
     source: str = ""
     pinned: list[Block] = field(default_factory=list)
     error: str | None = None
+    warmed_at: float = 0.0
 
-    def report(self) -> dict[str, Any]:
+    def report(self, held: int) -> dict[str, Any]:
         return {
             "prefix": self.spec.prefix,
             "blocks": len(self.keys),
-            "held_blocks": len(self.pinned),
+            "held_blocks": held,
             "state": self.state,
             "source": self.source,
             "error": self.error,
         }
 
 
-class PodAgent:
-    def __init__(self, engine: Engine, path: str, poll_s: float,
-                 store: BlockStore | None = None) -> None:
-        self.engine = engine
+class AgentBase:
+    """Annotation polling and replica bookkeeping; subclasses warm and release."""
+
+    def __init__(self, path: str, poll_s: float) -> None:
         self.path = path
         self.poll_s = poll_s
-        self.store = store
         self.replicas: dict[str, Replica] = {}
         self.generation = 0
         self.last_error: str | None = None
-        self._mtime: float | None = None
+        self._mtime: int | None = None
         self._task: asyncio.Task[None] | None = None
-        self._changed = asyncio.Event()
 
+    # -- to implement ---------------------------------------------------------------------
+    def keys_of(self, tokens: list[int]) -> list[int]:
+        raise NotImplementedError
+
+    async def _warm(self, r: Replica) -> None:
+        raise NotImplementedError
+
+    def _release(self, r: Replica) -> None:
+        """The entry is gone: let its blocks age out."""
+
+    def held(self, r: Replica) -> int:
+        return len(r.pinned)
+
+    async def tick(self) -> None:
+        """Called after every poll (e.g. to re-warm evicted prefixes)."""
+
+    # -- common ---------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pod-agent")
 
@@ -180,19 +196,21 @@ class PodAgent:
                 await self._task
 
     def state(self) -> dict[str, Any]:
+        reports = [r.report(self.held(r)) for r in self.replicas.values()]
         return {
             "annotation": REPLICA_ANNOTATION,
             "file": self.path,
             "generation": self.generation,
             "last_error": self.last_error,
-            "replicas": [r.report() for r in self.replicas.values()],
-            "held_blocks": sum(len(r.pinned) for r in self.replicas.values()),
+            "replicas": reports,
+            "held_blocks": sum(x["held_blocks"] for x in reports),
         }
 
     async def _run(self) -> None:
         while True:
             try:
                 await self.poll_once()
+                await self.tick()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # keep polling whatever the file holds
@@ -232,18 +250,32 @@ class PodAgent:
         for pid in list(self.replicas):
             r = self.replicas[pid]
             if pid not in wanted or wanted[pid] != r.spec:
-                self.engine.unpin(r.pinned)
-                r.pinned = []
+                self._release(r)
                 del self.replicas[pid]
         for pid, spec in wanted.items():
             if pid not in self.replicas:
-                keys = (
-                    spec.keys if spec.keys is not None else self.engine.keys_of(spec.tokens or [])
-                )
+                keys = spec.keys if spec.keys is not None else self.keys_of(spec.tokens or [])
                 self.replicas[pid] = Replica(spec, keys)
         await asyncio.gather(
             *(self._warm(r) for r in self.replicas.values() if r.state == "pending")
         )
+
+
+class PodAgent(AgentBase):
+    """The agent of a simulated engine: loads from the store, computes, pins."""
+
+    def __init__(self, engine: Engine, path: str, poll_s: float,
+                 store: BlockStore | None = None) -> None:
+        super().__init__(path, poll_s)
+        self.engine = engine
+        self.store = store
+
+    def keys_of(self, tokens: list[int]) -> list[int]:
+        return self.engine.keys_of(tokens)
+
+    def _release(self, r: Replica) -> None:
+        self.engine.unpin(r.pinned)
+        r.pinned = []
 
     async def _warm(self, r: Replica) -> None:
         r.state = "warming"

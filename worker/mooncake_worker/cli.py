@@ -54,6 +54,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="downward-API annotations file; enables the pod agent")
     p.add_argument("--agent-poll", dest="agent_poll_s", type=float,
                    default=d["agent_poll_s"].default)
+    p.add_argument("--engine-url", default=None,
+                   help="relay mode: front this real engine (e.g. vLLM) instead of simulating")
+    p.add_argument("--engine-kv-events", default=None,
+                   help="relay mode: the engine's KV-event endpoint, e.g. tcp://127.0.0.1:5557")
+    p.add_argument("--engine-kv-replay", default=None,
+                   help="relay mode: the engine's KV-event replay endpoint")
+    p.add_argument("--agent-rewarm", dest="agent_rewarm_s", type=float,
+                   default=d["agent_rewarm_s"].default)
     p.add_argument("--log-level", default="WARNING")
 
 

@@ -542,9 +542,16 @@ class Worker:
 
 
 async def serve(settings: WorkerSettings, ready: Callable[[int], None] | None = None) -> None:
-    """Run a worker until cancelled."""
-    worker = Worker(settings)
-    runner = web.AppRunner(worker.app, handler_cancellation=True, access_log=None)
+    """Run a worker (or, with ``engine_url``, a relay in front of a real engine) until
+    cancelled."""
+    app: web.Application
+    if settings.engine_url:
+        from .relay import EngineRelay
+
+        app = EngineRelay(settings).app
+    else:
+        app = Worker(settings).app
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)
     await site.start()

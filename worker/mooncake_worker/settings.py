@@ -76,9 +76,17 @@ class WorkerSettings(BaseModel):
     )
     store_key_prefix: str = Field("kv/", description="prefix of block objects in the store")
 
+    # -- relay mode (in front of a real engine) --------------------------------------------
+    engine_url: str | None = Field(None, description="real engine's HTTP base URL: relay mode")
+    engine_kv_events: str | None = Field(None, description="real engine's KV-event PUB endpoint")
+    engine_kv_replay: str | None = Field(None, description="real engine's replay endpoint")
+
     # -- pod agent -------------------------------------------------------------------------
     annotations_file: str | None = Field(None, description="downward-API annotations file")
     agent_poll_s: float = Field(1.0, gt=0, description="annotations file mtime poll period")
+    agent_rewarm_s: float = Field(
+        30.0, gt=0, description="relay mode: least seconds between warm-ups of one prefix"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:

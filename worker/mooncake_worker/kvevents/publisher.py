@@ -55,7 +55,10 @@ class KVEventPublisher:
     def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> int:
         """Send one batch; returns its sequence number."""
         batch = KVEventBatch(time.time() if ts is None else ts, list(events), self.rank)
-        payload = encode_batch(batch)
+        return self.publish_payload(encode_batch(batch))
+
+    def publish_payload(self, payload: bytes) -> int:
+        """Send an already-encoded batch unchanged (relaying another publisher)."""
         seq = self.seq
         self.seq += 1
         self.buffer.append((seq, payload))

@@ -37,6 +37,7 @@ class KVEventSubscriber:
         replay_timeout_s: float = 2.0,
         on_reset: Callable[[], None] | None = None,
         context: zmq.asyncio.Context | None = None,
+        on_payload: Callable[[int, bytes], None] | None = None,
     ) -> None:
         """``expected_seq``: the first sequence number wanted (``0`` replays everything the
         publisher still buffers when joining late; ``None`` starts wherever it joins)."""
@@ -45,6 +46,7 @@ class KVEventSubscriber:
         self.topic = topic
         self.on_batch = on_batch
         self.on_reset = on_reset
+        self.on_payload = on_payload  # raw payload bytes, in order (for relays)
         self.next_seq = expected_seq
         self.replay_timeout_s = replay_timeout_s
         self._ctx = context or zmq.asyncio.Context.instance()
@@ -99,22 +101,24 @@ class KVEventSubscriber:
                 if self.on_reset is not None:
                     self.on_reset()
         self.received += 1
-        await self._deliver(seq, batch)
+        await self._deliver(seq, batch, payload)
 
-    async def _deliver(self, seq: int, batch: KVEventBatch) -> None:
+    async def _deliver(self, seq: int, batch: KVEventBatch, payload: bytes) -> None:
         self.next_seq = seq + 1
+        if self.on_payload is not None:
+            self.on_payload(seq, payload)
         res = self.on_batch(seq, batch)
         if res is not None:
             await res
 
-    async def replay(self, start: int) -> list[tuple[int, KVEventBatch]]:
+    async def replay(self, start: int) -> list[tuple[int, KVEventBatch, bytes]]:
         """Ask the replay socket for every buffered batch with seq ≥ ``start``."""
         if self.replay_endpoint is None:
             return []
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(self.replay_endpoint)
-        out: list[tuple[int, KVEventBatch]] = []
+        out: list[tuple[int, KVEventBatch, bytes]] = []
         try:
             await dealer.send_multipart([b"", encode_seq(start)])
             while True:
@@ -125,7 +129,7 @@ class KVEventSubscriber:
                 if seq == END_SEQ:
                     break
                 with contextlib.suppress(DecodeError):
-                    out.append((seq, decode_batch(frames[3])))
+                    out.append((seq, decode_batch(frames[3]), frames[3]))
         except TimeoutError:
             log.warning("replay from %s timed out", self.replay_endpoint)
         finally:
@@ -134,9 +138,9 @@ class KVEventSubscriber:
 
     async def _recover(self, start: int, until: int) -> None:
         got = 0
-        for seq, batch in await self.replay(start):
+        for seq, batch, payload in await self.replay(start):
             if start <= seq < until and seq >= (self.next_seq or 0):
                 self.replayed += 1
                 got += 1
-                await self._deliver(seq, batch)
+                await self._deliver(seq, batch, payload)
         self.lost += (until - start) - got

@@ -1,0 +1,106 @@
+"""Relay mode: the worker in front of an engine that speaks vLLM's formats (here a
+simulated worker stands in for vLLM): API proxied, KV events relayed unchanged, metrics
+merged, the agent warms prefixes through the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import zmq
+import zmq.asyncio
+from mooncake_conductor.blockkeys import block_keys, namespace_seed
+from mooncake_worker.agent import REPLICA_ANNOTATION
+from worker_fixtures import WorkerProc, run_worker
+
+MODEL = "llama3-70b-sim"
+
+
+def relay_args(engine: WorkerProc, *extra: str) -> tuple[str, ...]:
+    return ("--engine-url", engine.url, "--engine-kv-events", engine.kv_endpoint,
+            "--engine-kv-replay", engine.replay_endpoint, *extra)
+
+
+def test_relay_proxies_api_events_and_metrics(tmp_path: Path) -> None:
+    ann = tmp_path / "annotations"
+    tokens = list(range(7000, 7000 + 64))
+    keys = block_keys(tokens, 16, namespace_seed(MODEL, 16))
+    with run_worker("--time-scale", "0") as engine, \
+            run_worker(*relay_args(engine, "--annotations-file", str(ann),
+                                   "--agent-poll", "0.05")) as relay:
+        direct = openai.OpenAI(base_url=engine.base_url, api_key="x", max_retries=0)
+        via = openai.OpenAI(base_url=relay.base_url, api_key="x", max_retries=0)
+        prompt = "relay this prompt please " * 10
+
+        async def collect(ep: str, out: list[bytes], stop: asyncio.Event) -> None:
+            ctx = zmq.asyncio.Context()
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(ep)
+            try:
+                while not stop.is_set():
+                    with contextlib.suppress(TimeoutError):
+                        out.append((await asyncio.wait_for(sub.recv_multipart(), 0.1))[2])
+            finally:
+                sub.close(0)
+                ctx.term()
+
+        async def main() -> tuple[list[bytes], list[bytes]]:
+            from_engine: list[bytes] = []
+            from_relay: list[bytes] = []
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(collect(engine.kv_endpoint, from_engine, stop)),
+                     asyncio.create_task(collect(relay.kv_endpoint, from_relay, stop))]
+            await asyncio.sleep(0.4)
+            r = await asyncio.to_thread(via.completions.create, model=MODEL, prompt=prompt,
+                                        max_tokens=5)
+            assert r.choices[0].text == direct.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=5).choices[0].text
+            await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.gather(*tasks)
+            return from_engine, from_relay
+
+        from_engine, from_relay = asyncio.run(main())
+        assert from_engine and from_relay == from_engine  # payloads relayed byte for byte
+
+        # streaming passes through
+        chunks = list(via.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+        # errors pass through with their status
+        try:
+            via.completions.create(model="nope", prompt="x", max_tokens=1)
+            raise AssertionError("expected 404")
+        except openai.NotFoundError:
+            pass
+        # metrics: the engine's plus the relay's own
+        with urllib.request.urlopen(relay.url + "/metrics") as resp:
+            text = resp.read().decode()
+        assert "vllm:num_requests_running" in text
+        assert "mooncake_worker:relayed_batches_total" in text
+
+        # the agent warms a prefix through the engine and sees it in the relayed events
+        value = json.dumps([{"prefix": "p", "tokens": tokens}])
+        ann.write_text(f'{REPLICA_ANNOTATION}="{value.replace(chr(34), chr(92) + chr(34))}"\n')
+        end = time.monotonic() + 10
+        state = relay.get("/agent/state")
+        while time.monotonic() < end and (
+                not state["replicas"] or state["replicas"][0]["state"] != "ready"):
+            time.sleep(0.05)
+            state = relay.get("/agent/state")
+        assert state["replicas"][0]["state"] == "ready", state
+        assert state["replicas"][0]["held_blocks"] == 4
+        assert set(keys) <= set(engine.get("/kv/blocks")["keys"])
+
+
+def test_relay_engine_down_is_502() -> None:
+    with run_worker("--engine-url", "http://127.0.0.1:9", ready_any=True) as relay:
+        code, body = relay.post("/v1/completions", {"prompt": "x"})
+        assert code == 502 and body["error"]["code"] == "engine_unavailable"
