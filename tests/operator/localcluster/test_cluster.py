@@ -367,3 +367,26 @@ def test_runnable_job_completes_with_its_real_exit(k8s_cluster: LocalK8s, namesp
     assert terminated["exitCode"] == 0 and terminated["reason"] == "Completed"
     log_files = list(k8s_cluster.state_dir.glob(f"pods/{namespace}_real-*/main.log"))
     assert log_files and log_files[0].read_text().strip() == "done"
+
+
+def test_kopf_operator_reacts(k8s_cluster: LocalK8s, namespace: str, monkeypatch: Any) -> None:
+    import kopf
+    from kopf.testing import KopfRunner
+
+    monkeypatch.setenv("KUBECONFIG", str(k8s_cluster.kubeconfig))
+    http = k8s_cluster.http()
+    operator = Path(__file__).with_name("kopf_smoke_operator.py")
+    settings = kopf.OperatorSettings()
+    settings.watching.server_timeout = 10
+    args = ["run", "--standalone", "--namespace", namespace, str(operator)]
+    with KopfRunner(args, timeout=60, settings=settings) as runner:
+        cm = {"metadata": {"name": "x", "labels": {"mooncake.io/kopf-smoke": "true"}}}
+        http.post(f"/api/v1/namespaces/{namespace}/configmaps", cm)
+        path = f"/api/v1/namespaces/{namespace}/configmaps/x"
+        wait_for(
+            "kopf annotation",
+            lambda: http.get(path)["metadata"].get("annotations", {}).get("mooncake.io/seen-by"),
+        )
+        http.delete(path)
+        wait_for("configmap gone", lambda: not _exists(http, path))
+    assert runner.exit_code == 0, runner.output
