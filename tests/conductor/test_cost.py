@@ -101,7 +101,8 @@ def test_fit_on_cost_model_reports_error() -> None:
     ]
     fit = fit_prefill_predictor(samples)
     assert fit.samples == len(samples)
-    assert 0 < fit.mean_abs_pct_error < 15
+    # the model is quadratic in (n, p) where compute dominates: the fit recovers it
+    assert fit.mean_abs_pct_error < 1.0
     assert math.isfinite(fit.max_abs_pct_error)
 
 

@@ -77,6 +77,9 @@ class ConductorParams(BaseModel):
     cpp: CPPConfig = CPPConfig()
 
 
+_AFTER = 1e-6  # priority step that orders a request right after another
+
+
 @register
 class ConductorPolicy(PrefillPolicy):
     name = "conductor"
@@ -115,6 +118,9 @@ class ConductorPolicy(PrefillPolicy):
             local_tokens = req.tokens_of(local)
             recompute = cost.prefill_time(n, local_tokens)
             prio = req.arrival + prm.priority_weight * recompute
+            if local > stored.get(p.iid, 0) and p.queue:
+                # reusing blocks a queued prefill will write: never jump ahead of it
+                prio = max(prio, max(q.priority for q in p.queue) + _AFTER)
             queue = p.wait_time(now, prio)
             option = Placement(
                 prefill=p.iid, local_blocks=local, queue_s=queue, prefill_s=recompute,
