@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "mooncake_sim.cli",
     "mooncake_operator.localcluster.cli",
     "mooncake_worker.cli",
+    "mooncake_gateway.cli",
 )
 
 

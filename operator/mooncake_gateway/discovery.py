@@ -1,0 +1,161 @@
+"""Where a model's engines are: a fixed list, or Kubernetes pods found by label selector.
+
+An :class:`EndpointSource` pushes complete endpoint lists per role to a callback
+whenever they change; the gateway applies them (new instances join, missing ones
+leave routing). Tests use :class:`StaticSource` (or call the callback directly); the
+operator deploys the gateway with :class:`KubernetesPodSource`, which watches pods with
+the ``kubernetes`` client (in a thread) and builds endpoints from each ready pod's IP
+and its port annotations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from .settings import Endpoint, KubernetesSource, ModelSettings, Role
+
+log = logging.getLogger(__name__)
+
+OnEndpoints = Callable[[Role, list[Endpoint]], None]
+#: seconds between watch restarts after an API error
+WATCH_BACKOFF_S = 2.0
+
+
+class EndpointSource(ABC):
+    @abstractmethod
+    async def start(self, on_change: OnEndpoints) -> None:
+        """Report the current endpoints, then keep reporting changes until :meth:`stop`."""
+
+    async def stop(self) -> None:  # noqa: B027 (optional hook)
+        """Stop watching."""
+
+
+class StaticSource(EndpointSource):
+    def __init__(self, model: ModelSettings) -> None:
+        self.model = model
+
+    async def start(self, on_change: OnEndpoints) -> None:
+        on_change(Role.PREFILL, list(self.model.prefill))
+        on_change(Role.DECODE, list(self.model.decode))
+
+
+def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
+    """Endpoint of a running, ready pod (``None`` otherwise). ``pod`` is a V1Pod."""
+    status, meta = pod.status, pod.metadata
+    if status is None or meta is None or not status.pod_ip or status.phase != "Running":
+        return None
+    if meta.deletion_timestamp is not None:
+        return None
+    ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
+    if not ready:
+        return None
+    ann: dict[str, str] = dict(meta.annotations or {})
+
+    def port(key: str, default: int | None) -> int | None:
+        raw = ann.get(key)
+        if raw is None:
+            return default
+        try:
+            return int(raw)
+        except ValueError:
+            log.warning("pod %s: annotation %s=%r is not a port", meta.name, key, raw)
+            return default
+
+    ip = status.pod_ip
+    host = f"[{ip}]" if ":" in ip else ip
+    http = port(cfg.http_port_annotation, cfg.http_port)
+    kv = port(cfg.kv_events_port_annotation, cfg.kv_events_port)
+    replay = port(cfg.kv_replay_port_annotation, cfg.kv_replay_port)
+    return Endpoint(
+        url=f"http://{host}:{http}",
+        kv_events=f"tcp://{host}:{kv}" if kv else None,
+        kv_replay=f"tcp://{host}:{replay}" if replay else None,
+        kv_topic=ann.get(cfg.kv_topic_annotation, ""),
+        name=f"{meta.namespace}/{meta.name}",
+    )
+
+
+class KubernetesPodSource(EndpointSource):
+    """Watches the model's prefill and decode pods (list, then watch from its version)."""
+
+    def __init__(self, cfg: KubernetesSource, api: Any | None = None) -> None:
+        self.cfg = cfg
+        self._api = api
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def _core_api(self) -> Any:
+        if self._api is None:
+            from kubernetes import client, config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            self._api = client.CoreV1Api()
+        return self._api
+
+    async def start(self, on_change: OnEndpoints) -> None:
+        loop = asyncio.get_running_loop()
+        api = self._core_api()
+
+        def report(role: Role, eps: list[Endpoint]) -> None:
+            loop.call_soon_threadsafe(on_change, role, eps)
+
+        for role, selector in ((Role.PREFILL, self.cfg.prefill_selector),
+                               (Role.DECODE, self.cfg.decode_selector)):
+            t = threading.Thread(target=self._watch, args=(api, role, selector, report),
+                                 name=f"k8s-watch-{role.value}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _watch(self, api: Any, role: Role, selector: str,
+               report: Callable[[Role, list[Endpoint]], None]) -> None:
+        from kubernetes import watch
+
+        pods: dict[str, Any] = {}
+
+        def publish() -> None:
+            eps = [e for p in pods.values() if (e := pod_endpoint(p, self.cfg)) is not None]
+            report(role, sorted(eps, key=lambda e: e.url))
+
+        while not self._stop.is_set():
+            try:
+                listing = api.list_namespaced_pod(self.cfg.namespace, label_selector=selector)
+                pods = {p.metadata.name: p for p in listing.items}
+                publish()
+                w = watch.Watch()
+                for ev in w.stream(api.list_namespaced_pod, self.cfg.namespace,
+                                   label_selector=selector,
+                                   resource_version=listing.metadata.resource_version,
+                                   timeout_seconds=self.cfg.watch_timeout_s):
+                    if self._stop.is_set():
+                        w.stop()
+                        break
+                    pod = ev["object"]
+                    if ev["type"] == "DELETED":
+                        pods.pop(pod.metadata.name, None)
+                    else:
+                        pods[pod.metadata.name] = pod
+                    publish()
+            except Exception as exc:  # the API server restarts, tokens rotate: retry
+                log.warning("pod watch (%s) failed: %s", selector, exc)
+                self._stop.wait(WATCH_BACKOFF_S)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            with contextlib.suppress(RuntimeError):
+                await asyncio.to_thread(t.join, 0.1)
+
+
+def source_for(model: ModelSettings) -> EndpointSource:
+    if model.kubernetes is not None:
+        return KubernetesPodSource(model.kubernetes)
+    return StaticSource(model)

@@ -1,0 +1,64 @@
+"""The gateway's Prometheus metrics, in a private registry (``/metrics``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+#: TTFT buckets (seconds), as vLLM's ``time_to_first_token_seconds``
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+#: time-between-tokens buckets (seconds), as vLLM's ``inter_token_latency_seconds``
+TBT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+               0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+#: decision latency buckets (seconds): tens of microseconds to tens of milliseconds
+DECISION_BUCKETS = (2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "mooncake_gateway_requests", "Requests by model, endpoint and outcome",
+            ["model", "endpoint", "outcome"], registry=r)
+        self.ttft = Histogram(
+            "mooncake_gateway_time_to_first_token_seconds", "TTFT seen by the gateway",
+            ["model"], buckets=TTFT_BUCKETS, registry=r)
+        self.tbt = Histogram(
+            "mooncake_gateway_time_between_tokens_seconds",
+            "Time between streamed chunks seen by the gateway", ["model"],
+            buckets=TBT_BUCKETS, registry=r)
+        self.decision = Histogram(
+            "mooncake_gateway_decision_seconds",
+            "Tokens → block keys → Conductor decision", ["model"],
+            buckets=DECISION_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(
+            "mooncake_gateway_prompt_tokens", "Prompt tokens by how the index predicted them",
+            ["model", "kind"], registry=r)  # kind: reused | computed
+        self.engine_cached_tokens = Counter(
+            "mooncake_gateway_engine_cached_tokens",
+            "Prompt tokens the prefill engines reported as prefix-cache hits", ["model"],
+            registry=r)
+        self.engine_prompt_tokens = Counter(
+            "mooncake_gateway_engine_prompt_tokens",
+            "Prompt tokens of prefills the engines answered", ["model"], registry=r)
+        self.rejections = Counter(
+            "mooncake_gateway_rejections", "Requests answered 429, by reason",
+            ["model", "reason"], registry=r)
+        self.retries = Counter(
+            "mooncake_gateway_retries", "Upstream attempts repeated elsewhere",
+            ["model", "role"], registry=r)
+        self.index_blocks = Gauge(
+            "mooncake_gateway_index_blocks", "Distinct block keys in the index", ["model"],
+            registry=r)
+        self.events = Counter(
+            "mooncake_gateway_kv_events", "KV events applied to the index", ["model"],
+            registry=r)
+        self.instance_up = Gauge(
+            "mooncake_gateway_instance_up", "1 when an instance is routable",
+            ["model", "role", "instance"], registry=r)
+        self.instance_inflight = Gauge(
+            "mooncake_gateway_instance_inflight", "Requests this gateway has in flight there",
+            ["model", "role", "instance"], registry=r)
+        self.instance_queue_s = Gauge(
+            "mooncake_gateway_instance_predicted_wait_seconds",
+            "Predicted prefill wait (modelled seconds)", ["model", "instance"], registry=r)

@@ -1,0 +1,196 @@
+"""Replay a Mooncake-format trace against a live gateway, measured client-side.
+
+Each trace ``hash_id`` becomes a deterministic block of :data:`TRACE_BLOCK_TOKENS`
+token ids (a PCG64 stream seeded by the id), so prompts share exactly the prefixes the
+trace says; a prompt is its blocks' tokens cut to ``input_length``. Requests go to
+``/v1/completions`` as token-id prompts with ``stream=True`` and ``max_tokens =
+min(output_length, --max-output-tokens)`` at ``timestamp / speed``. TTFT is the time
+to the first streamed token; a request's TBT is the mean of the longest
+``tbt_top_share`` of its chunk intervals (the simulator's definition). Output has the
+same keys as ``simulate --json``; the token hit ratio and prefill GPU seconds come from
+the gateway's ``/conductor/state`` (before/after difference).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import numpy as np
+from mooncake_sim.trace import TRACE_BLOCK_TOKENS, TraceRecord
+from mooncake_worker.settings import VOCAB_SIZE
+
+#: smallest token id a replayed prompt uses (ids below are the tokenizer's specials)
+FIRST_ID = 256
+#: the simulator's TBT: mean of this top share of a request's intervals (paper §5)
+TBT_TOP_SHARE = 0.1
+BLOCK_SALT = 0x5EED_B10C
+
+
+def block_tokens(hash_id: int, size: int = TRACE_BLOCK_TOKENS) -> np.ndarray[Any, Any]:
+    rng = np.random.Generator(np.random.PCG64([BLOCK_SALT, hash_id & ((1 << 63) - 1)]))
+    return rng.integers(FIRST_ID, VOCAB_SIZE, size=size, dtype=np.int64)
+
+
+def prompt_tokens(rec: TraceRecord, cache: dict[int, np.ndarray[Any, Any]]) -> list[int]:
+    parts = []
+    for h in rec.hash_ids:
+        b = cache.get(h)
+        if b is None:
+            b = cache[h] = block_tokens(h)
+        parts.append(b)
+    return [int(t) for t in np.concatenate(parts)[: rec.input_length]]
+
+
+@dataclass(slots=True)
+class Outcome:
+    status: str = "pending"  # ok | rejected | failed
+    ttft_s: float = math.nan
+    tbt_s: float = math.nan
+    intervals: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass(slots=True)
+class ReplayConfig:
+    url: str
+    model: str | None = None
+    speed: float = 1.0
+    max_output_tokens: int = 64
+    time_scale: float = 1.0
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    timeout_s: float = 600.0
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+async def _state(session: aiohttp.ClientSession, url: str, model: str) -> dict[str, Any]:
+    async with session.get(f"{url}/conductor/state", params={"model": model}) as r:
+        data = await r.json()
+    return dict(data["models"][0])
+
+
+async def _one(session: aiohttp.ClientSession, cfg: ReplayConfig, body: bytes,
+               at: float, out: Outcome) -> None:
+    delay = at - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    sent = time.perf_counter()
+    last = 0.0
+    try:
+        async with session.post(f"{cfg.url}/v1/completions", data=body,
+                                headers={"Content-Type": "application/json"}) as r:
+            if r.status == 429:
+                out.status = "rejected"
+                await r.read()
+                return
+            if r.status != 200:
+                out.status, out.error = "failed", f"HTTP {r.status}: {(await r.read())[:200]!r}"
+                return
+            buf = b""
+            async for chunk in r.content.iter_any():
+                buf += chunk
+                *events, buf = buf.split(b"\n\n")
+                now = time.perf_counter()
+                for ev in events:
+                    ev = ev.strip()
+                    if not ev.startswith(b"data:") or ev.startswith(b"data: [DONE]"):
+                        continue
+                    obj = json.loads(ev[5:])
+                    if "error" in obj:
+                        out.status, out.error = "failed", str(obj["error"])[:200]
+                        return
+                    if not any(c.get("text") for c in obj.get("choices") or []):
+                        continue
+                    if math.isnan(out.ttft_s):
+                        out.ttft_s = (now - sent) / cfg.time_scale
+                    else:
+                        out.intervals.append((now - last) / cfg.time_scale)
+                    last = now
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        out.status, out.error = "failed", type(exc).__name__
+        return
+    if math.isnan(out.ttft_s):
+        out.status, out.error = "failed", "no token received"
+        return
+    iv = sorted(out.intervals, reverse=True)
+    top = iv[: max(1, math.ceil(TBT_TOP_SHARE * len(iv)))] if iv else []
+    out.tbt_s = sum(top) / len(top) if top else 0.0
+    out.status = "ok"
+
+
+async def replay(records: list[TraceRecord], cfg: ReplayConfig) -> dict[str, Any]:
+    timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=timeout) as session:
+        model = cfg.model
+        if model is None:
+            async with session.get(f"{cfg.url}/v1/models") as r:
+                model = str((await r.json())["data"][0]["id"])
+        cache: dict[int, np.ndarray[Any, Any]] = {}
+        bodies = [
+            json.dumps({"model": model, "prompt": prompt_tokens(rec, cache), "stream": True,
+                        "max_tokens": max(1, min(rec.output_length, cfg.max_output_tokens))},
+                       separators=(",", ":")).encode()
+            for rec in records
+        ]
+        before = await _state(session, cfg.url, model)
+        outs = [Outcome() for _ in records]
+        t0 = time.perf_counter() + 0.1
+        base = records[0].timestamp_ms if records else 0.0
+        started = time.perf_counter()
+        await asyncio.gather(*(
+            _one(session, cfg, body, t0 + (rec.timestamp_ms - base) / 1000.0 / cfg.speed, out)
+            for rec, body, out in zip(records, bodies, outs, strict=True)
+        ))
+        wall = time.perf_counter() - started
+        after = await _state(session, cfg.url, model)
+    return results(records, outs, before, after, cfg, wall)
+
+
+def results(records: list[TraceRecord], outs: list[Outcome], before: dict[str, Any],
+            after: dict[str, Any], cfg: ReplayConfig, wall: float) -> dict[str, Any]:
+    served = [o for o in outs if o.status == "ok"]
+    ttfts = sorted(o.ttft_s for o in served)
+    tbts = sorted(o.tbt_s for o in served)
+    ok = sum(1 for o in served if o.ttft_s <= cfg.ttft_slo_s and o.tbt_s <= cfg.tbt_slo_s)
+    n = len(records)
+    tb, ta = before["tokens"], after["tokens"]
+    eng_prompt = ta["engine_prompt"] - tb["engine_prompt"]
+    eng_cached = ta["engine_cached"] - tb["engine_cached"]
+    pred_prompt = ta["prompt"] - tb["prompt"]
+    pred_reused = ta["reused_predicted"] - tb["reused_predicted"]
+    errors: dict[str, int] = {}
+    for o in outs:
+        if o.status == "failed":
+            errors[o.error] = errors.get(o.error, 0) + 1
+    return {
+        "policy": after["policy"],
+        "requests": n,
+        "completed": len(served),
+        "rejected": sum(1 for o in outs if o.status == "rejected"),
+        "failed": sum(1 for o in outs if o.status == "failed"),
+        "errors": errors,
+        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        "ttft_p50_s": _pct(ttfts, 0.5),
+        "ttft_p90_s": _pct(ttfts, 0.9),
+        "ttft_p99_s": _pct(ttfts, 0.99),
+        "tbt_mean_ms": 1000.0 * sum(tbts) / len(tbts) if tbts else math.nan,
+        "tbt_p90_ms": 1000.0 * _pct(tbts, 0.9),
+        "tbt_p99_ms": 1000.0 * _pct(tbts, 0.99),
+        "slo_attainment": ok / n if n else math.nan,
+        "token_hit_ratio": eng_cached / eng_prompt if eng_prompt else 0.0,
+        "token_hit_ratio_predicted": pred_reused / pred_prompt if pred_prompt else 0.0,
+        "prefill_gpu_seconds": ta["prefill_seconds"] - tb["prefill_seconds"],
+        "wall_seconds": wall,
+    }

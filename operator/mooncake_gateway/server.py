@@ -1,0 +1,701 @@
+"""The gateway's aiohttp application: OpenAI API in front, P/D dispatch behind.
+
+Per request: validate → tokens (cached) → block keys → ``Conductor.schedule`` in-process
+→ 429 on rejection, else prefill (``max_tokens=1``, ``kv_transfer_params.do_remote_decode``)
+then decode with the returned ``kv_transfer_params`` (streamed through), or straight to
+decode when the uncached part of the prompt is below the model's ``direct`` threshold.
+A prefill that fails before the client got anything is retried on the next-best
+instance; a decode failing mid-stream ends the stream with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+from mooncake_conductor.blockkeys import block_keys
+from mooncake_conductor.engine import Decision
+from mooncake_conductor.state import RequestInfo
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .discovery import EndpointSource, source_for
+from .errors import ApiError, error_body
+from .metrics import GatewayMetrics
+from .openapi import openapi_spec
+from .runtime import EngineStats, Instance, ModelRuntime
+from .settings import GatewaySettings, Role, TokenizerMode
+from .tokens import PromptTokenizer
+from .validate import Parsed, parse_request
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+EXPLAIN_HEADER = "x-conductor-explain"
+DECISION_HEADER = "x-conductor-decision"
+DECODE_ATTEMPTS = 2
+UPSTREAM_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+SSE_DONE = b"data: [DONE]"
+MICRO = 1e6
+DECISIONS_DEFAULT_LIMIT = 50
+
+
+class UpstreamError(Exception):
+    """An engine call failed in a way another instance may not."""
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.models: dict[str, ModelRuntime] = {
+            m.name: ModelRuntime(m, settings, self.metrics) for m in settings.models
+        }
+        self.sources: list[EndpointSource] = []
+        self.session: aiohttp.ClientSession | None = None
+        self.tokenizer = PromptTokenizer(
+            settings.tokenize_cache_entries,
+            self._remote_tokenize if settings.tokenizer is TokenizerMode.ENGINE else None,
+        )
+        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
+        self.app = self._build_app()
+
+    # -- app -------------------------------------------------------------------------------
+    def _build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors],
+                              client_max_size=self.settings.max_body_bytes)
+        r = app.router
+        r.add_get("/v1/models", self.list_models)
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat)
+        r.add_get("/health", self.health)
+        r.add_get("/ready", self.ready)
+        r.add_get("/metrics", self.metrics_handler)
+        r.add_get("/conductor/state", self.conductor_state)
+        r.add_get("/conductor/hot-prefixes", self.hot_prefixes)
+        r.add_get("/conductor/decisions", self.decisions)
+        r.add_get("/openapi.json", self.openapi)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, _app: web.Application) -> None:
+        s = self.settings
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=False),
+            timeout=aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s),
+        )
+        for rt in self.models.values():
+            src = source_for(rt.cfg)
+            self.sources.append(src)
+            await src.start(rt.set_endpoints)
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._health_loop()),
+                       loop.create_task(self._scrape_loop())]
+        self._started = True
+
+    async def _on_cleanup(self, _app: web.Application) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for src in self.sources:
+            await src.stop()
+        for rt in self.models.values():
+            await rt.close()
+        if self.session is not None:
+            await self.session.close()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return exc.response()
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            code = "request_too_large" if exc.status == 413 else None
+            return ApiError(exc.status, exc.reason or "error", code=code,
+                            headers={k: v for k, v in exc.headers.items()
+                                     if k.lower() == "allow"}).response()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("internal error on %s %s", request.method, request.path)
+            return ApiError(500, "internal gateway error", code="internal_error").response()
+
+    # -- small endpoints -------------------------------------------------------------------
+    async def health(self, _r: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, _r: web.Request) -> web.Response:
+        missing = [
+            f"{name}:{role.value}" for name, rt in self.models.items() for role in Role
+            if not any(i.routable for i in rt.instances(role))
+        ]
+        ok = self._started and not missing and bool(self.models)
+        return web.json_response({"ready": ok, "missing": missing}, status=200 if ok else 503)
+
+    async def list_models(self, _r: web.Request) -> web.Response:
+        created = int(time.time())
+        data = [{"id": n, "object": "model", "created": created, "owned_by": "mooncake",
+                 "max_model_len": rt.cfg.max_model_len} for n, rt in self.models.items()]
+        return web.json_response({"object": "list", "data": data})
+
+    async def metrics_handler(self, _r: web.Request) -> web.Response:
+        for name, rt in self.models.items():
+            self.metrics.index_blocks.labels(name).set(len(rt.index))
+            now = rt.now()
+            rt.drain(now)
+            for inst in rt.prefill:
+                self.metrics.instance_queue_s.labels(name, inst.name).set(
+                    rt.cluster.prefill[inst.iid].wait_time(now))
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def openapi(self, _r: web.Request) -> web.Response:
+        return web.json_response(openapi_spec(list(self.models)))
+
+    def _model_param(self, request: web.Request) -> list[ModelRuntime]:
+        name = request.query.get("model")
+        if name is None:
+            return list(self.models.values())
+        if name not in self.models:
+            raise ApiError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+        return [self.models[name]]
+
+    async def conductor_state(self, request: web.Request) -> web.Response:
+        return web.json_response({"models": [rt.state() for rt in self._model_param(request)]})
+
+    async def hot_prefixes(self, request: web.Request) -> web.Response:
+        limit = _int_query(request, "limit", self.settings.hot_prefixes_max)
+        out: list[dict[str, Any]] = []
+        for rt in self._model_param(request):
+            out.extend(rt.hot_prefixes(limit))
+        out.sort(key=lambda h: -float(h["rate_per_s"]))
+        return web.json_response(out[:limit])
+
+    async def decisions(self, request: web.Request) -> web.Response:
+        limit = _int_query(request, "limit", DECISIONS_DEFAULT_LIMIT)
+        out: list[dict[str, Any]] = []
+        for rt in self._model_param(request):
+            out.extend(rt.decisions)
+        out.sort(key=lambda d: float(d["time"]))
+        return web.json_response(out[-limit:] if limit else [])
+
+    # -- background: health and engine metrics ---------------------------------------------
+    def _all_instances(self) -> list[tuple[ModelRuntime, Instance]]:
+        return [(rt, i) for rt in self.models.values() for role in Role
+                for i in rt.instances(role) if i.listed]
+
+    async def _health_loop(self) -> None:
+        s = self.settings
+        while True:
+            await asyncio.gather(*(self._check(rt, i) for rt, i in self._all_instances()))
+            await asyncio.sleep(s.health_interval_s)
+
+    async def _check(self, rt: ModelRuntime, inst: Instance) -> None:
+        assert self.session is not None
+        ok = False
+        with contextlib.suppress(Exception):
+            async with self.session.get(
+                inst.endpoint.url + "/health",
+                timeout=aiohttp.ClientTimeout(total=self.settings.health_timeout_s),
+            ) as resp:
+                ok = resp.status == 200
+        rt.mark_health(inst, ok)
+
+    async def _scrape_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._scrape(rt, i) for rt, i in self._all_instances()
+                                   if i.healthy))
+            await asyncio.sleep(self.settings.metrics_interval_s)
+
+    async def _scrape(self, rt: ModelRuntime, inst: Instance) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                inst.endpoint.url + "/metrics",
+                timeout=aiohttp.ClientTimeout(total=self.settings.health_timeout_s),
+            ) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except Exception:
+            return
+        rt.apply_stats(inst, parse_engine_metrics(text))
+
+    # -- tokenization ----------------------------------------------------------------------
+    async def _remote_tokenize(self, body: dict[str, Any]) -> list[int]:
+        assert self.session is not None
+        for rt in self.models.values():
+            for inst in rt.prefill + rt.decode:
+                if not inst.routable:
+                    continue
+                try:
+                    async with self.session.post(inst.endpoint.url + "/tokenize", json=body) as r:
+                        data = await r.json(content_type=None)
+                        if r.status == 200 and isinstance(data, dict):
+                            toks = data.get("tokens")
+                            if isinstance(toks, list):
+                                return [int(t) for t in toks]
+                        if 400 <= r.status < 500:
+                            err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+                            raise ApiError(r.status, str(err.get("message", "bad prompt")),
+                                           err.get("param"), err.get("code"))
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    continue
+        raise ApiError(503, "no engine could tokenize the prompt", code="no_tokenizer")
+
+    async def _tokens(self, p: Parsed) -> list[int]:
+        if p.prompt_ids is not None:
+            return p.prompt_ids
+        if p.prompt_text is not None:
+            return await self.tokenizer.prompt(p.prompt_text)
+        assert p.messages is not None
+        return await self.tokenizer.chat(p.messages)
+
+    # -- the OpenAI endpoints --------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrived = time.perf_counter()
+        endpoint = "chat" if chat else "completions"
+        try:
+            raw = await request.read()
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+        default = next(iter(self.models)) if len(self.models) == 1 else None
+        p = parse_request(data, chat, default)
+        rt = self.models.get(p.model)
+        if rt is None:
+            self.metrics.requests.labels(p.model[:64], endpoint, "not_found").inc()
+            raise ApiError(404, f"The model `{p.model}` does not exist.", "model",
+                           "model_not_found")
+        outcome = "error"
+        try:
+            resp = await self._route(request, rt, data, p, arrived)
+            outcome = "ok"
+            return resp
+        except ApiError as exc:
+            outcome = {400: "bad_request", 429: "rejected"}.get(exc.status, "error")
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.requests.labels(p.model, endpoint, outcome).inc()
+
+    async def _route(self, request: web.Request, rt: ModelRuntime, data: dict[str, Any],
+                     p: Parsed, arrived: float) -> web.StreamResponse:
+        cfg = rt.cfg
+        tokens = await self._tokens(p)
+        if not tokens:
+            raise ApiError(400, "the prompt is empty", "messages" if p.chat else "prompt")
+        max_tokens = p.max_tokens or cfg.default_max_tokens
+        if len(tokens) + max_tokens > cfg.max_model_len:
+            raise ApiError(400, f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) "
+                           f"exceeds the context window ({cfg.max_model_len})",
+                           "max_tokens", "context_length_exceeded")
+        explain = request.headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes")
+        t0 = time.perf_counter()
+        keys = block_keys(np.asarray(tokens, dtype=np.int64), cfg.block_size, rt.seed)
+        req = rt.request_info(tokens, keys, max_tokens)
+        decision, record = self._decide(rt, req, explain, t0)
+        if decision.rejected:
+            reason = decision.reject_reason or "rejected"
+            self.metrics.rejections.labels(cfg.name, reason).inc()
+            raise ApiError(429, f"request rejected by the scheduler ({reason}); retry later",
+                           code=reason.replace("-", "_"),
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        pl = decision.placement
+        reused = req.tokens_of(pl.reused_blocks)
+        direct = len(tokens) - reused < cfg.direct.uncached_tokens_below
+        record["direct"] = direct
+        rt.prompt_tokens += len(tokens)
+        if not direct:
+            rt.reused_tokens += reused
+            rt.prefill_seconds += pl.gpu_seconds
+            self.metrics.prompt_tokens.labels(cfg.name, "reused").inc(reused)
+            self.metrics.prompt_tokens.labels(cfg.name, "computed").inc(len(tokens) - reused)
+        else:
+            self.metrics.prompt_tokens.labels(cfg.name, "computed").inc(len(tokens))
+        headers = {DECISION_HEADER: json.dumps(_header_view(record), separators=(",", ":"))} \
+            if explain else {}
+        kvp: dict[str, Any] | None = None
+        if not direct:
+            kvp = await self._prefill(rt, req, decision, data, p, record)
+        return await self._decode(request, rt, req, decision, data, p, kvp, record, headers,
+                                  arrived, explain)
+
+    def _decide(self, rt: ModelRuntime, req: RequestInfo, explain: bool,
+                t0: float) -> tuple[Decision, dict[str, Any]]:
+        now = req.arrival
+        rt.drain(now)
+        decision = rt.conductor.schedule(req, rt.cluster, now)
+        took = time.perf_counter() - t0
+        self.metrics.decision.labels(rt.cfg.name).observe(took)
+        pl, dc = decision.placement, decision.decode
+        record: dict[str, Any] = {
+            "id": req.rid, "time": time.time(), "model": rt.cfg.name,
+            "policy": rt.cfg.conductor.policy, "prompt_tokens": req.input_tokens,
+            "blocks": len(req.keys),
+            "prefill": rt.prefill[pl.prefill].name if pl.prefill is not None else None,
+            "decode": rt.decode[dc.decode].name if dc.decode is not None else None,
+            "local_blocks": pl.local_blocks, "fetch_blocks": pl.fetch_blocks,
+            "source": _source_name(rt, pl.source),
+            "predicted": {"queue_s": pl.queue_s, "transfer_s": pl.transfer_s,
+                          "prefill_s": pl.prefill_s, "ttft_s": pl.ttft_s,
+                          "tbt_s": dc.predicted_tbt_s},
+            "reject_reason": decision.reject_reason, "decision_us": took * MICRO,
+            "attempts": [],
+        }
+        if explain:
+            record["candidates"] = self._candidates(rt, req, now)
+        rt.decisions.append(record)
+        return decision, record
+
+    def _candidates(self, rt: ModelRuntime, req: RequestInfo, now: float) -> list[dict[str, Any]]:
+        """Every routable prefill instance's predicted TTFT parts, best first."""
+        cost = rt.cost
+        matched = rt.index.match_all(req.keys, rt.cluster.prefill_mask, include_pending=True)
+        out = []
+        for ps in rt.cluster.prefill:
+            if not ps.up:
+                continue
+            local = matched.get(ps.iid, 0)
+            cached = req.tokens_of(local)
+            queue = ps.wait_time(now)
+            prefill = cost.prefill_time(req.input_tokens, cached)
+            out.append({"instance": rt.prefill[ps.iid].name, "matched_blocks": local,
+                        "cached_tokens": cached, "queue_s": queue, "prefill_s": prefill,
+                        "ttft_s": queue + prefill})
+        out.sort(key=lambda c: float(c["ttft_s"]))
+        return out[: self.settings.explain_top]
+
+    # -- prefill ---------------------------------------------------------------------------
+    async def _prefill(self, rt: ModelRuntime, req: RequestInfo, decision: Decision,
+                       data: dict[str, Any], p: Parsed, record: dict[str, Any]) -> dict[str, Any]:
+        body = dict(data)
+        body.pop("stream_options", None)
+        body.update(stream=False, max_tokens=1, kv_transfer_params={
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None})
+        if p.chat:
+            body.pop("max_completion_tokens", None)
+        path = "/v1/chat/completions" if p.chat else "/v1/completions"
+        tried: set[int] = set()
+        pl = decision.placement
+        last = "no prefill instance"
+        for attempt in range(self.settings.prefill_attempts):
+            if attempt:
+                self.metrics.retries.labels(rt.cfg.name, "prefill").inc()
+                pl = self._replace_prefill(rt, req, tried)
+                if pl is None:
+                    break
+            assert pl.prefill is not None
+            inst = rt.prefill[pl.prefill]
+            tried.add(inst.iid)
+            prio = pl.priority if pl.priority is not None else req.arrival
+            rt.prefill_started(inst, req, pl.prefill_s + pl.transfer_s, prio)
+            started = time.perf_counter()
+            try:
+                status, resp = await self._post_json(inst, path, body)
+            except UpstreamError as exc:
+                last = f"{inst.name}: {exc}"
+                record["attempts"].append({"prefill": inst.name, "error": str(exc)})
+                rt.mark_health(inst, False)
+                continue
+            finally:
+                rt.prefill_done(inst, req, (time.perf_counter() - started) / rt.gw.time_scale)
+            record["attempts"].append({"prefill": inst.name, "status": status})
+            if status == 200 and isinstance(resp, dict):
+                usage = resp.get("usage") or {}
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                prompt = usage.get("prompt_tokens") or req.input_tokens
+                rt.engine_cached_tokens += int(cached)
+                rt.engine_prompt_tokens += int(prompt)
+                self.metrics.engine_cached_tokens.labels(rt.cfg.name).inc(int(cached))
+                self.metrics.engine_prompt_tokens.labels(rt.cfg.name).inc(int(prompt))
+                record["engine_cached_tokens"] = int(cached)
+                kvp = resp.get("kv_transfer_params")
+                return kvp if isinstance(kvp, dict) else {}
+            if status in UPSTREAM_RETRY_STATUSES:
+                last = f"{inst.name}: HTTP {status}"
+                continue
+            raise _relayed_error(status, resp)
+        raise ApiError(502, f"prefill failed on every instance tried ({last})",
+                       code="upstream_failed")
+
+    def _replace_prefill(self, rt: ModelRuntime, req: RequestInfo,
+                         excluded: set[int]) -> Any:
+        """The next-best placement with the ``excluded`` instances out of consideration."""
+        states = [rt.cluster.prefill[i] for i in excluded]
+        saved = [s.up for s in states]
+        for s in states:
+            s.up = False
+        try:
+            d = rt.conductor.policy.choose(req, rt.cluster, rt.now())
+        finally:
+            for s, up in zip(states, saved, strict=True):
+                s.up = up
+        return d if d.prefill is not None else None
+
+    async def _post_json(self, inst: Instance, path: str,
+                         body: dict[str, Any]) -> tuple[int, Any]:
+        assert self.session is not None
+        try:
+            async with self.session.post(inst.endpoint.url + path, json=body) as resp:
+                raw = await resp.read()
+                try:
+                    parsed = json.loads(raw) if raw else None
+                except ValueError:
+                    parsed = None
+                return resp.status, parsed
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            raise UpstreamError(type(exc).__name__) from exc
+
+    # -- decode ----------------------------------------------------------------------------
+    async def _decode(self, request: web.Request, rt: ModelRuntime, req: RequestInfo,
+                      decision: Decision, data: dict[str, Any], p: Parsed,
+                      kvp: dict[str, Any] | None, record: dict[str, Any],
+                      headers: dict[str, str], arrived: float,
+                      explain: bool) -> web.StreamResponse:
+        assert self.session is not None
+        body = dict(data)
+        if kvp is not None:
+            body["kv_transfer_params"] = kvp
+        path = "/v1/chat/completions" if p.chat else "/v1/completions"
+        iid = decision.decode.decode
+        tried: set[int] = set()
+        last = "no decode instance"
+        for attempt in range(DECODE_ATTEMPTS):
+            if attempt:
+                self.metrics.retries.labels(rt.cfg.name, "decode").inc()
+                iid = self._replace_decode(rt, req, tried)
+            if iid is None:
+                break
+            inst = rt.decode[iid]
+            tried.add(iid)
+            record["decode"] = inst.name
+            rt.decode_started(inst, req)
+            try:
+                if p.stream:
+                    resp = await self._stream(request, rt, inst, path, body, headers, arrived)
+                else:
+                    resp = await self._unary(rt, inst, path, body, headers, record, explain)
+                record["outcome"] = "ok"
+                return resp
+            except UpstreamError as exc:
+                last = f"{inst.name}: {exc}"
+                record["attempts"].append({"decode": inst.name, "error": str(exc)})
+                if not str(exc).startswith("HTTP"):
+                    rt.mark_health(inst, False)
+            finally:
+                rt.decode_done(inst, req)
+        raise ApiError(502, f"decode failed ({last})", code="upstream_failed")
+
+    def _replace_decode(self, rt: ModelRuntime, req: RequestInfo, excluded: set[int]) -> int | None:
+        live = [d for d in rt.cluster.decode if d.up and d.iid not in excluded]
+        if not live:
+            return None
+        return min(live, key=lambda d: (d.batch + d.waiting, d.iid)).iid
+
+    async def _unary(self, rt: ModelRuntime, inst: Instance, path: str, body: dict[str, Any],
+                     headers: dict[str, str], record: dict[str, Any],
+                     explain: bool) -> web.Response:
+        status, resp = await self._post_json(inst, path, body)
+        if status in UPSTREAM_RETRY_STATUSES:
+            raise UpstreamError(f"HTTP {status}")
+        if status != 200 or not isinstance(resp, dict):
+            raise _relayed_error(status, resp)
+        resp.pop("kv_transfer_params", None)
+        if explain:
+            resp["conductor"] = record
+        return web.Response(text=json.dumps(resp), content_type="application/json",
+                            headers=headers)
+
+    async def _stream(self, request: web.Request, rt: ModelRuntime, inst: Instance, path: str,
+                      body: dict[str, Any], headers: dict[str, str],
+                      arrived: float) -> web.StreamResponse:
+        assert self.session is not None
+        model = rt.cfg.name
+        try:
+            upstream = await self.session.post(inst.endpoint.url + path, json=body)
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            raise UpstreamError(type(exc).__name__) from exc
+        async with upstream:
+            if upstream.status in UPSTREAM_RETRY_STATUSES:
+                raise UpstreamError(f"HTTP {upstream.status}")
+            if upstream.status != 200:
+                raw = await upstream.read()
+                try:
+                    parsed = json.loads(raw)
+                except ValueError:
+                    parsed = None
+                raise _relayed_error(upstream.status, parsed)
+            resp = web.StreamResponse(headers={
+                "Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
+            await resp.prepare(request)
+            first: float | None = None
+            last_at = 0.0
+            done = False
+            buf = b""
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await resp.write(chunk)
+                    buf += chunk
+                    events, buf = _split_events(buf)
+                    now = time.perf_counter()
+                    for ev in events:
+                        if ev.startswith(SSE_DONE):
+                            done = True
+                        elif first is None:
+                            if _has_token(ev):
+                                first = last_at = now
+                                self.metrics.ttft.labels(model).observe(now - arrived)
+                        else:
+                            self.metrics.tbt.labels(model).observe(now - last_at)
+                            last_at = now
+                if not done:
+                    raise UpstreamError("stream ended early")
+            except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
+                err = error_body(502, f"decode failed mid-stream on {inst.name}: "
+                                 f"{type(exc).__name__}", code="upstream_failed")
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
+                    await resp.write_eof()
+                rt.mark_health(inst, False)
+                return resp
+            await resp.write_eof()
+            return resp
+
+
+def _split_events(buf: bytes) -> tuple[list[bytes], bytes]:
+    parts = buf.split(b"\n\n")
+    return [p.strip() for p in parts[:-1] if p.strip()], parts[-1]
+
+
+def _has_token(event: bytes) -> bool:
+    """Whether an SSE event carries generated text (not the chat role-only first chunk)."""
+    if not event.startswith(b"data:"):
+        return False
+    try:
+        obj = json.loads(event[5:])
+    except ValueError:
+        return False
+    for c in obj.get("choices") or []:
+        if c.get("text") or (c.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+def _relayed_error(status: int, resp: Any) -> ApiError:
+    """An engine's own 4xx (bad input the gateway did not catch), passed on."""
+    err = resp.get("error") if isinstance(resp, dict) else None
+    if not isinstance(err, dict):
+        err = {}
+    out = status if 400 <= status < 500 else 502
+    return ApiError(out, str(err.get("message") or f"engine answered HTTP {status}"),
+                    err.get("param"), err.get("code"))
+
+
+def _source_name(rt: ModelRuntime, source: int | None) -> str | None:
+    if source is None:
+        return None
+    if source < len(rt.prefill):
+        return rt.prefill[source].name
+    return f"instance-{source}"
+
+
+def _header_view(record: dict[str, Any]) -> dict[str, Any]:
+    keep = ("id", "policy", "prefill", "decode", "local_blocks", "fetch_blocks", "predicted",
+            "decision_us", "candidates", "direct")
+    return {k: _finite(record[k]) for k in keep if k in record}
+
+
+def _finite(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_finite(x) for x in v]
+    return v
+
+
+def _int_query(request: web.Request, name: str, default: int) -> int:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ApiError(400, f"'{name}' must be an integer", name) from None
+    if v < 0:
+        raise ApiError(400, f"'{name}' must not be negative", name)
+    return v
+
+
+def parse_engine_metrics(text: str) -> EngineStats:
+    """The vLLM metrics the gateway uses, summed over label sets."""
+    st = EngineStats(scraped_at=time.monotonic())
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError:
+        return st
+    for fam in families:
+        for s in fam.samples:
+            name = s.name
+            if name == "vllm:num_requests_running":
+                st.running += s.value
+            elif name == "vllm:num_requests_waiting":
+                st.waiting += s.value
+            elif name == "vllm:kv_cache_usage_perc":
+                st.kv_usage = max(st.kv_usage, s.value)
+            elif name == "vllm:prefix_cache_hits_total":
+                st.prefix_hits += s.value
+            elif name == "vllm:prefix_cache_queries_total":
+                st.prefix_queries += s.value
+            elif name == "vllm:cache_config_info":
+                with contextlib.suppress(KeyError, ValueError):
+                    st.block_size = int(s.labels["block_size"])
+                with contextlib.suppress(KeyError, ValueError):
+                    st.num_gpu_blocks = int(s.labels["num_gpu_blocks"])
+    return st
+
+
+async def serve(settings: GatewaySettings, ready: Callable[[int], None] | None = None) -> None:
+    """Run the gateway until cancelled; ``ready(port)`` once it listens."""
+    gw = Gateway(settings)
+    runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port)
+    await site.start()
+    port = settings.port
+    server = site._server
+    if server is not None and getattr(server, "sockets", None):
+        port = server.sockets[0].getsockname()[1]
+    if ready is not None:
+        ready(port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,169 @@
+"""The gateway's one settings object (YAML or JSON file, plus ``MOONCAKE_GATEWAY_*`` env).
+
+Every tunable of the gateway process lives here with its default and meaning; the CLI
+only loads the file. A model lists its prefill and decode endpoints (or gets them from
+a Kubernetes label selector), the engine's block size and key namespace, the Conductor
+policy with its parameters and SLOs, and the rule that skips disaggregation for short
+uncached prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from mooncake_conductor.engine import ConductorConfig
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+#: Parameters the gateway applies to the ``conductor`` policy unless the config sets them:
+#: the simulated and vLLM workers cannot run chunked pipeline prefill or priority queues.
+GATEWAY_CONDUCTOR_DEFAULTS: dict[str, Any] = {"cpp": {"enabled": False}, "priority_weight": 0.0}
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class TokenizerMode(StrEnum):
+    LOCAL = "local"  # the worker's deterministic tokenizer, in-process
+    ENGINE = "engine"  # POST /tokenize on an engine of the model
+
+
+class Endpoint(BaseModel):
+    """One engine: its HTTP base URL and, optionally, its KV-event sockets."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    url: str = Field(..., description="HTTP base URL, e.g. http://127.0.0.1:8100")
+    kv_events: str | None = Field(None, description="ZMQ PUB endpoint, tcp://host:port")
+    kv_replay: str | None = Field(None, description="ZMQ ROUTER replay endpoint")
+    kv_topic: str = Field("", description="topic frame to subscribe to")
+    name: str = Field("", description="display name (default: the URL)")
+
+    @field_validator("url")
+    @classmethod
+    def _http(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("url must start with http:// or https://")
+        return v.rstrip("/")
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url
+
+
+class KubernetesSource(BaseModel):
+    """Find a model's engines as pods: label selector per role, ports from annotations."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    namespace: str = "default"
+    prefill_selector: str = Field(..., description="label selector of prefill pods")
+    decode_selector: str = Field(..., description="label selector of decode pods")
+    http_port: int = Field(8000, gt=0, le=65535, description="default HTTP port")
+    kv_events_port: int | None = Field(5557, gt=0, le=65535)
+    kv_replay_port: int | None = Field(5558, gt=0, le=65535)
+    http_port_annotation: str = "mooncake.io/http-port"
+    kv_events_port_annotation: str = "mooncake.io/kv-events-port"
+    kv_replay_port_annotation: str = "mooncake.io/kv-replay-port"
+    kv_topic_annotation: str = "mooncake.io/kv-topic"
+    watch_timeout_s: int = Field(300, gt=0, description="server-side watch timeout")
+
+
+class DirectRule(BaseModel):
+    """Skip disaggregation: a prompt with fewer uncached tokens goes straight to decode."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    uncached_tokens_below: int = Field(
+        0, ge=0, description="threshold in tokens; 0 disables the rule"
+    )
+
+
+class ModelSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., min_length=1, description="model name clients send")
+    block_size: int = Field(16, gt=0, description="the engines' KV block size in tokens")
+    lora_name: str = Field("", description="LoRA name in the block-key namespace")
+    cache_salt: str = Field("", description="cache salt in the block-key namespace")
+    max_model_len: int = Field(131072, gt=0, description="longest prompt + output accepted")
+    default_max_tokens: int = Field(16, gt=0, description="max_tokens when a request omits it")
+    conductor: ConductorConfig = ConductorConfig()
+    prefill: list[Endpoint] = Field(default_factory=list)
+    decode: list[Endpoint] = Field(default_factory=list)
+    kubernetes: KubernetesSource | None = None
+    direct: DirectRule = DirectRule()
+    index_capacity_blocks: int = Field(
+        1 << 20, gt=0, description="index capacity per instance until its metrics tell"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _conductor_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            cond = dict(data.get("conductor") or {})
+            if cond.get("policy", "conductor") == "conductor":
+                params = dict(GATEWAY_CONDUCTOR_DEFAULTS)
+                params.update(cond.get("params") or {})
+                cond["params"] = params
+            data = {**data, "conductor": cond}
+        return data
+
+
+class GatewaySettings(BaseSettings):
+    """Settings of one gateway process."""
+
+    model_config = SettingsConfigDict(
+        extra="forbid", env_prefix="MOONCAKE_GATEWAY_", env_nested_delimiter="__"
+    )
+
+    host: str = Field("127.0.0.1", description="HTTP bind address")
+    port: int = Field(8080, ge=0, le=65535, description="HTTP port (0: pick a free one)")
+    models: list[ModelSettings] = Field(default_factory=list)
+    tokenizer: TokenizerMode = TokenizerMode.LOCAL
+    tokenize_cache_entries: int = Field(
+        4096, ge=0, description="cached tokenizations (chat messages, prompts)"
+    )
+    time_scale: float = Field(
+        1.0, gt=0, description="wall seconds per modelled second of the engines "
+        "(their --time-scale); the Conductor's clock runs at wall / time_scale",
+    )
+    health_interval_s: float = Field(1.0, gt=0, description="health-check period")
+    health_timeout_s: float = Field(1.0, gt=0, description="health-check timeout")
+    unhealthy_after: int = Field(2, gt=0, description="failed checks before marked down")
+    metrics_interval_s: float = Field(2.0, gt=0, description="engine /metrics scrape period")
+    connect_timeout_s: float = Field(2.0, gt=0, description="engine connect timeout")
+    request_timeout_s: float = Field(600.0, gt=0, description="whole upstream request limit")
+    prefill_attempts: int = Field(3, gt=0, description="prefill tries on distinct instances")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After seconds with a 429")
+    max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body")
+    decisions_kept: int = Field(1000, gt=0, description="recent decisions kept for inspection")
+    explain_top: int = Field(5, gt=0, description="candidates shown per explained decision")
+    replay_timeout_s: float = Field(2.0, gt=0, description="KV-event replay request timeout")
+    hot_prefixes_max: int = Field(100, gt=0, description="longest /conductor/hot-prefixes list")
+
+    @model_validator(mode="after")
+    def _unique_models(self) -> GatewaySettings:
+        names = [m.name for m in self.models]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"model names must be unique: {sorted(dup)}")
+        return self
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> GatewaySettings:
+        """Load YAML or JSON (by content), then apply ``overrides``."""
+        text = Path(path).read_text(encoding="utf-8")
+        data = json.loads(text) if text.lstrip().startswith("{") else yaml.safe_load(text)
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.model_validate(data)

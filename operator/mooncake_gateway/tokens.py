@@ -1,0 +1,99 @@
+"""Prompt → token ids, with caches so long multi-turn prompts are not re-tokenized.
+
+- ``local`` mode uses the worker's deterministic tokenizer in-process. The chat
+  template renders each message as ``<|start|>{role}\\n{content}<|end|>\\n``; every
+  rendered message ends in whitespace, which no token spans, so the tokens of a
+  conversation are the concatenation of each message's tokens. Each message is
+  tokenized once and cached (LRU, by role and text): turn ``n+1`` of a conversation
+  only tokenizes its new messages. String prompts are cached whole.
+- ``engine`` mode asks an engine's ``/tokenize`` (vLLM's API), caching whole prompts;
+  use it for engines whose tokenizer the gateway does not have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from mooncake_worker.tokenizer import Tokenizer, message_text
+
+ASSISTANT_PROMPT = "<|start|>assistant\n"
+
+
+class LRU:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._d: OrderedDict[Any, list[int]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: Any) -> list[int] | None:
+        v = self._d.get(key)
+        if v is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._d.move_to_end(key)
+        return v
+
+    def put(self, key: Any, value: list[int]) -> None:
+        if self.size <= 0:
+            return
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self.size:
+            self._d.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def _digest(obj: Any) -> bytes:
+    return hashlib.blake2b(
+        json.dumps(obj, sort_keys=True, separators=(",", ":")).encode(), digest_size=16
+    ).digest()
+
+
+RemoteTokenize = Callable[[dict[str, Any]], Awaitable[list[int]]]
+
+
+class PromptTokenizer:
+    def __init__(self, cache_entries: int, remote: RemoteTokenize | None = None) -> None:
+        self.local = Tokenizer()
+        self.cache = LRU(cache_entries)
+        self.remote = remote
+        self._assistant = self.local.encode(ASSISTANT_PROMPT)
+
+    async def prompt(self, text: str) -> list[int]:
+        key = ("p", text)
+        got = self.cache.get(key)
+        if got is None:
+            if self.remote is not None:
+                got = await self.remote({"prompt": text})
+            else:
+                got = self.local.encode(text)
+            self.cache.put(key, got)
+        return got
+
+    async def chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        if self.remote is not None:
+            key = ("c", _digest(list(messages)))
+            got = self.cache.get(key)
+            if got is None:
+                got = await self.remote({"messages": list(messages)})
+                self.cache.put(key, got)
+            return got
+        out: list[int] = []
+        for m in messages:
+            text = message_text(m.get("content"))
+            key = ("m", m["role"], text)
+            toks = self.cache.get(key)
+            if toks is None:
+                toks = self.local.encode(f"<|start|>{m['role']}\n{text}<|end|>\n")
+                self.cache.put(key, toks)
+            out.extend(toks)
+        out.extend(self._assistant)
+        return out
