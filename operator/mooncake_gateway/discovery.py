@@ -16,7 +16,10 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from .settings import Endpoint, KubernetesSource, ModelSettings, Role
 
@@ -43,6 +46,48 @@ class StaticSource(EndpointSource):
     async def start(self, on_change: OnEndpoints) -> None:
         on_change(Role.PREFILL, list(self.model.prefill))
         on_change(Role.DECODE, list(self.model.decode))
+
+
+class FileSource(EndpointSource):
+    """Endpoints from a YAML/JSON file ``{prefill: [...], decode: [...]}``, re-read when its
+    modification time changes (a mounted ConfigMap, or a test)."""
+
+    def __init__(self, path: str, poll_s: float) -> None:
+        self.path = Path(path)
+        self.poll_s = poll_s
+        self._task: asyncio.Task[None] | None = None
+        self._mtime: float | None = None
+
+    def _read(self, on_change: OnEndpoints) -> None:
+        try:
+            mtime = self.path.stat().st_mtime_ns
+            if mtime == self._mtime:
+                return
+            data = yaml.safe_load(self.path.read_text(encoding="utf-8")) or {}
+            lists = {role: [Endpoint.model_validate(e) for e in data.get(role.value) or []]
+                     for role in Role}
+        except (OSError, ValueError, yaml.YAMLError, AttributeError) as exc:
+            log.warning("endpoints file %s unreadable: %s", self.path, exc)
+            return
+        self._mtime = mtime
+        for role, eps in lists.items():
+            on_change(role, eps)
+
+    async def start(self, on_change: OnEndpoints) -> None:
+        self._read(on_change)
+
+        async def poll() -> None:
+            while True:
+                await asyncio.sleep(self.poll_s)
+                self._read(on_change)
+
+        self._task = asyncio.get_running_loop().create_task(poll())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
 
 def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
@@ -155,7 +200,9 @@ class KubernetesPodSource(EndpointSource):
                 await asyncio.to_thread(t.join, 0.1)
 
 
-def source_for(model: ModelSettings) -> EndpointSource:
+def source_for(model: ModelSettings, poll_s: float) -> EndpointSource:
+    if model.endpoints_file is not None:
+        return FileSource(model.endpoints_file, poll_s)
     if model.kubernetes is not None:
         return KubernetesPodSource(model.kubernetes)
     return StaticSource(model)

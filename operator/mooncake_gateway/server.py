@@ -96,7 +96,7 @@ class Gateway:
             timeout=aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s),
         )
         for rt in self.models.values():
-            src = source_for(rt.cfg)
+            src = source_for(rt.cfg, s.discovery_poll_s)
             self.sources.append(src)
             await src.start(rt.set_endpoints)
         loop = asyncio.get_running_loop()

@@ -98,6 +98,10 @@ class ModelSettings(BaseModel):
     prefill: list[Endpoint] = Field(default_factory=list)
     decode: list[Endpoint] = Field(default_factory=list)
     kubernetes: KubernetesSource | None = None
+    endpoints_file: str | None = Field(
+        None, description="YAML/JSON file {prefill: [...], decode: [...]} re-read on change "
+        "(e.g. a mounted ConfigMap); replaces the lists above",
+    )
     direct: DirectRule = DirectRule()
     index_capacity_blocks: int = Field(
         1 << 20, gt=0, description="index capacity per instance until its metrics tell"
@@ -146,6 +150,7 @@ class GatewaySettings(BaseSettings):
     decisions_kept: int = Field(1000, gt=0, description="recent decisions kept for inspection")
     explain_top: int = Field(5, gt=0, description="candidates shown per explained decision")
     replay_timeout_s: float = Field(2.0, gt=0, description="KV-event replay request timeout")
+    discovery_poll_s: float = Field(1.0, gt=0, description="endpoints_file poll period")
     hot_prefixes_max: int = Field(100, gt=0, description="longest /conductor/hot-prefixes list")
 
     @model_validator(mode="after")

@@ -1,0 +1,106 @@
+"""Pure parts: the index feeder (own keys from events), tokenizer cache, pod endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+from typing import Any
+
+from mooncake_conductor.blockkeys import block_keys, mix64, namespace_seed
+from mooncake_conductor.index import PrefixIndex
+from mooncake_gateway.discovery import pod_endpoint
+from mooncake_gateway.kvindex import IndexFeeder, unmix64
+from mooncake_gateway.settings import GatewaySettings, KubernetesSource
+from mooncake_gateway.tokens import PromptTokenizer
+from mooncake_worker.kvevents import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from mooncake_worker.tokenizer import Tokenizer
+
+BS = 16
+SEED = namespace_seed("m", BS)
+
+
+def test_unmix64_inverts_mix64() -> None:
+    rng = random.Random(1)
+    for _ in range(2000):
+        x = rng.getrandbits(64)
+        assert unmix64(mix64(x)) == x
+
+
+def _feeder() -> IndexFeeder:
+    return IndexFeeder(PrefixIndex(1 << 16), BS, SEED)
+
+
+def test_feeder_computes_own_keys_from_tokens_and_engine_hashes() -> None:
+    rng = random.Random(2)
+    tokens = [rng.randrange(256, 131072) for _ in range(5 * BS)]
+    ours = block_keys(tokens, BS, SEED)
+    engine = [rng.getrandbits(64) for _ in ours]  # an engine's own, unrelated hashes
+    f = _feeder()
+    # the first two blocks, then the next three chained to the second by the engine's hash
+    f.apply(0, 0, KVEventBatch(0.0, [BlockStored(engine[:2], None, tokens[: 2 * BS], BS)]))
+    f.apply(0, 1, KVEventBatch(0.0, [BlockStored(engine[2:], engine[1], tokens[2 * BS:], BS)]))
+    assert f.index.match(0, ours) == 5
+    f.apply(0, 2, KVEventBatch(0.0, [BlockRemoved(engine[3:])]))
+    assert f.index.match(0, ours) == 3
+    assert f.index.size(0) == 3
+    f.apply(0, 3, KVEventBatch(0.0, [AllBlocksCleared()]))
+    assert f.index.size(0) == 0
+
+
+def test_feeder_skips_orphans_and_other_block_sizes() -> None:
+    tokens = list(range(300, 300 + 2 * BS))
+    f = _feeder()
+    f.apply(1, 0, KVEventBatch(0.0, [BlockStored([7, 8], 999, tokens, BS)]))
+    assert f.index.size(1) == 0 and f.feeds[1].orphans == 2
+    f.apply(1, 1, KVEventBatch(0.0, [BlockStored([7], None, tokens[:32], 32)]))
+    assert f.feeds[1].mismatched_block_size == 1
+
+
+def test_chat_tokens_equal_the_workers_and_are_cached() -> None:
+    t = PromptTokenizer(64)
+    ref = Tokenizer()
+    convo: list[dict[str, Any]] = [{"role": "system", "content": "Be <| brief."}]
+    for turn in range(5):
+        convo.append({"role": "user", "content": f"question {turn}, please!"})
+        assert asyncio.run(t.chat(convo)) == ref.encode_chat(convo)
+        convo.append({"role": "assistant", "content": [{"type": "text", "text": f"a{turn}"}]})
+    # each message was tokenized once: later turns hit the cache for the history
+    assert t.cache.hits >= 10
+    assert t.cache.misses == 1 + 5 + 4  # system, 5 user turns, 4 answers seen again
+
+
+def _pod(ip: str | None = "10.0.0.7", phase: str = "Running", ready: str = "True",
+         ann: dict[str, str] | None = None) -> Any:
+    return SimpleNamespace(
+        metadata=SimpleNamespace(name="p-0", namespace="ns", annotations=ann or {},
+                                 deletion_timestamp=None),
+        status=SimpleNamespace(pod_ip=ip, phase=phase,
+                               conditions=[SimpleNamespace(type="Ready", status=ready)]),
+    )
+
+
+def test_pod_endpoints_from_ip_and_annotations() -> None:
+    cfg = KubernetesSource(prefill_selector="role=prefill", decode_selector="role=decode")
+    ep = pod_endpoint(_pod(ann={"mooncake.io/http-port": "9000",
+                                "mooncake.io/kv-events-port": "6000"}), cfg)
+    assert ep is not None
+    assert ep.url == "http://10.0.0.7:9000"
+    assert ep.kv_events == "tcp://10.0.0.7:6000"
+    assert ep.kv_replay == "tcp://10.0.0.7:5558"
+    assert ep.name == "ns/p-0"
+    assert pod_endpoint(_pod(ready="False"), cfg) is None
+    assert pod_endpoint(_pod(ip=None), cfg) is None
+    assert pod_endpoint(_pod(phase="Pending"), cfg) is None
+
+
+def test_settings_apply_gateway_defaults_to_the_conductor_policy() -> None:
+    s = GatewaySettings(models=[{"name": "m", "conductor": {"params": {"tie_tolerance": 0.1}}}])
+    params = s.models[0].conductor.params
+    assert params["cpp"] == {"enabled": False}
+    assert params["tie_tolerance"] == 0.1
