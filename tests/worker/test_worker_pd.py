@@ -119,3 +119,18 @@ def test_store_handoff_charges_transfer_time(mooncake_master: Master) -> None:
         nfull = n // 16
         want = 20 * (cm.transfer_time(nfull * 16) + cm.prefill_time(n, nfull * 16, nfull * 16))
         assert elapsed >= want * 0.9
+
+
+def test_unreachable_store_fails_fast() -> None:
+    import subprocess
+
+    from worker_fixtures import free_port, worker_command
+
+    port = free_port()
+    r = subprocess.run(
+        [*worker_command(), "--port", str(port), "--store", f"127.0.0.1:{free_port()}",
+         "--store-metadata", f"http://127.0.0.1:{free_port()}/metadata"],
+        capture_output=True, timeout=60,
+    )
+    assert r.returncode == 1
+    assert b"not reachable" in r.stderr

@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="mooncake_master RPC address host:port (enables the store handoff)")
     p.add_argument("--store-metadata", default=None, help="metadata server URL")
     p.add_argument("--store-local-hostname", default=d["store_local_hostname"].default)
+    p.add_argument("--store-connect-timeout", dest="store_connect_timeout_s", type=float,
+                   default=d["store_connect_timeout_s"].default)
     p.add_argument("--store-payload-scale", type=float,
                    default=d["store_payload_scale"].default)
     p.add_argument("--time-scale", type=float, default=d["time_scale"].default,
@@ -97,7 +99,13 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await serve(settings, ready)
 
-    asyncio.run(main())
+    from .store import StoreError
+
+    try:
+        asyncio.run(main())
+    except (StoreError, OSError) as exc:  # store unreachable, port taken, ...
+        print(f"worker failed to start: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -75,6 +75,9 @@ class WorkerSettings(BaseModel):
         1e-4, gt=0, le=1, description="stored bytes per block = tokens*kv_bytes_per_token*scale"
     )
     store_key_prefix: str = Field("kv/", description="prefix of block objects in the store")
+    store_connect_timeout_s: float = Field(
+        5.0, gt=0, description="give up starting when the store does not answer by then"
+    )
 
     # -- relay mode (in front of a real engine) --------------------------------------------
     engine_url: str | None = Field(None, description="real engine's HTTP base URL: relay mode")

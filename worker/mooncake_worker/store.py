@@ -20,6 +20,7 @@ import os
 import struct
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from .settings import WorkerSettings
 
@@ -82,6 +83,24 @@ class BlockStore:
         return store
 
     async def connect(self) -> None:
+        """Set up the client. The binding holds the GIL and retries an unreachable master
+        forever, so the master's RPC port and the metadata server are probed first;
+        :class:`StoreError` when either does not answer within
+        ``store_connect_timeout_s``."""
+        s = self.settings
+        assert s.store_master is not None and s.store_metadata is not None
+        timeout = s.store_connect_timeout_s
+        host, _, port = s.store_master.rpartition(":")
+        url = urlsplit(s.store_metadata)
+        for what, h, p in (
+            ("master", host, port),
+            ("metadata server", url.hostname or "", str(url.port or 80)),
+        ):
+            try:
+                _r, w = await asyncio.wait_for(asyncio.open_connection(h, int(p)), timeout)
+            except (OSError, ValueError, TimeoutError) as exc:
+                raise StoreError(f"Mooncake Store {what} {h}:{p} not reachable: {exc}") from exc
+            w.close()
         self._store = await asyncio.to_thread(self._setup)
 
     async def close(self) -> None:
@@ -110,10 +129,15 @@ class BlockStore:
         return len(todo)
 
     async def put_blocks(self, keys: Sequence[int], tokens: Sequence[Sequence[int]]) -> int:
-        """Store blocks not yet in the store; returns how many were written."""
+        """Store blocks not yet in the store; returns how many were written (0 when the
+        store fails: the handoff then degrades to recomputation, never to an error)."""
         if self._store is None or not keys:
             return 0
-        n = await asyncio.to_thread(self._put, keys, tokens)
+        try:
+            n = await asyncio.to_thread(self._put, keys, tokens)
+        except Exception:  # the binding raises assorted types
+            log.exception("Mooncake Store put failed")
+            return 0
         self.puts += n
         return n
 
@@ -124,7 +148,11 @@ class BlockStore:
         """Fetch blocks; ``None`` for every block missing or malformed."""
         if self._store is None or not keys:
             return [None] * len(keys)
-        raw = await asyncio.to_thread(self._get, keys)
+        try:
+            raw = await asyncio.to_thread(self._get, keys)
+        except Exception:  # the binding raises assorted types
+            log.exception("Mooncake Store get failed")
+            return [None] * len(keys)
         out: list[tuple[int, list[int]] | None] = []
         for k, data in zip(keys, raw, strict=True):
             dec = decode_payload(data) if data else None
@@ -136,5 +164,9 @@ class BlockStore:
         if self._store is None or not keys:
             return [False] * len(keys)
         names = [self.name(k) for k in keys]
-        res = await asyncio.to_thread(self._store.batch_is_exist, names)
+        try:
+            res = await asyncio.to_thread(self._store.batch_is_exist, names)
+        except Exception:  # the binding raises assorted types
+            log.exception("Mooncake Store batch_is_exist failed")
+            return [False] * len(keys)
         return [r == 1 for r in res]
