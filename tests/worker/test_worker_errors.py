@@ -182,3 +182,23 @@ def test_client_disconnect_mid_stream_frees_kv_and_slot() -> None:
         assert w.metric("vllm:num_requests_running") == 0
         assert w.get("/kv/blocks")["used_blocks"] == 0
         assert w.metric("vllm:kv_cache_usage_perc") == 0
+
+
+def test_client_disconnect_while_waiting_non_stream_frees_kv() -> None:
+    with run_worker("--time-scale", "1") as w:
+        body = json.dumps({"prompt": " ".join(["tok"] * 100), "max_tokens": 2000}).encode()
+        s = socket.create_connection((HOST, w.port))
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )
+        deadline = time.monotonic() + 5
+        while w.metric("vllm:num_requests_running") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.metric("vllm:num_requests_running") == 1
+        s.close()
+        deadline = time.monotonic() + 5
+        while w.metric("vllm:num_requests_running") > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert w.metric("vllm:num_requests_running") == 0
+        assert w.get("/kv/blocks")["used_blocks"] == 0

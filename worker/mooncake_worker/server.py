@@ -365,7 +365,10 @@ class Worker:
         remote_decode = bool(kvp and kvp.get("do_remote_decode") is True)
         remote_prefill = bool(kvp and kvp.get("do_remote_prefill") is True)
         if remote_decode:
-            max_tokens = 1  # the prefill half of a P/D pair produces only the first token
+            # the prefill half of a P/D pair produces only the first token, and answers in
+            # one JSON body (which carries the kv_transfer_params)
+            max_tokens = 1
+            stream = False
         engine = self.engine
         keys = engine.keys_of(tokens)
         if remote_prefill and not remote_decode:
