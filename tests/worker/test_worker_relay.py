@@ -104,3 +104,39 @@ def test_relay_engine_down_is_502() -> None:
     with run_worker("--engine-url", "http://127.0.0.1:9", ready_any=True) as relay:
         code, body = relay.post("/v1/completions", {"prompt": "x"})
         assert code == 502 and body["error"]["code"] == "engine_unavailable"
+
+
+def test_relay_announces_engine_restart() -> None:
+    from mooncake_worker.kvevents import AllBlocksCleared, KVEventBatch
+    from mooncake_worker.kvevents.subscriber import KVEventSubscriber
+    from worker_fixtures import free_port
+
+    port, kv, replay = free_port(), free_port(), free_port()
+    fixed = (port, kv, replay)
+    eng_url, eng_kv = f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{kv}"
+    args = ("--engine-url", eng_url, "--engine-kv-events", eng_kv,
+            "--engine-kv-replay", f"tcp://127.0.0.1:{replay}")
+    got: list[KVEventBatch] = []
+    with run_worker("--time-scale", "0", ports=fixed) as first, run_worker(*args) as relay:
+        sub = KVEventSubscriber(relay.kv_endpoint, lambda _s, b: got.append(b))
+
+        async def phase(n: int) -> None:
+            task = asyncio.create_task(sub.run())
+            await asyncio.sleep(0.3)
+            for i in range(n):
+                await asyncio.to_thread(
+                    relay.post, "/v1/completions", {"prompt": f"restart test {i} " * 10,
+                                                    "max_tokens": 1})
+            await asyncio.sleep(0.5)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        asyncio.run(phase(3))
+        assert first.get("/health") is None  # engine up
+        first.proc.terminate()
+        first.proc.wait(10)
+        with run_worker("--time-scale", "0", ports=fixed):
+            asyncio.run(phase(1))
+    cleared = [b for b in got if any(isinstance(e, AllBlocksCleared) for e in b.events)]
+    assert len(cleared) == 1
+    assert sub.gaps == 0

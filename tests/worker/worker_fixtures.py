@@ -98,10 +98,14 @@ class WorkerProc:
 
 @contextlib.contextmanager
 def run_worker(
-    *extra: str, env: dict[str, str] | None = None, ready_any: bool = False
+    *extra: str,
+    env: dict[str, str] | None = None,
+    ready_any: bool = False,
+    ports: tuple[int, int, int] | None = None,
 ) -> Iterator[WorkerProc]:
-    """Start a worker; ready when ``/health`` answers 200 (any answer with ``ready_any``)."""
-    port, kv_port, replay_port = free_port(), free_port(), free_port()
+    """Start a worker; ready when ``/health`` answers 200 (any answer with ``ready_any``).
+    ``ports``: (HTTP, KV events, replay), free ones by default."""
+    port, kv_port, replay_port = ports or (free_port(), free_port(), free_port())
     args = [
         *worker_command(),
         "--host", HOST, "--port", str(port),

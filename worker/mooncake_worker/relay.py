@@ -8,7 +8,8 @@
 - KV events: a :class:`KVEventSubscriber` reads the engine's stream (recovering gaps
   through its replay socket) and every payload is re-published *unchanged* on the pod's
   own PUB socket, renumbered into the relay's sequence (with its own replay buffer), so
-  consumers see one gap-free stream even across engine restarts.
+  consumers see one gap-free stream even across engine restarts; a restart — the
+  engine's sequence going back — is announced with an ``AllBlocksCleared``).
 - Metrics: ``/metrics`` is the engine's exposition unchanged followed by the relay's own
   series (``mooncake_worker:*``).
 - Cache view: from each ``BlockStored``'s ``token_ids`` the relay computes the Conductor's
@@ -172,7 +173,9 @@ class EngineRelay:
             self.subscriber = KVEventSubscriber(
                 settings.engine_kv_events, self._on_batch,
                 replay_endpoint=settings.engine_kv_replay,
+                expected_seq=0,  # replay whatever the engine still buffers on join
                 on_payload=self._on_payload,
+                on_reset=self._on_engine_restart,
             )
         self.agent: RelayAgent | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -187,6 +190,13 @@ class EngineRelay:
 
     def _on_batch(self, _seq: int, batch: KVEventBatch) -> None:
         self.view.apply(batch)
+
+    def _on_engine_restart(self) -> None:
+        """The engine's sequence went back: it restarted with an empty cache. Consumers of
+        the relayed stream learn it from an ``AllBlocksCleared`` the engine never sent."""
+        self.view.apply(KVEventBatch(time.time(), [AllBlocksCleared()]))
+        if self.publisher is not None:
+            self.publisher.publish([AllBlocksCleared()])
 
     # -- app ------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
