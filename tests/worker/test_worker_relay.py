@@ -5,7 +5,6 @@ merged, the agent warms prefixes through the engine."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import urllib.request
@@ -37,36 +36,34 @@ def test_relay_proxies_api_events_and_metrics(tmp_path: Path) -> None:
         via = openai.OpenAI(base_url=relay.base_url, api_key="x", max_retries=0)
         prompt = "relay this prompt please " * 10
 
-        async def collect(ep: str, out: list[bytes], stop: asyncio.Event) -> None:
+        r = via.completions.create(model=MODEL, prompt=prompt, max_tokens=5)
+        assert r.choices[0].text == direct.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=5).choices[0].text
+
+        async def replay_all(endpoint: str) -> list[bytes]:
             ctx = zmq.asyncio.Context()
-            sub = ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(ep)
-            try:
-                while not stop.is_set():
-                    with contextlib.suppress(TimeoutError):
-                        out.append((await asyncio.wait_for(sub.recv_multipart(), 0.1))[2])
-            finally:
-                sub.close(0)
-                ctx.term()
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.connect(endpoint)
+            await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            out = []
+            while True:
+                msg = await asyncio.wait_for(dealer.recv_multipart(), 5)
+                if msg[2] == (-1).to_bytes(8, "big", signed=True):
+                    break
+                out.append(msg[3])
+            dealer.close(0)
+            ctx.term()
+            return out
 
-        async def main() -> tuple[list[bytes], list[bytes]]:
-            from_engine: list[bytes] = []
-            from_relay: list[bytes] = []
-            stop = asyncio.Event()
-            tasks = [asyncio.create_task(collect(engine.kv_endpoint, from_engine, stop)),
-                     asyncio.create_task(collect(relay.kv_endpoint, from_relay, stop))]
-            await asyncio.sleep(0.4)
-            r = await asyncio.to_thread(via.completions.create, model=MODEL, prompt=prompt,
-                                        max_tokens=5)
-            assert r.choices[0].text == direct.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=5).choices[0].text
-            await asyncio.sleep(0.5)
-            stop.set()
-            await asyncio.gather(*tasks)
-            return from_engine, from_relay
+        async def both() -> tuple[list[bytes], list[bytes]]:
+            return await replay_all(engine.replay_endpoint), await replay_all(
+                relay.replay_endpoint)
 
-        from_engine, from_relay = asyncio.run(main())
+        end = time.monotonic() + 10
+        from_engine, from_relay = asyncio.run(both())
+        while from_relay != from_engine and time.monotonic() < end:
+            time.sleep(0.1)
+            from_engine, from_relay = asyncio.run(both())
         assert from_engine and from_relay == from_engine  # payloads relayed byte for byte
 
         # streaming passes through
@@ -118,7 +115,8 @@ def test_relay_announces_engine_restart() -> None:
             "--engine-kv-replay", f"tcp://127.0.0.1:{replay}")
     got: list[KVEventBatch] = []
     with run_worker("--time-scale", "0", ports=fixed) as first, run_worker(*args) as relay:
-        sub = KVEventSubscriber(relay.kv_endpoint, lambda _s, b: got.append(b))
+        sub = KVEventSubscriber(relay.kv_endpoint, lambda _s, b: got.append(b),
+                                replay_endpoint=relay.replay_endpoint, expected_seq=0)
 
         async def phase(n: int) -> None:
             task = asyncio.create_task(sub.run())
@@ -139,4 +137,4 @@ def test_relay_announces_engine_restart() -> None:
             asyncio.run(phase(1))
     cleared = [b for b in got if any(isinstance(e, AllBlocksCleared) for e in b.events)]
     assert len(cleared) == 1
-    assert sub.gaps == 0
+    assert sub.lost == 0 and sub.restarts == 0  # the relay's own sequence never went back

@@ -6,7 +6,8 @@ publisher's replay socket (``[b"", start_seq]`` → ``[b"", topic, seq, payload]
 end marker seq -1) and delivered first; batches the publisher no longer buffers are
 counted in :attr:`KVEventSubscriber.lost`. A sequence number below the expected one
 means the publisher restarted: :attr:`restarts` counts it, ``on_reset`` is called
-(the engine's cache state starts over) and delivery continues from there.
+(the engine's cache state starts over), the new stream's earlier batches are fetched
+from the replay socket, and delivery continues from there.
 """
 
 from __future__ import annotations
@@ -100,6 +101,10 @@ class KVEventSubscriber:
                 self.restarts += 1
                 if self.on_reset is not None:
                     self.on_reset()
+                if seq > 0:  # joined the restarted publisher late: fetch its start
+                    self.next_seq = 0
+                    self.gaps += 1
+                    await self._recover(0, seq)
         self.received += 1
         await self._deliver(seq, batch, payload)
 
