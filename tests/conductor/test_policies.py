@@ -223,11 +223,23 @@ def test_conductor_does_not_pile_ties_onto_one_instance() -> None:
 
 def test_conductor_priority_is_shortest_first_with_aging() -> None:
     c = cluster(1)
-    short = policy("conductor").choose(request(KEYS[:2], arrival=10.0), c, 10.0)
-    long = policy("conductor").choose(request(KEYS, arrival=10.0), c, 10.0)
+    sjf = policy("conductor", priority_weight=2.0)
+    short = sjf.choose(request(KEYS[:2], arrival=10.0), c, 10.0)
+    long = sjf.choose(request(KEYS, arrival=10.0), c, 10.0)
     assert short.priority is not None and long.priority is not None
     assert short.priority < long.priority
     assert short.priority == pytest.approx(10.0 + 2.0 * short.prefill_s)
+    # the default is FIFO: priority = arrival
+    assert policy("conductor").choose(request(KEYS, arrival=10.0), c, 10.0).priority == 10.0
+
+
+def test_conductor_never_orders_a_request_before_the_prefill_it_reuses() -> None:
+    c = cluster(1)
+    c.prefill[0].enqueue(7, 50.0, 3.0, 20, 20 * BT)  # queued, will write KEYS
+    c.index.add_pending(0, KEYS)
+    pl = policy("conductor", priority_weight=2.0).choose(request(KEYS + [1], arrival=1.0), c, 1.0)
+    assert pl.local_blocks == 20
+    assert pl.priority is not None and pl.priority > 50.0
 
 
 def test_conductor_uses_cpp_when_one_instance_breaks_the_slo() -> None:

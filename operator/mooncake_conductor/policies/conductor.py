@@ -1,47 +1,47 @@
 """``conductor``: our scheduler, Algorithm 1 of the Mooncake paper, improved.
 
-Rule: for every live prefill instance consider both ways to serve the prompt —
+Rule: for every live prefill instance price both ways to serve the prompt —
 recompute past the instance's own prefix, or fetch the longest prefix any
-holder (instance or store pool) has — and predict
-``TTFT = max(T_queue, T_transfer) + T_prefill``; pick the smallest, reject
-(429) when it or the decode side's TBT breaks its SLO.
+holder (instance or store pool) has — as ``TTFT = max(T_queue, T_transfer) +
+T_prefill``, plus chunked-pipeline groups for long prompts; rank them by
+``TTFT + kappa * GPU seconds`` and take the best; reject (429) when the TTFT
+or the decode side's TBT breaks its SLO.
 
-Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why:
+Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
+(measured in ``docs/paper-fig5.md``):
 
-1. **Fetch vs recompute by cost, not by a ratio threshold.** The paper fetches
-   when ``best_len / len`` passes ``kvcache_balancing_threshold``; we compare
-   the two predicted TTFTs directly, which is what the threshold approximates.
-2. **Transfer overlaps the queue.** A fetch starts when the request is placed,
-   while earlier work still runs on the GPU, so only the part of the transfer
-   longer than the wait delays the prefill (paper §4 adds the two).
-3. **In-flight prefixes count.** Blocks a queued prefill on an instance will
-   have written before this request runs there are matched as if cached
-   (vLLM-style engines reuse them), so a burst of requests sharing a new
-   prefix follows the first one instead of recomputing it everywhere.
-4. **Short jobs first, with aging.** Each request gets the queue priority
-   ``arrival + priority_weight * predicted_prefill``, so a short prompt may
-   pass a longer one only if it arrived less than ``priority_weight`` times
-   the difference of their prefill times later. Queue time is predicted for
-   that order. With heavy-tailed prompt lengths this is the shortest-
-   processing-time rule that cuts mean waiting most, aged so that long
-   prompts are never starved.
-5. **No pile-ups on ties.** Instances whose predicted TTFT is within
-   ``tie_tolerance`` of the best are chosen among at random, so a hot shared
-   prefix held everywhere does not send every request to instance 0.
-6. **Chunked pipeline prefill for long prompts** (paper §3.2, which uses it
-   but leaves the when open). When a prompt needs at least
-   ``cpp.min_new_tokens`` of new compute, groups of 2..``cpp.max_group``
-   instances with the shortest queues are priced with the CPP pipeline model
-   (:mod:`mooncake_conductor.cpp`) whenever the best single instance would
-   break the TTFT SLO; the best group is used if it does better. Prompts no
-   single instance could prefill in time are served instead of rejected, and
-   CPP's pipeline bubbles are paid only where they buy an SLO.
-7. **Hot prefixes replicated ahead of need** (seed §7): a prefix accessed
-   often whose holders are all loaded past the average gets copied to a cool
-   instance (:mod:`mooncake_conductor.replication`), instead of waiting for
-   fetches to spread it one request at a time.
-8. **Decode under TBT.** The default decode selector is ``tbt-slo`` (predicted
-   step time with this request added must stay under the TBT SLO).
+1. **Queue time counts the running prefill.** The paper's ``T_queue`` sums the
+   predicted times of queued requests; a busy instance with an empty queue
+   looks free to it.
+2. **Fetch or recompute by cost**, not by the ``kvcache_balancing_threshold``
+   ratio the paper uses as a proxy for it.
+3. **Transfers overlap the queue.** A fetch starts at placement while earlier
+   work runs; only the part longer than the wait delays the prefill.
+4. **In-flight prefixes count.** Blocks a queued prefill on an instance will
+   have written are matched there, and a request reusing them is never
+   ordered ahead of that prefill.
+5. **Work has a price under load.** ``kappa = work_weight * (busy instances +
+   waiting requests) / instances``: a GPU second spent delays about that many
+   requests. An idle pool ranks by TTFT alone; a loaded one favours reuse and
+   efficiency (no recomputing a prefix elsewhere to shave a queue, no CPP
+   bubbles that would cost others).
+6. **Chunked pipeline prefill (CPP)** (paper §3.2, which leaves the when open):
+   prompts with at least ``cpp.min_new_tokens`` to compute also get priced as
+   groups of 2..``cpp.max_group`` of the least loaded instances
+   (:mod:`mooncake_conductor.cpp`) under the same score; a group is also taken
+   whenever one instance would break ``cpp.trigger_share`` of the TTFT SLO
+   and the group does better, so such prompts are served, not rejected.
+7. **Migrate, don't copy, on fetch.** The source's copy of fetched blocks goes
+   to the cold end of its LRU: the newest copy stays hot, old ones age out
+   unless reused, and duplicates stop crowding the pooled cache.
+8. **Hot prefixes replicated ahead of need** (seed §7, :mod:`..replication`).
+9. **No pile-ups on ties.** Options within ``tie_tolerance`` of the best are
+   chosen among at random, preferring ones that need no new copy.
+10. **Decode under TBT**: decode selector ``tbt-slo``.
+11. **Queue order is a knob, FIFO by default.** ``priority_weight`` > 0 orders
+    queues shortest-job-first with aging (``arrival + weight * predicted
+    prefill``). Measured, it never beat FIFO and hurt beside CPP groups
+    (members idle while shorter jobs overtake the group), so the default is 0.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class ConductorParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     priority_weight: float = Field(
-        2.0, ge=0, description="queue priority = arrival + weight * predicted prefill (0 = FIFO)"
+        0.0, ge=0, description="queue priority = arrival + weight * predicted prefill (0 = FIFO)"
     )
     overlap_transfer: bool = Field(True, description="fetches run while the request queues")
     include_pending: bool = Field(True, description="count prefixes of queued prefills")
