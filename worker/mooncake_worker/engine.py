@@ -42,7 +42,7 @@ class TooLarge(Exception):
 
 
 @dataclass(eq=False)
-class Sequence_:
+class EngineSeq:
     """One request inside the engine."""
 
     prompt: list[int]
@@ -90,8 +90,8 @@ class Engine:
         self.cache = PrefixCache(settings.capacity_blocks, settings.block_size,
                                  settings.kv_events_medium)
         self.observer = observer or EngineObserver()
-        self.waiting: deque[Sequence_] = deque()
-        self.running: list[Sequence_] = []
+        self.waiting: deque[EngineSeq] = deque()
+        self.running: list[EngineSeq] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._deadline = 0.0
@@ -111,7 +111,7 @@ class Engine:
         max_tokens: int,
         stream: bool = False,
         keys: list[int] | None = None,
-    ) -> Sequence_:
+    ) -> EngineSeq:
         """Queue a request; raises :class:`QueueFull` or :class:`TooLarge`."""
         if self.blocks_needed(len(prompt), max_tokens) > self.cache.capacity:
             raise TooLarge(
@@ -120,7 +120,7 @@ class Engine:
             )
         if len(self.waiting) >= self.settings.max_waiting:
             raise QueueFull("waiting queue is full")
-        seq = Sequence_(
+        seq = EngineSeq(
             prompt=prompt,
             max_tokens=max_tokens,
             keys=keys if keys is not None else self.keys_of(prompt),
@@ -132,7 +132,7 @@ class Engine:
         self._wake.set()
         return seq
 
-    def abort(self, seq: Sequence_) -> None:
+    def abort(self, seq: EngineSeq) -> None:
         """Stop a request and free its KV blocks and batch slot now."""
         if seq.finished:
             return
@@ -232,7 +232,7 @@ class Engine:
             self.observer.on_prefix_query(n, seq.cached_tokens)
             self.running.append(seq)
 
-    def _grow_to(self, seq: Sequence_, ntokens: int) -> None:
+    def _grow_to(self, seq: EngineSeq, ntokens: int) -> None:
         """Make sure ``seq`` holds blocks for ``ntokens`` tokens; cache the full ones."""
         bs = self.block_size
         while len(seq.blocks) * bs < ntokens:
@@ -281,7 +281,7 @@ class Engine:
         now = time.monotonic()
         obs = self.observer
         max_len = self.settings.max_model_len
-        still: list[Sequence_] = []
+        still: list[EngineSeq] = []
         gaps: dict[float, int] = {}  # previous token time -> sequences (one observe each)
         for seq in self.running:
             if seq.aborted:
@@ -316,14 +316,14 @@ class Engine:
         self.flush_events()
         obs.on_step(len(still), len(self.waiting), self.cache.usage)
 
-    def _release(self, seq: Sequence_) -> None:
+    def _release(self, seq: EngineSeq) -> None:
         self.cache.release(seq.blocks)
         seq.blocks = []
         self.cache.unreserve(seq.reserved)
         seq.reserved = 0
 
     @staticmethod
-    def _finish(seq: Sequence_, reason: str) -> None:
+    def _finish(seq: EngineSeq, reason: str) -> None:
         seq.finish_reason = reason
         if seq.stream is not None:
             seq.stream.put_nowait(None)
@@ -352,6 +352,6 @@ class Engine:
         return n
 
 
-def on_done(seq: Sequence_, fn: Callable[[Sequence_], None]) -> None:
+def on_done(seq: EngineSeq, fn: Callable[[EngineSeq], None]) -> None:
     assert seq.done is not None
     seq.done.add_done_callback(lambda _f: fn(seq))

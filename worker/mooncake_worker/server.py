@@ -16,7 +16,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .agent import PodAgent
-from .engine import Engine, EngineObserver, QueueFull, Sequence_, TooLarge
+from .engine import Engine, EngineObserver, EngineSeq, QueueFull, TooLarge
 from .kvevents.codec import KVEvent
 from .kvevents.publisher import KVEventPublisher
 from .metrics import WorkerMetrics
@@ -417,13 +417,13 @@ class Worker:
         return web.Response(text=_dumps(body), content_type="application/json")
 
     @staticmethod
-    def _usage(seq: Sequence_) -> dict[str, Any]:
+    def _usage(seq: EngineSeq) -> dict[str, Any]:
         n, g = len(seq.prompt), len(seq.generated)
         return {"prompt_tokens": n, "completion_tokens": g, "total_tokens": n + g,
                 "prompt_tokens_details": {"cached_tokens": seq.cached_tokens}}
 
     async def _stream(
-        self, request: web.Request, seq: Sequence_, rid: str, chat: bool, include_usage: bool
+        self, request: web.Request, seq: EngineSeq, rid: str, chat: bool, include_usage: bool
     ) -> web.StreamResponse:
         assert seq.stream is not None
         resp = web.StreamResponse(
@@ -487,7 +487,7 @@ class Worker:
         return resp
 
     # -- P/D handshake --------------------------------------------------------------------
-    async def _handoff(self, seq: Sequence_, keys: list[int], rid: str) -> dict[str, Any]:
+    async def _handoff(self, seq: EngineSeq, keys: list[int], rid: str) -> dict[str, Any]:
         """Prefill side: publish where the KV lives (and put it in the store)."""
         bs = self.engine.block_size
         stored = 0
