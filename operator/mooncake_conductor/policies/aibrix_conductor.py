@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..state import ClusterState, RequestInfo
+from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, PrefillPolicy, least, register
 
 
@@ -32,12 +32,11 @@ class AIBrixConductorPolicy(PrefillPolicy):
     Params = AIBrixParams
     default_decode = "aibrix"
 
-    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
+    def pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
+    ) -> Placement:
         assert isinstance(self.params, AIBrixParams)
         prm = self.params
-        live = [p for p in cluster.prefill if p.up]
-        if not live:
-            return Placement(prefill=None, reject_reason="no-prefill-instance")
         matches = cluster.index.match_all(req.keys, cluster.prefill_mask)
         est: list[tuple[float, int]] = []
         for p in live:

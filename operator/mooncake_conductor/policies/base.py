@@ -1,7 +1,7 @@
 """The one small interface every prefill policy implements, and its registry.
 
 A policy is a class with a ``name``, a pydantic ``Params`` model (its knobs and
-weights, with the published defaults) and ``choose(request, cluster, now) ->
+weights, with the published defaults) and ``pick(request, cluster, live, now) ->
 Placement``. Policies are created by name with :func:`create_policy`; each lives
 in its own module whose docstring states its rule and its source.
 """
@@ -92,9 +92,18 @@ class PrefillPolicy(ABC):
         self.params = params
         self.ctx = ctx
 
-    @abstractmethod
     def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
-        """Pick a prefill instance (or reject) for ``req``."""
+        """Pick a prefill instance for ``req`` among the live ones (none live: reject)."""
+        live = [p for p in cluster.prefill if p.up]
+        if not live:
+            return Placement(prefill=None, reject_reason="no-prefill-instance")
+        return self.pick(req, cluster, live, now)
+
+    @abstractmethod
+    def pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
+    ) -> Placement:
+        """The policy's rule: choose among ``live`` (never empty)."""
 
     def on_placed(self, req: RequestInfo, placement: Placement, cluster: ClusterState) -> None:  # noqa: B027
         """Hook after a placement is committed (approximate-tree policies learn here)."""

@@ -88,12 +88,11 @@ class ConductorPolicy(PrefillPolicy):
     admission = True
     replication = True
 
-    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
+    def pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
+    ) -> Placement:
         assert isinstance(self.params, ConductorParams)
         prm = self.params
-        live = [p for p in cluster.prefill if p.up]
-        if not live:
-            return Placement(prefill=None, reject_reason="no-prefill-instance")
         cost = self.ctx.cost
         index = cluster.index
         search = cluster.prefill_mask

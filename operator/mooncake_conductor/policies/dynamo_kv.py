@@ -17,7 +17,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..index import DRAM, HBM, STORE
-from ..state import ClusterState, RequestInfo
+from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, PrefillPolicy, least, register
 
 
@@ -36,12 +36,11 @@ class DynamoKVPolicy(PrefillPolicy):
     name = "dynamo-kv"
     Params = DynamoParams
 
-    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
+    def pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
+    ) -> Placement:
         assert isinstance(self.params, DynamoParams)
         prm = self.params
-        live = [p for p in cluster.prefill if p.up]
-        if not live:
-            return Placement(prefill=None, reject_reason="no-prefill-instance")
         weights = {HBM: prm.device_weight, DRAM: prm.host_weight, STORE: prm.disk_weight}
         matches = cluster.index.match_all(req.keys, cluster.prefill_mask)
         new_blocks = len(req.keys)

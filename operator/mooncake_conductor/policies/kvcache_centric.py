@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..state import ClusterState, RequestInfo
+from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, PrefillPolicy, least, register
 
 
@@ -37,11 +37,10 @@ class KVCacheCentricPolicy(PrefillPolicy):
     default_decode = "tbt-slo"
     admission = True
 
-    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
+    def pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
+    ) -> Placement:
         assert isinstance(self.params, KVCacheCentricParams)
-        live = [p for p in cluster.prefill if p.up]
-        if not live:
-            return Placement(prefill=None, reject_reason="no-prefill-instance")
         cost = self.ctx.cost
         search = cluster.prefill_mask
         if cluster.store_id is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from ..state import ClusterState, RequestInfo
+from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, PrefillPolicy, least, register
 
 
@@ -23,10 +23,9 @@ class LeastLoadPolicy(PrefillPolicy):
     name = "least-load"
     Params = LeastLoadParams
 
-    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
-        live = [p for p in cluster.prefill if p.up]
-        if not live:
-            return Placement(prefill=None, reject_reason="no-prefill-instance")
+    def pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
+    ) -> Placement:
         loads = [(p.paper_queue_time(), p.iid) for p in live]
         iid = least(loads, self.ctx.rng)
         inst = cluster.prefill[iid]

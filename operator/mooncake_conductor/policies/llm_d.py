@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..state import ClusterState, RequestInfo
+from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, PrefillPolicy, least, register
 
 
@@ -30,12 +30,11 @@ class LLMDPolicy(PrefillPolicy):
     name = "llm-d"
     Params = LLMDParams
 
-    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
+    def pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
+    ) -> Placement:
         assert isinstance(self.params, LLMDParams)
         prm = self.params
-        live = [p for p in cluster.prefill if p.up]
-        if not live:
-            return Placement(prefill=None, reject_reason="no-prefill-instance")
         matches = cluster.index.match_all(req.keys, cluster.prefill_mask)
         queues = {p.iid: len(p.queue) for p in live}
         qmax, qmin = max(queues.values()), min(queues.values())

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..state import ClusterState, RequestInfo
+from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, PrefillPolicy, least, register
 
 
@@ -28,11 +28,10 @@ class LocalCacheAwarePolicy(PrefillPolicy):
     name = "local-cache-aware"
     Params = LocalCacheAwareParams
 
-    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
+    def pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
+    ) -> Placement:
         assert isinstance(self.params, LocalCacheAwareParams)
-        live = [p for p in cluster.prefill if p.up]
-        if not live:
-            return Placement(prefill=None, reject_reason="no-prefill-instance")
         waits = {p.iid: p.paper_queue_time() for p in live}
         limit = min(waits.values()) + self.params.slack * self.ctx.cost.prefill_time(
             req.input_tokens

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from ..state import ClusterState, RequestInfo
+from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, PrefillPolicy, register
 
 
@@ -22,10 +22,9 @@ class RandomPolicy(PrefillPolicy):
     Params = RandomParams
     default_decode = "random"
 
-    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
-        live = [p for p in cluster.prefill if p.up]
-        if not live:
-            return Placement(prefill=None, reject_reason="no-prefill-instance")
+    def pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
+    ) -> Placement:
         inst = self.ctx.rng.choice(live)
         local = cluster.index.match(inst.iid, req.keys)
         return self.local_placement(req, inst, local, now)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
-from ..state import ClusterState, RequestInfo
+from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, PolicyContext, PrefillPolicy, register
 
 
@@ -26,10 +26,9 @@ class RoundRobinPolicy(PrefillPolicy):
         super().__init__(params, ctx)
         self._next = 0
 
-    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
-        live = [p for p in cluster.prefill if p.up]
-        if not live:
-            return Placement(prefill=None, reject_reason="no-prefill-instance")
+    def pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
+    ) -> Placement:
         inst = live[self._next % len(live)]
         self._next += 1
         local = cluster.index.match(inst.iid, req.keys)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..index import PrefixIndex
-from ..state import ClusterState, RequestInfo
+from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, PolicyContext, PrefillPolicy, least, register
 
 
@@ -46,12 +46,11 @@ class SGLangCacheAwarePolicy(PrefillPolicy):
             self._tree = PrefixIndex(max(1, int(tokens // block_tokens)))
         return self._tree
 
-    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
+    def pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
+    ) -> Placement:
         assert isinstance(self.params, SGLangParams)
         prm = self.params
-        live = [p for p in cluster.prefill if p.up]
-        if not live:
-            return Placement(prefill=None, reject_reason="no-prefill-instance")
         loads = {p.iid: p.outstanding for p in live}
         hi, lo = max(loads.values()), min(loads.values())
         rng = self.ctx.rng
@@ -62,7 +61,7 @@ class SGLangCacheAwarePolicy(PrefillPolicy):
             mask = 0
             for p in live:
                 mask |= 1 << p.iid
-                if p.iid >= len(tree._capacity) or tree.live_mask & (1 << p.iid) == 0:
+                if not tree.live_mask >> p.iid & 1:
                     tree.add_instance(p.iid)
             approx = tree.match_all(req.keys, mask)
             best = max(approx.values(), default=0)
