@@ -7,7 +7,7 @@ import json
 import math
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +189,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if jobs > 1 and len(work) > 1:
         print(f"running {len(work)} policies on {jobs} processes ...", file=sys.stderr)
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            results = list(pool.map(_run_one, work))
+            futures = [pool.submit(_run_one, w) for w in work]
+            for done, fut in enumerate(as_completed(futures), 1):
+                r = fut.result()
+                print(f"  [{done}/{len(work)}] {r['policy']} ({r['wall_seconds']:.1f} s)",
+                      file=sys.stderr)
+            results = [f.result() for f in futures]
     else:
         results = [_run_one(w) for w in work]
     print(format_table(results))
