@@ -202,3 +202,10 @@ def test_client_disconnect_while_waiting_non_stream_frees_kv() -> None:
             time.sleep(0.05)
         assert w.metric("vllm:num_requests_running") == 0
         assert w.get("/kv/blocks")["used_blocks"] == 0
+
+
+def test_body_too_large_is_413_json() -> None:
+    with run_worker("--time-scale", "0", "--max-body-bytes", "10000") as w:
+        status, data, _ = raw_post(w, "/v1/completions",
+                                   json.dumps({"prompt": "x " * 20000}).encode())
+        assert_error(status, data, 413)

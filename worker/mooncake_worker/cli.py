@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default)
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default)
     p.add_argument("--default-max-tokens", type=int, default=d["default_max_tokens"].default)
+    p.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"].default)
     p.add_argument("--annotations-file", default=None,
                    help="downward-API annotations file; enables the pod agent")
     p.add_argument("--agent-poll", dest="agent_poll_s", type=float,

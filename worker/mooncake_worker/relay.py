@@ -125,9 +125,8 @@ class RelayAgent(AgentBase):
         r.source = "engine"
         r.error = None
         # the engine's events arrive asynchronously; 'ready' once they show the blocks
-        for _ in range(50):
-            if self.held(r) == len(r.keys):
-                break
+        deadline = time.monotonic() + self.relay.settings.agent_event_wait_s
+        while self.held(r) < len(r.keys) and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         r.state = "ready" if self.held(r) == len(r.keys) else "partial"
 
@@ -200,7 +199,7 @@ class EngineRelay:
 
     # -- app ------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=self.settings.max_body_bytes)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/agent/state", self.agent_state)
         app.router.add_route("*", "/{tail:.*}", self.proxy)

@@ -118,7 +118,9 @@ class Worker:
 
     # -- lifecycle ------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=64 << 20)
+        app = web.Application(
+            middlewares=[self._errors], client_max_size=self.settings.max_body_bytes
+        )
         r = app.router
         r.add_get("/v1/models", self.models)
         r.add_post("/v1/completions", self.completions)

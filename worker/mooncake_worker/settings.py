@@ -40,6 +40,7 @@ class WorkerSettings(BaseModel):
     max_running: int = Field(256, gt=0, description="sequences in the running batch at most")
     max_waiting: int = Field(1024, ge=0, description="queued requests at most; then 429")
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds sent with a 429")
+    max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body accepted")
 
     # -- engine model ----------------------------------------------------------------------
     block_size: int = Field(16, gt=0, description="tokens per KV block")
@@ -87,6 +88,9 @@ class WorkerSettings(BaseModel):
     # -- pod agent -------------------------------------------------------------------------
     annotations_file: str | None = Field(None, description="downward-API annotations file")
     agent_poll_s: float = Field(1.0, gt=0, description="annotations file mtime poll period")
+    agent_event_wait_s: float = Field(
+        1.0, ge=0, description="relay mode: how long a warm-up waits for the engine's events"
+    )
     agent_rewarm_s: float = Field(
         30.0, gt=0, description="relay mode: least seconds between warm-ups of one prefix"
     )
