@@ -131,7 +131,8 @@ def test_prefix_reuse_counts_and_eviction_order() -> None:
 
 def test_queue_full_and_too_large() -> None:
     async def main() -> None:
-        e = engine(time_scale=0, max_waiting=2, cache_tokens=160)
+        e = engine(time_scale=0, max_waiting=2, max_running=1, cache_tokens=160)
+        e.submit([1] * 10, 1)  # will run at once
         e.submit([1] * 10, 1)
         e.submit([1] * 10, 1)
         with pytest.raises(QueueFull):

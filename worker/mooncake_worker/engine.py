@@ -118,7 +118,8 @@ class Engine:
                 f"request needs {self.blocks_needed(len(prompt), max_tokens)} KV blocks; "
                 f"the cache holds {self.cache.capacity}"
             )
-        if len(self.waiting) >= self.settings.max_waiting:
+        free_slots = max(0, self.settings.max_running - len(self.running))
+        if len(self.waiting) >= self.settings.max_waiting + free_slots:
             raise QueueFull("waiting queue is full")
         seq = EngineSeq(
             prompt=prompt,
