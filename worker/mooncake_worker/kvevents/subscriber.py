@@ -57,6 +57,7 @@ class KVEventSubscriber:
         self.lost = 0
         self.restarts = 0
         self.bad = 0
+        self.errors = 0
         self._sub: zmq.asyncio.Socket | None = None
         self.connected = asyncio.Event()
 
@@ -76,7 +77,11 @@ class KVEventSubscriber:
         try:
             while True:
                 frames = await self._sub.recv_multipart()
-                await self.handle(frames)
+                try:
+                    await self.handle(frames)
+                except Exception:  # a failing callback must not stop the subscription
+                    self.errors += 1
+                    log.exception("KV-event handler failed")
         finally:
             self._sub.close(0)
             self._sub = None
