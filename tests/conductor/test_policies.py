@@ -237,7 +237,7 @@ def test_conductor_never_orders_a_request_before_the_prefill_it_reuses() -> None
     c = cluster(1)
     c.prefill[0].enqueue(7, 50.0, 3.0, 20, 20 * BT)  # queued, will write KEYS
     c.index.add_pending(0, KEYS)
-    pl = policy("conductor", priority_weight=2.0).choose(request(KEYS + [1], arrival=1.0), c, 1.0)
+    pl = policy("conductor", priority_weight=2.0).choose(request([*KEYS, 1], arrival=1.0), c, 1.0)
     assert pl.local_blocks == 20
     assert pl.priority is not None and pl.priority > 50.0
 
