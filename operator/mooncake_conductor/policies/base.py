@@ -51,7 +51,7 @@ class Placement:
     cpp_chunk_tokens: int = 0
     #: after a fetch, the source's copy goes to the cold end of its LRU (migration)
     migrate: bool = False
-    candidates: list[dict[str, float]] = field(default_factory=list)
+    candidates: list[dict[str, float | int]] = field(default_factory=list)
 
     @property
     def ttft_s(self) -> float:

@@ -165,9 +165,9 @@ class ConductorPolicy(PrefillPolicy):
                 choice = cpp
         if prm.explain:
             choice.candidates = [
-                {"instance": float(o.prefill or 0), "ttft_s": o.ttft_s, "queue_s": o.queue_s,
-                 "transfer_s": o.transfer_s, "prefill_s": o.prefill_s,
-                 "group": float(len(o.cpp_group) or 1)}
+                {"instance": o.prefill if o.prefill is not None else -1, "ttft_s": o.ttft_s,
+                 "queue_s": o.queue_s, "transfer_s": o.transfer_s, "prefill_s": o.prefill_s,
+                 "group": len(o.cpp_group) or 1}
                 for o in sorted(options, key=lambda o: o.ttft_s)[:5]
             ]
         return choice
