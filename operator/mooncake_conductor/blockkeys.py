@@ -103,7 +103,8 @@ def block_keys(
         ends = np.arange(block_size, length + 1, block_size)
         h = (sums[ends - 1] + np.uint64(seed & MASK64)) * _POW.fwd[ends]
         keys = _mix64_np(h)
-    return [int(k) for k in keys]
+    out: list[int] = keys.tolist()
+    return out
 
 
 def block_keys_reference(tokens: Sequence[int], block_size: int, seed: int) -> list[int]:

@@ -89,25 +89,28 @@ class TBTSLODecode(DecodeSelector):
     name = "tbt-slo"
 
     def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
-        live = [d for d in decode if d.up]
-        if not live:
-            return DecodeChoice(None, reject_reason="no-decode-instance")
         need = req.input_tokens + req.output_tokens
+        step_time = self.cost.decode_step_time
+        slo = self.tbt_slo_s
         options: list[tuple[float, int]] = []
-        fallback: list[tuple[float, int]] = []
-        for d in live:
-            step = self.predicted_step(req, d)
-            room = d.capacity_tokens <= 0 or (
-                d.context_tokens + d.reserved_tokens + need <= d.capacity_tokens
-            )
-            fallback.append((step, d.iid))
-            if step <= self.tbt_slo_s and room:
+        fallback: tuple[float, int] | None = None
+        for d in decode:
+            if not d.up:
+                continue
+            step = step_time(d.batch + 1, d.context_tokens + req.input_tokens)
+            if fallback is None or step < fallback[0]:
+                fallback = (step, d.iid)
+            if step <= slo and (
+                d.capacity_tokens <= 0
+                or d.context_tokens + d.reserved_tokens + need <= d.capacity_tokens
+            ):
                 options.append((step, d.iid))
+        if fallback is None:
+            return DecodeChoice(None, reject_reason="no-decode-instance")
         if not options:
-            step, iid = min(fallback)
-            return DecodeChoice(iid, step, reject_reason="tbt-slo")
+            return DecodeChoice(fallback[1], fallback[0], reject_reason="tbt-slo")
         iid = least(options, self.rng, rel_tol=0.01)
-        return DecodeChoice(iid, dict((i, s) for s, i in options)[iid])
+        return DecodeChoice(iid, next(s for s, i in options if i == iid))
 
 
 class AIBrixDecode(DecodeSelector):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from itertools import accumulate, repeat, takewhile
+from operator import and_
 
 HBM = 0
 DRAM = 1
@@ -201,28 +203,46 @@ class PrefixIndex:
         self, keys: Sequence[int], mask: int = -1, include_pending: bool = False
     ) -> dict[int, int]:
         """Longest held prefix (in blocks) for every instance in ``mask`` that holds at
-        least the first block; instances not in the result match nothing."""
-        alive = self.live_mask & mask
+        least the first block; instances not in the result match nothing.
+
+        ``alive[k]`` = the instances holding all of ``keys[:k]``: a running AND of the
+        holder masks, computed in C (``accumulate``) and cut where it reaches zero.
+        Bits only ever drop, so each instance's match is the end of the last run that
+        still has its bit; runs are found by binary search, one per drop.
+        """
+        start = self.live_mask & mask
+        if not start or not keys:
+            return {}
+        if include_pending and self._pending:
+            holders, pending = self.holders, self._pending
+            masks: Iterable[int] = (holders.get(k, 0) | pending.get(k, 0) for k in keys)
+        else:
+            masks = map(self.holders.get, keys, repeat(0))
+        alive = list(takewhile(bool, accumulate(masks, and_, initial=start)))
         out: dict[int, int] = {}
-        holders = self.holders
-        pending = self._pending if include_pending else None
-        for i, key in enumerate(keys):
-            held = holders.get(key, 0)
-            if pending is not None:
-                held |= pending.get(key, 0)
-            dropped = alive & ~held
-            if dropped:
-                if i:
-                    for inst in _bits(dropped):
-                        out[inst] = i
-                alive &= held
-                if not alive:
-                    return out
-        n = len(keys)
-        if n:
-            for inst in _bits(alive):
-                out[inst] = n
-        return out
+        last = len(alive) - 1
+        i = 0
+        while True:
+            value = alive[i]
+            lo, hi = i, last  # the run of ``value`` ends at the last index holding it
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if alive[mid] == value:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            gone = value if lo == last else value & ~alive[lo + 1]
+            if lo:
+                for inst in _bits(gone):
+                    out[inst] = lo
+            if lo == last:
+                return out
+            i = lo + 1
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether any instance has in-flight (pending) blocks."""
+        return bool(self._pending)
 
     def holder_mask(self, key: int) -> int:
         return self.holders.get(key, 0)

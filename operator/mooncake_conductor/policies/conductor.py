@@ -78,6 +78,8 @@ class ConductorParams(BaseModel):
 
 
 _AFTER = 1e-6  # priority step that orders a request right after another
+# (ttft, instance, local blocks, fetched blocks, queue s, transfer s, prefill s, priority)
+_Row = tuple[float, int, int, int, float, float, float, float]
 
 
 @register
@@ -95,13 +97,22 @@ class ConductorPolicy(PrefillPolicy):
         prm = self.params
         cost = self.ctx.cost
         index = cluster.index
-        search = cluster.prefill_mask
+        live_mask = 0
+        busy = waiting = 0
+        for p in live:
+            live_mask |= 1 << p.iid
+            if p.queue:
+                busy += 1
+                waiting += len(p.queue)
+            elif p.busy_until > now:
+                busy += 1
+        search = live_mask
         if cluster.store_id is not None:
             search |= 1 << cluster.store_id
         stored = index.match_all(req.keys, search)
         local_view = (
-            index.match_all(req.keys, cluster.prefill_mask, include_pending=True)
-            if prm.include_pending
+            index.match_all(req.keys, live_mask, include_pending=True)
+            if prm.include_pending and index.has_pending
             else stored
         )
         best_src, best_len = None, 0
@@ -109,61 +120,65 @@ class ConductorPolicy(PrefillPolicy):
             if m > best_len:
                 best_src, best_len = iid, m
         n = req.input_tokens
+        arrival = req.arrival
+        weight = prm.priority_weight
         best_tokens = req.tokens_of(best_len)
         fetch_prefill = cost.prefill_time(n, best_tokens)
-        options: list[Placement] = []
-        for p in live:
-            local = local_view.get(p.iid, 0)
-            local_tokens = req.tokens_of(local)
-            recompute = cost.prefill_time(n, local_tokens)
-            prio = req.arrival + prm.priority_weight * recompute
-            if local > stored.get(p.iid, 0) and p.queue:
-                # reusing blocks a queued prefill will write: never jump ahead of it
-                prio = max(prio, max(q.priority for q in p.queue) + _AFTER)
-            queue = p.wait_time(now, prio)
-            option = Placement(
-                prefill=p.iid, local_blocks=local, queue_s=queue, prefill_s=recompute,
-                priority=prio,
-            )
-            if best_len > local and best_src != p.iid:
-                transfer = cost.transfer_time(best_tokens - local_tokens)
-                f_prio = req.arrival + prm.priority_weight * fetch_prefill
-                f_queue = p.wait_time(now, f_prio)
-                if prm.overlap_transfer:
-                    f_wait, f_transfer = f_queue, max(0.0, transfer - f_queue)
-                else:
-                    f_wait, f_transfer = f_queue, transfer
-                if f_wait + f_transfer + fetch_prefill < option.ttft_s:
-                    option = Placement(
-                        prefill=p.iid, local_blocks=local, fetch_blocks=best_len - local,
-                        source=best_src, queue_s=f_wait, transfer_s=f_transfer,
-                        prefill_s=fetch_prefill, priority=f_prio,
-                        migrate=prm.migrate_on_fetch,
-                    )
-            options.append(option)
+        f_prio = arrival + weight * fetch_prefill
+        # instances with the same local match share their prefill and transfer times
+        by_local: dict[int, tuple[float, float]] = {}
         # score = TTFT + kappa x GPU seconds. Work a choice adds delays the requests that
         # would have used that time: on average the busy share of the pool plus the
         # requests already waiting per instance (0 when idle: pure TTFT).
-        busy = sum(1 for p in live if p.busy_until > now or p.queue)
-        waiting = sum(len(p.queue) for p in live)
         kappa = prm.work_weight * (busy + waiting) / len(live)
-
-        def score(o: Placement) -> float:
-            return o.ttft_s + kappa * o.gpu_seconds
-
-        best = min(score(o) for o in options)
+        rows: list[_Row] = []
+        for p in live:
+            iid = p.iid
+            local = local_view.get(iid, 0)
+            times = by_local.get(local)
+            if times is None:
+                local_tokens = req.tokens_of(local)
+                times = (cost.prefill_time(n, local_tokens),
+                         cost.transfer_time(best_tokens - local_tokens))
+                by_local[local] = times
+            recompute, transfer = times
+            prio = arrival + weight * recompute
+            if local > stored.get(iid, 0) and p.queue:
+                # reusing blocks a queued prefill will write: never jump ahead of it
+                prio = max(prio, max(q.priority for q in p.queue) + _AFTER)
+            if weight:
+                queue = p.wait_time(now, prio)
+            else:  # FIFO: everything running or queued goes first
+                queue = p.busy_until - now
+                queue = (queue if queue > 0.0 else 0.0) + p.queued_work_s
+            row: _Row = (queue + recompute, iid, local, 0, queue, 0.0, recompute, prio)
+            if best_len > local and best_src != iid:
+                f_queue = p.wait_time(now, f_prio) if weight else queue
+                f_transfer = max(0.0, transfer - f_queue) if prm.overlap_transfer else transfer
+                f_ttft = f_queue + f_transfer + fetch_prefill
+                if f_ttft < row[0]:
+                    row = (f_ttft, iid, local, best_len - local, f_queue, f_transfer,
+                           fetch_prefill, f_prio)
+            rows.append(row)
+        scores = [r[0] + kappa * r[6] for r in rows]
+        best = min(scores)
         band = best * (1.0 + prm.tie_tolerance) + prm.tie_tolerance_s
-        ties = [o for o in options if score(o) <= band]
-        no_copy = [o for o in ties if not o.fetch_blocks]  # a tie never pays a new copy
+        ties = [r for r, sc in zip(rows, scores, strict=True) if sc <= band]
+        no_copy = [r for r in ties if not r[3]]  # a tie never pays a new copy
         ties = no_copy or ties
-        choice = ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties)
+        chosen = ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties)
+        choice = self._placement(chosen, best_src)
         cpp = self._cpp(req, live, stored, choice, now)
         if cpp is not None:
-            options.append(cpp)
             rescue = choice.ttft_s > prm.cpp.trigger_share * self.ctx.slo.ttft_s
-            if (rescue and cpp.ttft_s < choice.ttft_s) or score(cpp) < score(choice):
+            if (rescue and cpp.ttft_s < choice.ttft_s) or (
+                cpp.ttft_s + kappa * cpp.gpu_seconds < choice.ttft_s + kappa * choice.gpu_seconds
+            ):
                 choice = cpp
         if prm.explain:
+            options = [self._placement(r, best_src) for r in sorted(rows)[:5]]
+            if cpp is not None:
+                options.append(cpp)
             choice.candidates = [
                 {"instance": o.prefill if o.prefill is not None else -1, "ttft_s": o.ttft_s,
                  "queue_s": o.queue_s, "transfer_s": o.transfer_s, "prefill_s": o.prefill_s,
@@ -171,6 +186,15 @@ class ConductorPolicy(PrefillPolicy):
                 for o in sorted(options, key=lambda o: o.ttft_s)[:5]
             ]
         return choice
+
+    def _placement(self, row: _Row, source: int | None) -> Placement:
+        assert isinstance(self.params, ConductorParams)
+        _, iid, local, fetch, queue, transfer, prefill, prio = row
+        return Placement(
+            prefill=iid, local_blocks=local, fetch_blocks=fetch,
+            source=source if fetch else None, queue_s=queue, transfer_s=transfer,
+            prefill_s=prefill, priority=prio, migrate=bool(fetch) and self.params.migrate_on_fetch,
+        )
 
     def _cpp(
         self,
