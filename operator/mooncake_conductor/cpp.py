@@ -32,6 +32,14 @@ class CPPConfig(BaseModel):
     min_new_tokens: int = Field(
         8192, ge=0, description="consider CPP only when this many tokens must be computed"
     )
+    reserve_idle_share: float = Field(
+        0.25, ge=0, le=1, description="when CPP is optional (no SLO at stake), use only idle "
+        "instances and leave this share of the pool idle",
+    )
+    rescue_idle_only: bool = Field(
+        True, description="an SLO rescue also uses idle instances only (else: the least "
+        "loaded, waiting for all of them)",
+    )
     trigger_share: float = Field(
         1.0, gt=0, description="use CPP when the best single-instance TTFT exceeds this share "
         "of the TTFT SLO (1.0: only prompts one instance cannot serve in time)",

@@ -26,11 +26,13 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
    efficiency (no recomputing a prefix elsewhere to shave a queue, no CPP
    bubbles that would cost others).
 6. **Chunked pipeline prefill (CPP)** (paper §3.2, which leaves the when open):
-   prompts with at least ``cpp.min_new_tokens`` to compute also get priced as
-   groups of 2..``cpp.max_group`` of the least loaded instances
-   (:mod:`mooncake_conductor.cpp`) under the same score; a group is also taken
-   whenever one instance would break ``cpp.trigger_share`` of the TTFT SLO
-   and the group does better, so such prompts are served, not rejected.
+   prompts with at least ``cpp.min_new_tokens`` to compute are also priced as
+   groups of 2..``cpp.max_group`` instances (:mod:`mooncake_conductor.cpp`)
+   under the same score. Only idle instances join a group: a group that waits
+   for busy members idles the others, which costs more than it saves. When no
+   SLO is at stake, ``cpp.reserve_idle_share`` of the pool also stays idle for
+   what arrives next; when one instance would break ``cpp.trigger_share`` of
+   the TTFT SLO, a faster group serves the prompt instead of a rejection.
 7. **Migrate, don't copy, on fetch.** The source's copy of fetched blocks goes
    to the cold end of its LRU: the newest copy stays hot, old ones age out
    unless reused, and duplicates stop crowding the pooled cache.
@@ -45,6 +47,8 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
 """
 
 from __future__ import annotations
+
+import math
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -216,12 +220,20 @@ class ConductorPolicy(PrefillPolicy):
         rng = self.ctx.rng
         order = {p.iid: (p.wait_time(now), rng.random()) for p in live}  # random among equals
         by_wait = sorted(live, key=lambda p: order[p.iid])
+        idle = sum(1 for p in by_wait if order[p.iid][0] <= 0.0)
+        if single.ttft_s <= cfg.trigger_share * self.ctx.slo.ttft_s:
+            # opportunistic: only idle instances, and some stay idle for what arrives next
+            limit = min(cfg.max_group, idle - math.ceil(cfg.reserve_idle_share * len(live)))
+        elif cfg.rescue_idle_only:
+            limit = min(cfg.max_group, idle)
+        else:
+            limit = cfg.max_group
         best_src, best_len = None, 0
         for iid, m in stored.items():
             if m > best_len:
                 best_src, best_len = iid, m
         best: Placement | None = None
-        for size in range(2, min(cfg.max_group, len(by_wait)) + 1):
+        for size in range(2, min(limit, len(by_wait)) + 1):
             members = by_wait[:size]
             leader = max(members, key=lambda p: (stored.get(p.iid, 0), -order[p.iid][1]))
             local = stored.get(leader.iid, 0)
