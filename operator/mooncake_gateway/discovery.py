@@ -137,13 +137,14 @@ class KubernetesPodSource(EndpointSource):
 
     def _core_api(self) -> Any:
         if self._api is None:
-            from kubernetes import client, config
+            import kubernetes
 
+            k8s: Any = kubernetes
             try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            self._api = client.CoreV1Api()
+                k8s.config.load_incluster_config()
+            except k8s.config.ConfigException:
+                k8s.config.load_kube_config()
+            self._api = k8s.client.CoreV1Api()
         return self._api
 
     async def start(self, on_change: OnEndpoints) -> None:
@@ -162,8 +163,9 @@ class KubernetesPodSource(EndpointSource):
 
     def _watch(self, api: Any, role: Role, selector: str,
                report: Callable[[Role, list[Endpoint]], None]) -> None:
-        from kubernetes import watch
+        import kubernetes.watch
 
+        watch: Any = kubernetes.watch
         pods: dict[str, Any] = {}
 
         def publish() -> None:

@@ -122,8 +122,8 @@ class ModelRuntime:
                 if role is Role.PREFILL:
                     self.feeder.reset(inst.iid)
         for url, ep in wanted.items():
-            inst = self._by_url.get((role, url))
-            if inst is None:
+            known = self._by_url.get((role, url))
+            if known is None:
                 insts = self.instances(role)
                 inst = Instance(role, len(insts), ep)
                 insts.append(inst)
@@ -133,7 +133,11 @@ class ModelRuntime:
                     self.index.add_instance(inst.iid)
                 else:
                     self.cluster.decode.append(DecodeState(iid=inst.iid, name=ep.label))
-            elif not inst.listed or inst.endpoint != ep:
+            else:
+                inst = known
+                if inst.listed and inst.endpoint == ep:
+                    self._set_up(inst)
+                    continue
                 self._stop_events(inst)
                 inst.endpoint = ep
                 inst.listed = True

@@ -43,6 +43,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 EXPLAIN_HEADER = "x-conductor-explain"
 DECISION_HEADER = "x-conductor-decision"
 DECODE_ATTEMPTS = 2
+JSON_HEADERS = {"Content-Type": "application/json"}
 UPSTREAM_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 SSE_DONE = b"data: [DONE]"
 MICRO = 1e6
@@ -93,7 +94,8 @@ class Gateway:
         s = self.settings
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
-            timeout=aiohttp.ClientTimeout(total=s.request_timeout_s, sock_connect=s.connect_timeout_s),
+            timeout=aiohttp.ClientTimeout(total=s.request_timeout_s,
+                                          sock_connect=s.connect_timeout_s),
         )
         for rt in self.models.values():
             src = source_for(rt.cfg, s.discovery_poll_s)
@@ -284,6 +286,7 @@ class Gateway:
             raise ApiError(400, f"request body is not valid JSON: {exc}") from None
         default = next(iter(self.models)) if len(self.models) == 1 else None
         p = parse_request(data, chat, default)
+        p.raw = raw
         rt = self.models.get(p.model)
         if rt is None:
             self.metrics.requests.labels(p.model[:64], endpoint, "not_found").inc()
@@ -326,9 +329,14 @@ class Gateway:
                            code=reason.replace("-", "_"),
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         pl = decision.placement
-        reused = req.tokens_of(pl.reused_blocks)
-        direct = len(tokens) - reused < cfg.direct.uncached_tokens_below
+        assert pl.prefill is not None
+        # what the chosen instance holds now (pending prefixes and fetches not counted: the
+        # engines cannot pull blocks from a peer, so the gateway runs a fetch as a recompute)
+        held = rt.index.match(pl.prefill, keys)
+        reused = req.tokens_of(held)
+        direct = len(tokens) - req.tokens_of(pl.reused_blocks) < cfg.direct.uncached_tokens_below
         record["direct"] = direct
+        record["held_blocks"] = held
         rt.prompt_tokens += len(tokens)
         if not direct:
             rt.reused_tokens += reused
@@ -376,7 +384,7 @@ class Gateway:
         """Every routable prefill instance's predicted TTFT parts, best first."""
         cost = rt.cost
         matched = rt.index.match_all(req.keys, rt.cluster.prefill_mask, include_pending=True)
-        out = []
+        out: list[dict[str, Any]] = []
         for ps in rt.cluster.prefill:
             if not ps.up:
                 continue
@@ -393,13 +401,14 @@ class Gateway:
     # -- prefill ---------------------------------------------------------------------------
     async def _prefill(self, rt: ModelRuntime, req: RequestInfo, decision: Decision,
                        data: dict[str, Any], p: Parsed, record: dict[str, Any]) -> dict[str, Any]:
-        body = dict(data)
-        body.pop("stream_options", None)
-        body.update(stream=False, max_tokens=1, kv_transfer_params={
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None})
+        overrides: dict[str, Any] = {
+            "stream": False, "stream_options": None, "max_tokens": 1,
+            "kv_transfer_params": {
+                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}}
         if p.chat:
-            body.pop("max_completion_tokens", None)
+            overrides["max_completion_tokens"] = None
+        body = splice_json(p.raw, data, overrides)
         path = "/v1/chat/completions" if p.chat else "/v1/completions"
         tried: set[int] = set()
         pl = decision.placement
@@ -458,11 +467,11 @@ class Gateway:
                 s.up = up
         return d if d.prefill is not None else None
 
-    async def _post_json(self, inst: Instance, path: str,
-                         body: dict[str, Any]) -> tuple[int, Any]:
+    async def _post_json(self, inst: Instance, path: str, body: bytes) -> tuple[int, Any]:
         assert self.session is not None
         try:
-            async with self.session.post(inst.endpoint.url + path, json=body) as resp:
+            async with self.session.post(inst.endpoint.url + path, data=body,
+                                         headers=JSON_HEADERS) as resp:
                 raw = await resp.read()
                 try:
                     parsed = json.loads(raw) if raw else None
@@ -479,9 +488,7 @@ class Gateway:
                       headers: dict[str, str], arrived: float,
                       explain: bool) -> web.StreamResponse:
         assert self.session is not None
-        body = dict(data)
-        if kvp is not None:
-            body["kv_transfer_params"] = kvp
+        body = p.raw if kvp is None else splice_json(p.raw, data, {"kv_transfer_params": kvp})
         path = "/v1/chat/completions" if p.chat else "/v1/completions"
         iid = decision.decode.decode
         tried: set[int] = set()
@@ -518,7 +525,7 @@ class Gateway:
             return None
         return min(live, key=lambda d: (d.batch + d.waiting, d.iid)).iid
 
-    async def _unary(self, rt: ModelRuntime, inst: Instance, path: str, body: dict[str, Any],
+    async def _unary(self, rt: ModelRuntime, inst: Instance, path: str, body: bytes,
                      headers: dict[str, str], record: dict[str, Any],
                      explain: bool) -> web.Response:
         status, resp = await self._post_json(inst, path, body)
@@ -533,12 +540,13 @@ class Gateway:
                             headers=headers)
 
     async def _stream(self, request: web.Request, rt: ModelRuntime, inst: Instance, path: str,
-                      body: dict[str, Any], headers: dict[str, str],
+                      body: bytes, headers: dict[str, str],
                       arrived: float) -> web.StreamResponse:
         assert self.session is not None
         model = rt.cfg.name
         try:
-            upstream = await self.session.post(inst.endpoint.url + path, json=body)
+            upstream = await self.session.post(inst.endpoint.url + path, data=body,
+                                               headers=JSON_HEADERS)
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             raise UpstreamError(type(exc).__name__) from exc
         async with upstream:
@@ -586,6 +594,16 @@ class Gateway:
                 return resp
             await resp.write_eof()
             return resp
+
+
+def splice_json(raw: bytes, data: dict[str, Any], overrides: dict[str, Any]) -> bytes:
+    """The client's JSON object with ``overrides`` appended as later duplicate keys (JSON
+    parsers keep the last): a long token-id prompt is forwarded without re-encoding it."""
+    body = raw.rstrip()
+    if data and body.endswith(b"}"):
+        extra = json.dumps(overrides, separators=(",", ":")).encode()
+        return body[:-1] + b"," + extra[1:]
+    return json.dumps({**data, **overrides}).encode()
 
 
 def _split_events(buf: bytes) -> tuple[list[bytes], bytes]:
@@ -689,10 +707,7 @@ async def serve(settings: GatewaySettings, ready: Callable[[int], None] | None =
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
-    port = settings.port
-    server = site._server
-    if server is not None and getattr(server, "sockets", None):
-        port = server.sockets[0].getsockname()[1]
+    port = int(runner.addresses[0][1]) if runner.addresses else settings.port
     if ready is not None:
         ready(port)
     try:

@@ -139,10 +139,10 @@ class GatewaySettings(BaseSettings):
         "(their --time-scale); the Conductor's clock runs at wall / time_scale",
     )
     health_interval_s: float = Field(1.0, gt=0, description="health-check period")
-    health_timeout_s: float = Field(1.0, gt=0, description="health-check timeout")
-    unhealthy_after: int = Field(2, gt=0, description="failed checks before marked down")
+    health_timeout_s: float = Field(2.0, gt=0, description="health-check timeout")
+    unhealthy_after: int = Field(3, gt=0, description="failed checks before marked down")
     metrics_interval_s: float = Field(2.0, gt=0, description="engine /metrics scrape period")
-    connect_timeout_s: float = Field(2.0, gt=0, description="engine connect timeout")
+    connect_timeout_s: float = Field(5.0, gt=0, description="engine connect timeout")
     request_timeout_s: float = Field(600.0, gt=0, description="whole upstream request limit")
     prefill_attempts: int = Field(3, gt=0, description="prefill tries on distinct instances")
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds with a 429")

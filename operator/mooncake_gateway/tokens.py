@@ -68,7 +68,7 @@ class PromptTokenizer:
         self._assistant = self.local.encode(ASSISTANT_PROMPT)
 
     async def prompt(self, text: str) -> list[int]:
-        key = ("p", text)
+        key: tuple[Any, ...] = ("p", text)
         got = self.cache.get(key)
         if got is None:
             if self.remote is not None:
@@ -80,7 +80,7 @@ class PromptTokenizer:
 
     async def chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         if self.remote is not None:
-            key = ("c", _digest(list(messages)))
+            key: tuple[Any, ...] = ("c", _digest(list(messages)))
             got = self.cache.get(key)
             if got is None:
                 got = await self.remote({"messages": list(messages)})

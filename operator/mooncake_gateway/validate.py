@@ -24,6 +24,7 @@ class Parsed:
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    raw: bytes = b""  # the client's body, forwarded without re-encoding
 
 
 def parse_request(data: Any, chat: bool, default_model: str | None) -> Parsed:
@@ -93,7 +94,8 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ApiError(400, f"messages[{i}] must be an object", "messages")
-        if m.get("role") not in CHAT_ROLES:
+        role = m.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise ApiError(400, f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}",
                            "messages")
         c = m.get("content")

@@ -112,10 +112,9 @@ def run_gateway(models: list[dict[str, Any]], wait_ready: bool = True,
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"gateway exited: {g.log()}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(g.url + path, timeout=1) as r:
-                    if r.status == 200:
-                        break
+            with contextlib.suppress(OSError), urllib.request.urlopen(g.url + path, timeout=1) as r:
+                if r.status == 200:
+                    break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"gateway did not start: {g.log()}")
             time.sleep(0.05)
