@@ -468,16 +468,23 @@ class Gateway:
         return d if d.prefill is not None else None
 
     async def _post_json(self, inst: Instance, path: str, body: bytes) -> tuple[int, Any]:
+        status, parsed, _raw = await self._post(inst, path, body)
+        return status, parsed
+
+    async def _post(self, inst: Instance, path: str, body: bytes,
+                    parse: bool = True) -> tuple[int, Any, bytes]:
+        """POST ``body``; the status, the parsed JSON (``None`` when not asked or not JSON)
+        and the raw answer."""
         assert self.session is not None
         try:
             async with self.session.post(inst.endpoint.url + path, data=body,
                                          headers=JSON_HEADERS) as resp:
                 raw = await resp.read()
-                try:
-                    parsed = json.loads(raw) if raw else None
-                except ValueError:
-                    parsed = None
-                return resp.status, parsed
+                parsed = None
+                if parse or resp.status != 200:  # noqa: PLR2004
+                    with contextlib.suppress(ValueError):
+                        parsed = json.loads(raw) if raw else None
+                return resp.status, parsed, raw
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             raise UpstreamError(type(exc).__name__) from exc
 
@@ -528,14 +535,16 @@ class Gateway:
     async def _unary(self, rt: ModelRuntime, inst: Instance, path: str, body: bytes,
                      headers: dict[str, str], record: dict[str, Any],
                      explain: bool) -> web.Response:
-        status, resp = await self._post_json(inst, path, body)
+        status, resp, raw = await self._post(inst, path, body, parse=explain)
         if status in UPSTREAM_RETRY_STATUSES:
             raise UpstreamError(f"HTTP {status}")
-        if status != 200 or not isinstance(resp, dict):
+        if status != 200:  # noqa: PLR2004
             raise _relayed_error(status, resp)
-        resp.pop("kv_transfer_params", None)
-        if explain:
-            resp["conductor"] = record
+        if not explain:  # the decode answer goes back as it came
+            return web.Response(body=raw, content_type="application/json", headers=headers)
+        if not isinstance(resp, dict):
+            raise UpstreamError("answer is not a JSON object")
+        resp["conductor"] = record
         return web.Response(text=json.dumps(resp), content_type="application/json",
                             headers=headers)
 
