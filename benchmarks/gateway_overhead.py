@@ -1,0 +1,173 @@
+"""Added latency of the gateway over a direct call to a worker, and peak req/s.
+
+    python benchmarks/gateway_overhead.py [--requests 2000] [--concurrency 1,16,64]
+        [--routers /path/to/venv/bin]   # where sglang-router / vllm-router live
+
+Two simulated workers (``--time-scale 0``: the engine answers as fast as the CPU allows)
+serve every target. Targets, each driven by the same closed-loop client (aiohttp, N
+requests at a fixed concurrency, a ~200-token text prompt, ``max_tokens`` 8,
+non-streamed):
+
+- ``direct``: the worker itself;
+- ``gateway``: our gateway, single hop (the ``direct`` rule sends every prompt straight
+  to a decode instance: routing decision + one upstream call, like the routers below);
+- ``gateway-pd``: our gateway with P/D (prefill ``max_tokens=1`` then decode: two calls);
+- ``sglang-router`` / ``vllm-router`` (``cache_aware``), when installed.
+
+Added latency = target's p50/p99 minus direct's at the same concurrency; peak req/s =
+highest throughput over the concurrencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.gateway.gateway_fixtures import (  # noqa: E402
+    HOST,
+    MODEL,
+    free_port,
+    model_config,
+    run_gateway,
+    run_worker,
+)
+
+PROMPT = " ".join(f"w{i % 97} x{i}" for i in range(100))
+MAX_TOKENS = 8
+START_TIMEOUT_S = 30
+MS = 1000.0
+
+
+async def drive(url: str, n: int, conc: int) -> dict[str, float]:
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS}).encode()
+    lat: list[float] = []
+    errors = 0
+    left = n
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def one_loop() -> None:
+            nonlocal left, errors
+            while left > 0:
+                left -= 1
+                t = time.perf_counter()
+                async with s.post(url + "/v1/completions", data=body,
+                                  headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+                    if r.status != 200:  # noqa: PLR2004
+                        errors += 1
+                lat.append(time.perf_counter() - t)
+
+        for _ in range(min(conc, 8)):  # warm-up
+            async with s.post(url + "/v1/completions", data=body,
+                              headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one_loop() for _ in range(conc)))
+        wall = time.perf_counter() - t0
+    lat.sort()
+    return {"p50_ms": lat[len(lat) // 2] * MS, "p99_ms": lat[int(0.99 * len(lat))] * MS,
+            "rps": len(lat) / wall, "errors": errors}
+
+
+@contextlib.contextmanager
+def router(cmd: list[str], port: int) -> Iterator[str]:
+    log = open(f"/tmp/router-{port}.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://{HOST}:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited; see {log.name}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(
+                    urllib.request.Request(url + "/v1/completions", data=json.dumps(
+                        {"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode(),
+                        headers={"Content-Type": "application/json"}), timeout=2) as r:
+                if r.status == 200:  # noqa: PLR2004
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[0]} did not start; see {log.name}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--routers", default=None, help="bin folder with sglang-router/vllm-router")
+    ap.add_argument("--json", dest="json_out", default=None)
+    a = ap.parse_args()
+    concs = [int(c) for c in a.concurrency.split(",")]
+    bindir = a.routers
+    results: dict[str, dict[int, dict[str, float]]] = {}
+    fast = ("--time-scale", "0", "--max-waiting", "100000")
+    with run_worker(*fast) as w1, run_worker(*fast) as w2:
+        urls = [w1.url, w2.url]
+        targets: list[tuple[str, Any]] = [("direct", contextlib.nullcontext(w1.url))]
+        single = model_config([w1, w2], [w1, w2], conductor={"policy": "conductor"},
+                              direct={"uncached_tokens_below": 1 << 30})
+        pd = model_config([w1], [w2], conductor={"policy": "conductor"})
+        targets.append(("gateway", run_gateway([single])))
+        targets.append(("gateway-pd", run_gateway([pd])))
+        if bindir:
+            sg = os.path.join(bindir, "sglang-router")
+            vr = os.path.join(bindir, "vllm-router")
+            if shutil.which(sg):
+                p = free_port()
+                targets.append(("sglang-router", router(
+                    [sg, "launch", "--worker-urls", *urls, "--policy", "cache_aware",
+                     "--host", HOST, "--port", str(p), "--prometheus-host", HOST,
+                     "--prometheus-port", str(free_port()), "--log-level", "error"], p)))
+            if shutil.which(vr):
+                p = free_port()
+                targets.append(("vllm-router", router(
+                    [vr, "--worker-urls", *urls, "--policy", "cache_aware", "--host", HOST,
+                     "--port", str(p), "--prometheus-host", HOST,
+                     "--prometheus-port", str(free_port())], p)))
+        for name, ctx in targets:
+            try:
+                with ctx as target:
+                    url = target if isinstance(target, str) else target.url
+                    results[name] = {c: asyncio.run(drive(url, a.requests, c)) for c in concs}
+            except RuntimeError as exc:
+                print(f"{name}: {exc}")
+    base = results.get("direct", {})
+    print(f"{'target':<14} {'conc':>4} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
+          f"{'+p99 ms':>8} {'req/s':>8} {'errors':>6}")
+    for name, rows in results.items():
+        for c, r in rows.items():
+            b = base.get(c, r)
+            print(f"{name:<14} {c:>4} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+                  f"{r['p50_ms'] - b['p50_ms']:>8.2f} {r['p99_ms'] - b['p99_ms']:>8.2f} "
+                  f"{r['rps']:>8.0f} {int(r['errors']):>6}")
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
