@@ -78,6 +78,8 @@ def main() -> int:
         prompts.append(np.concatenate([base[:shared], tail]).astype(np.int64))
     lat_keys: list[float] = []
     lat_all: list[float] = []
+    lat_policy: list[float] = []
+    lat_decode: list[float] = []
     now = 1000.0
     for i, toks in enumerate(prompts):
         t = time.perf_counter()
@@ -89,6 +91,13 @@ def main() -> int:
         te = time.perf_counter()
         lat_keys.append(tk - t)
         lat_all.append(te - t)
+        t1 = time.perf_counter()  # the two halves of schedule(), timed apart (same inputs)
+        cond.policy.choose(req, cluster, now)
+        t2 = time.perf_counter()
+        cond.decode_selector.choose(req, cluster.decode)
+        t3 = time.perf_counter()
+        lat_policy.append(t2 - t1)
+        lat_decode.append(t3 - t2)
         now += 0.001
 
     def pct(xs: list[float], q: float) -> float:
@@ -99,6 +108,10 @@ def main() -> int:
           f"instances (built in {build_s:.1f} s); prompts {a.tokens} tokens, block {BLOCK}, "
           f"policy {a.policy}, {a.rounds} decisions")
     print(f"block keys only   : p50 {pct(lat_keys, 0.5):7.1f} µs  p99 {pct(lat_keys, 0.99):7.1f} µs")
+    print(f"prefill policy    : p50 {pct(lat_policy, 0.5):7.1f} µs  p99 "
+          f"{pct(lat_policy, 0.99):7.1f} µs")
+    print(f"decode selector   : p50 {pct(lat_decode, 0.5):7.1f} µs  p99 "
+          f"{pct(lat_decode, 0.99):7.1f} µs  ({a.decode} decode instances)")
     print(f"keys + decision   : p50 {pct(lat_all, 0.5):7.1f} µs  p99 {pct(lat_all, 0.99):7.1f} µs"
           f"  mean {statistics.mean(lat_all) * MICRO:7.1f} µs")
     return 0
