@@ -107,7 +107,8 @@ def main() -> int:
     print(f"index: {len(index):,} distinct blocks, {index.size():,} entries on {n_inst} "
           f"instances (built in {build_s:.1f} s); prompts {a.tokens} tokens, block {BLOCK}, "
           f"policy {a.policy}, {a.rounds} decisions")
-    print(f"block keys only   : p50 {pct(lat_keys, 0.5):7.1f} µs  p99 {pct(lat_keys, 0.99):7.1f} µs")
+    print(f"block keys only   : p50 {pct(lat_keys, 0.5):7.1f} µs  p99 "
+          f"{pct(lat_keys, 0.99):7.1f} µs")
     print(f"prefill policy    : p50 {pct(lat_policy, 0.5):7.1f} µs  p99 "
           f"{pct(lat_policy, 0.99):7.1f} µs")
     print(f"decode selector   : p50 {pct(lat_decode, 0.5):7.1f} µs  p99 "

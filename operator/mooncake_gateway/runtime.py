@@ -201,10 +201,19 @@ class ModelRuntime:
         inst.task = asyncio.get_running_loop().create_task(self._run_events(inst, sub))
 
     async def _run_events(self, inst: Instance, sub: EngineSubscriber) -> None:
-        sub.connect()
-        await asyncio.sleep(0)
-        await sub.sync()
-        await sub.run()
+        while True:
+            try:
+                sub.connect()
+                await asyncio.sleep(0)
+                await sub.sync()
+                await sub.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a broken socket must not end the subscription
+                log.exception("KV events from %s failed; resubscribing", inst.name)
+                self.feeder.reset(inst.iid)
+                sub.next_seq = 0
+                await asyncio.sleep(self.gw.health_interval_s)
 
     async def _resync(self, inst: Instance) -> None:
         sub = inst.subscriber

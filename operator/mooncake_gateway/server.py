@@ -481,7 +481,7 @@ class Gateway:
                                          headers=JSON_HEADERS) as resp:
                 raw = await resp.read()
                 parsed = None
-                if parse or resp.status != 200:  # noqa: PLR2004
+                if parse or resp.status != 200:
                     with contextlib.suppress(ValueError):
                         parsed = json.loads(raw) if raw else None
                 return resp.status, parsed, raw
@@ -538,7 +538,7 @@ class Gateway:
         status, resp, raw = await self._post(inst, path, body, parse=explain)
         if status in UPSTREAM_RETRY_STATUSES:
             raise UpstreamError(f"HTTP {status}")
-        if status != 200:  # noqa: PLR2004
+        if status != 200:
             raise _relayed_error(status, resp)
         if not explain:  # the decode answer goes back as it came
             return web.Response(body=raw, content_type="application/json", headers=headers)
