@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 #: weight of the newest measurement in moving averages of prefill time
 EWMA_ALPHA = 0.2
+#: bounds of an instance's measured slowdown (actual / predicted prefill seconds)
+SLOWDOWN_MIN = 0.1
+SLOWDOWN_MAX = 100.0
 
 
 @dataclass(slots=True)
@@ -97,6 +100,9 @@ class ModelRuntime:
         self.engine_cached_tokens = 0
         self.engine_prompt_tokens = 0
         self.prefill_seconds = 0.0
+        # per prefill instance: EWMA of actual and of predicted seconds (dispatch → answer)
+        self._actual_s: dict[int, float] = {}
+        self._predicted_s: dict[int, float] = {}
 
     # -- clock -----------------------------------------------------------------------------
     def now(self) -> float:
@@ -256,8 +262,20 @@ class ModelRuntime:
                 d.capacity_tokens = stats.num_gpu_blocks * self.cfg.block_size
 
     # -- in-flight accounting --------------------------------------------------------------
+    def slowdown(self, iid: int) -> float:
+        """How much longer than predicted this instance's prefills take (1: as modelled).
+
+        Measured per instance as EWMA(actual) / EWMA(predicted) of dispatch → answer times,
+        so an engine slower than the cost model (other hardware, CPU contention) drains its
+        predicted queue more slowly and its predicted wait stays truthful."""
+        pred = self._predicted_s.get(iid, 0.0)
+        if pred <= 0:
+            return 1.0
+        return min(SLOWDOWN_MAX, max(SLOWDOWN_MIN, self._actual_s[iid] / pred))
+
     def drain(self, now: float) -> None:
-        """Retire ``now - last`` modelled seconds of prefill work from each queue's front."""
+        """Retire ``now - last`` modelled seconds (over the instance's slowdown) of prefill
+        work from each queue's front."""
         elapsed = now - self._drained_at
         self._drained_at = now
         if elapsed <= 0:
@@ -265,7 +283,7 @@ class ModelRuntime:
         for p in self.cluster.prefill:
             if not p.queue or p.queued_work_s <= 0:
                 continue
-            left = elapsed
+            left = elapsed / self.slowdown(p.iid)
             for item in sorted(p.queue):
                 if left <= 0:
                     break
@@ -288,8 +306,19 @@ class ModelRuntime:
         inst.inflight += 1
         self._gauge(inst)
 
-    def prefill_done(self, inst: Instance, req: RequestInfo, elapsed_s: float) -> None:
+    def prefill_done(self, inst: Instance, req: RequestInfo, elapsed_s: float,
+                     predicted_s: float | None = None) -> None:
+        """Retire a prefill; ``elapsed_s`` modelled seconds from dispatch to answer,
+        ``predicted_s`` what the placement predicted for that (``None``: failed call)."""
         p = self.cluster.prefill[inst.iid]
+        if predicted_s is not None and predicted_s > 0:
+            iid = inst.iid
+            if iid in self._actual_s:
+                a = EWMA_ALPHA
+                self._actual_s[iid] = (1 - a) * self._actual_s[iid] + a * elapsed_s
+                self._predicted_s[iid] = (1 - a) * self._predicted_s[iid] + a * predicted_s
+            else:
+                self._actual_s[iid], self._predicted_s[iid] = elapsed_s, predicted_s
         with contextlib.suppress(StopIteration):
             p.pop(req.rid)
         self.index.remove_pending(inst.iid, req.keys)
@@ -342,6 +371,7 @@ class ModelRuntime:
                 sub = i.subscriber
                 v.update({
                     "predicted_wait_s": p.wait_time(now), "queued": len(p.queue),
+                    "slowdown": self.slowdown(i.iid),
                     "index_blocks": self.index.size(i.iid),
                     "events": {"applied": f.events, "stored_blocks": f.stored_blocks,
                                "removed_blocks": f.removed_blocks, "resets": f.clears,

@@ -48,6 +48,8 @@ UPSTREAM_RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 SSE_DONE = b"data: [DONE]"
 MICRO = 1e6
 DECISIONS_DEFAULT_LIMIT = 50
+UNKNOWN_MODEL = "unknown"
+OUTCOME_BY_STATUS = {400: "bad_request", 404: "not_found", 413: "too_large", 429: "rejected"}
 
 
 class UpstreamError(Exception):
@@ -279,32 +281,36 @@ class Gateway:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.perf_counter()
         endpoint = "chat" if chat else "completions"
-        try:
-            raw = await request.read()
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-        default = next(iter(self.models)) if len(self.models) == 1 else None
-        p = parse_request(data, chat, default)
-        p.raw = raw
-        rt = self.models.get(p.model)
-        if rt is None:
-            self.metrics.requests.labels(p.model[:64], endpoint, "not_found").inc()
-            raise ApiError(404, f"The model `{p.model}` does not exist.", "model",
-                           "model_not_found")
+        model = UNKNOWN_MODEL  # label for requests that name no served model
         outcome = "error"
         try:
+            try:
+                raw = await request.read()
+                data = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+            default = next(iter(self.models)) if len(self.models) == 1 else None
+            p = parse_request(data, chat, default)
+            p.raw = raw
+            rt = self.models.get(p.model)
+            if rt is None:
+                raise ApiError(404, f"The model `{p.model}` does not exist.", "model",
+                               "model_not_found")
+            model = p.model
             resp = await self._route(request, rt, data, p, arrived)
             outcome = "ok"
             return resp
         except ApiError as exc:
-            outcome = {400: "bad_request", 429: "rejected"}.get(exc.status, "error")
+            outcome = OUTCOME_BY_STATUS.get(exc.status, "error")
+            raise
+        except web.HTTPException as exc:
+            outcome = OUTCOME_BY_STATUS.get(exc.status, "error")
             raise
         except asyncio.CancelledError:
             outcome = "cancelled"
             raise
         finally:
-            self.metrics.requests.labels(p.model, endpoint, outcome).inc()
+            self.metrics.requests.labels(model, endpoint, outcome).inc()
 
     async def _route(self, request: web.Request, rt: ModelRuntime, data: dict[str, Any],
                      p: Parsed, arrived: float) -> web.StreamResponse:
@@ -425,6 +431,7 @@ class Gateway:
             prio = pl.priority if pl.priority is not None else req.arrival
             rt.prefill_started(inst, req, pl.prefill_s + pl.transfer_s, prio)
             started = time.perf_counter()
+            status = 0
             try:
                 status, resp = await self._post_json(inst, path, body)
             except UpstreamError as exc:
@@ -433,7 +440,9 @@ class Gateway:
                 rt.mark_health(inst, False)
                 continue
             finally:
-                rt.prefill_done(inst, req, (time.perf_counter() - started) / rt.gw.time_scale)
+                ok = status == 200
+                rt.prefill_done(inst, req, (time.perf_counter() - started) / rt.gw.time_scale,
+                                pl.ttft_s if ok else None)
             record["attempts"].append({"prefill": inst.name, "status": status})
             if status == 200 and isinstance(resp, dict):
                 usage = resp.get("usage") or {}

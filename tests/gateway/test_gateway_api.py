@@ -143,7 +143,10 @@ def test_openai_client_sees_a_429_with_retry_after() -> None:
     with run_worker(*FAST) as w:
         strict = model_config([w], [w], conductor={"policy": "conductor",
                                                    "slo": {"ttft_s": 1e-9}})
-        with run_gateway([strict], retry_after_s=3) as g:
+        with run_gateway([strict], retry_after_s=3, max_body_bytes=100_000) as g:
+            status, _h, data = g.post("/v1/completions",
+                                      {"model": MODEL, "prompt": "x " * 100_000})
+            assert status == 413 and set(data["error"]) == {"message", "type", "param", "code"}
             status, headers, data = g.post("/v1/completions",
                                            {"model": MODEL, "prompt": LONG, "max_tokens": 2})
             assert status == 429
