@@ -129,9 +129,13 @@ def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
 class KubernetesPodSource(EndpointSource):
     """Watches the model's prefill and decode pods (list, then watch from its version)."""
 
-    def __init__(self, cfg: KubernetesSource, api: Any | None = None) -> None:
+    def __init__(self, cfg: KubernetesSource, api: Any | None = None,
+                 watch_factory: Callable[[], Any] | None = None) -> None:
+        """``api``: a ``CoreV1Api`` (default: from the in-cluster or kube config);
+        ``watch_factory``: makes a ``kubernetes.watch.Watch`` (tests pass fakes)."""
         self.cfg = cfg
         self._api = api
+        self._watch_factory = watch_factory
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -163,9 +167,11 @@ class KubernetesPodSource(EndpointSource):
 
     def _watch(self, api: Any, role: Role, selector: str,
                report: Callable[[Role, list[Endpoint]], None]) -> None:
-        import kubernetes.watch
+        make_watch = self._watch_factory
+        if make_watch is None:
+            import kubernetes.watch
 
-        watch: Any = kubernetes.watch
+            make_watch = kubernetes.watch.Watch
         pods: dict[str, Any] = {}
 
         def publish() -> None:
@@ -177,7 +183,7 @@ class KubernetesPodSource(EndpointSource):
                 listing = api.list_namespaced_pod(self.cfg.namespace, label_selector=selector)
                 pods = {p.metadata.name: p for p in listing.items}
                 publish()
-                w = watch.Watch()
+                w = make_watch()
                 for ev in w.stream(api.list_namespaced_pod, self.cfg.namespace,
                                    label_selector=selector,
                                    resource_version=listing.metadata.resource_version,

@@ -104,3 +104,55 @@ def test_settings_apply_gateway_defaults_to_the_conductor_policy() -> None:
     params = s.models[0].conductor.params
     assert params["cpp"] == {"enabled": False}
     assert params["tie_tolerance"] == 0.1
+
+
+class _FakeWatch:
+    """Yields the scripted events, then blocks until stopped (like a long watch)."""
+
+    def __init__(self, events: list[dict[str, Any]], done: Any) -> None:
+        self.events = events
+        self.done = done
+
+    def stream(self, _func: Any, _ns: str, **_kw: Any) -> Any:
+        yield from self.events
+        self.done.wait(5)
+
+    def stop(self) -> None:
+        self.done.set()
+
+
+def test_kubernetes_source_lists_then_follows_the_watch() -> None:
+    import threading
+
+    from mooncake_gateway.discovery import KubernetesPodSource
+    from mooncake_gateway.settings import Role
+
+    def pod(name: str, ip: str) -> Any:
+        p = _pod(ip=ip)
+        p.metadata.name = name
+        return p
+
+    listing = SimpleNamespace(items=[pod("a", "10.0.0.1")],
+                              metadata=SimpleNamespace(resource_version="7"))
+    api = SimpleNamespace(list_namespaced_pod=lambda *_a, **_k: listing)
+    done = threading.Event()
+    events = [{"type": "ADDED", "object": pod("b", "10.0.0.2")},
+              {"type": "DELETED", "object": pod("a", "10.0.0.1")}]
+    cfg = KubernetesSource(prefill_selector="r=p", decode_selector="r=d")
+    src = KubernetesPodSource(cfg, api, lambda: _FakeWatch(list(events), done))
+    seen: dict[Role, list[list[str]]] = {Role.PREFILL: [], Role.DECODE: []}
+
+    async def run() -> None:
+        await src.start(lambda role, eps: seen[role].append([e.url for e in eps]))
+        for _ in range(100):
+            if len(seen[Role.PREFILL]) >= 3 and len(seen[Role.DECODE]) >= 3:
+                break
+            await asyncio.sleep(0.02)
+        done.set()
+        await src.stop()
+
+    asyncio.run(run())
+    for role in Role:
+        assert seen[role][:3] == [["http://10.0.0.1:8000"],
+                                  ["http://10.0.0.1:8000", "http://10.0.0.2:8000"],
+                                  ["http://10.0.0.2:8000"]]
