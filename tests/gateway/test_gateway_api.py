@@ -177,3 +177,17 @@ def test_one_gateway_serves_two_models() -> None:
                 r = c.completions.create(model=name, prompt="hello there", max_tokens=2)
                 assert r.model == name
             assert g.state("other-sim")["policy"] == "round-robin"
+
+
+def test_short_uncached_prompts_skip_disaggregation() -> None:
+    with run_worker(*FAST) as p, run_worker(*FAST) as d:
+        model = model_config([p], [d], direct={"uncached_tokens_below": 64})
+        with run_gateway([model]) as g:
+            c = openai.OpenAI(base_url=g.base_url, api_key="x", max_retries=0)
+            c.completions.create(model=MODEL, prompt="short one", max_tokens=2)
+            c.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+            short, long_ = g.get("/conductor/decisions?limit=2")
+            assert short["direct"] is True and short["attempts"] == []
+            assert long_["direct"] is False and long_["attempts"][0]["status"] == 200
+            # only the long prompt was prefilled on the prefill worker
+            assert p.metric("vllm:prefix_cache_queries_total") == long_["prompt_tokens"]
