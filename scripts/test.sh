@@ -25,7 +25,7 @@ mooncake-operator local-cluster build
 
 echo "== lint, types, layering"
 ruff check .
-mypy operator/mooncake_conductor operator/mooncake_sim
+mypy operator/mooncake_conductor operator/mooncake_sim operator/mooncake_operator operator/mooncake_gateway worker/mooncake_worker
 lint-imports
 
 echo "== tests"
