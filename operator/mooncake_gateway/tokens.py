@@ -5,7 +5,11 @@
   rendered message ends in whitespace, which no token spans, so the tokens of a
   conversation are the concatenation of each message's tokens. Each message is
   tokenized once and cached (LRU, by role and text): turn ``n+1`` of a conversation
-  only tokenizes its new messages. String prompts are cached whole.
+  only tokenizes its new messages. String prompts are cut into chunks of about
+  :data:`CHUNK_CHARS` characters, each ending just before a whitespace character
+  (boundaries depend only on the text before them), and each chunk is cached: a prompt
+  that extends an earlier one (multi-turn over ``/v1/completions``) only tokenizes its
+  new chunks.
 - ``engine`` mode asks an engine's ``/tokenize`` (vLLM's API), caching whole prompts;
   use it for engines whose tokenizer the gateway does not have.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -21,6 +26,9 @@ from typing import Any
 from mooncake_worker.tokenizer import Tokenizer, message_text
 
 ASSISTANT_PROMPT = "<|start|>assistant\n"
+#: target length of a cached piece of a string prompt
+CHUNK_CHARS = 2048
+_SPACE = re.compile(r"\s")
 
 
 class LRU:
@@ -68,15 +76,22 @@ class PromptTokenizer:
         self._assistant = self.local.encode(ASSISTANT_PROMPT)
 
     async def prompt(self, text: str) -> list[int]:
-        key: tuple[Any, ...] = ("p", text)
-        got = self.cache.get(key)
-        if got is None:
-            if self.remote is not None:
+        if self.remote is not None:
+            key: tuple[Any, ...] = ("p", text)
+            got = self.cache.get(key)
+            if got is None:
                 got = await self.remote({"prompt": text})
-            else:
-                got = self.local.encode(text)
-            self.cache.put(key, got)
-        return got
+                self.cache.put(key, got)
+            return got
+        out: list[int] = []
+        for chunk in chunks(text):
+            key = ("p", chunk)
+            toks = self.cache.get(key)
+            if toks is None:
+                toks = self.local.encode(chunk)
+                self.cache.put(key, toks)
+            out.extend(toks)
+        return out
 
     async def chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         if self.remote is not None:
@@ -97,3 +112,19 @@ class PromptTokenizer:
             out.extend(toks)
         out.extend(self._assistant)
         return out
+
+
+def chunks(text: str, size: int = CHUNK_CHARS) -> list[str]:
+    """``text`` cut before a whitespace character about every ``size`` characters (no token
+    spans whitespace, so tokenizing the pieces equals tokenizing the whole)."""
+    out: list[str] = []
+    start = 0
+    n = len(text)
+    while n - start > size:
+        m = _SPACE.search(text, start + size)
+        if m is None:
+            break
+        out.append(text[start : m.start()])
+        start = m.start()
+    out.append(text[start:])
+    return out

@@ -156,3 +156,15 @@ def test_kubernetes_source_lists_then_follows_the_watch() -> None:
         assert seen[role][:3] == [["http://10.0.0.1:8000"],
                                   ["http://10.0.0.1:8000", "http://10.0.0.2:8000"],
                                   ["http://10.0.0.2:8000"]]
+
+
+def test_long_string_prompts_are_tokenized_in_cached_chunks() -> None:
+    rng = random.Random(3)
+    words = ["alpha", "b<|", "<|end|>", "x.y", "日本", "don't", "\n", "  "]
+    text = " ".join(rng.choice(words) + str(rng.randrange(50)) for _ in range(3000))
+    t = PromptTokenizer(256)
+    assert asyncio.run(t.prompt(text)) == Tokenizer().encode(text)
+    misses = t.cache.misses
+    longer = text + " and one more turn, please."
+    assert asyncio.run(t.prompt(longer)) == Tokenizer().encode(longer)
+    assert t.cache.misses - misses == 1  # only the last chunk is new
