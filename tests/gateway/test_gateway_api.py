@@ -191,3 +191,17 @@ def test_short_uncached_prompts_skip_disaggregation() -> None:
             assert long_["direct"] is False and long_["attempts"][0]["status"] == 200
             # only the long prompt was prefilled on the prefill worker
             assert p.metric("vllm:prefix_cache_queries_total") == long_["prompt_tokens"]
+
+
+def test_engine_tokenizer_mode_routes_like_the_local_one() -> None:
+    with run_worker(*FAST) as w, run_gateway([model_config([w], [w])], tokenizer="engine") as g:
+        c = openai.OpenAI(base_url=g.base_url, api_key="x", max_retries=0)
+        msgs: list[Any] = [{"role": "user", "content": LONG}]
+        for _ in range(2):  # the second is served from the whole-prompt cache
+            c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
+            c.completions.create(model=MODEL, prompt=LONG, max_tokens=1)
+        chat, prompt = g.get("/conductor/decisions?limit=4")[:2]
+        from mooncake_worker.tokenizer import Tokenizer
+
+        assert chat["prompt_tokens"] == len(Tokenizer().encode_chat(msgs))
+        assert prompt["prompt_tokens"] == len(Tokenizer().encode(LONG))
