@@ -168,3 +168,27 @@ def test_long_string_prompts_are_tokenized_in_cached_chunks() -> None:
     longer = text + " and one more turn, please."
     assert asyncio.run(t.prompt(longer)) == Tokenizer().encode(longer)
     assert t.cache.misses - misses == 1  # only the last chunk is new
+
+
+def test_subscriber_drops_duplicates_resets_on_restart_and_resyncs_on_loss() -> None:
+    from mooncake_gateway.events import EngineSubscriber
+    from mooncake_worker.kvevents import encode_batch, encode_seq
+
+    calls: list[str] = []
+    got: list[int] = []
+    sub = EngineSubscriber("tcp://127.0.0.1:1", lambda seq, _b: got.append(seq), None, b"",
+                           0.1, on_reset=lambda: calls.append("reset"),
+                           on_lost=lambda: calls.append("lost"))
+    a = encode_batch(KVEventBatch(1.0, [AllBlocksCleared()]))
+    b = encode_batch(KVEventBatch(2.0, [AllBlocksCleared()]))
+
+    async def run() -> None:
+        await sub.handle([b"", encode_seq(0), a])
+        await sub.handle([b"", encode_seq(0), a])  # a live copy of a replayed batch
+        assert (got, calls, sub.duplicates) == ([0], [], 1)
+        await sub.handle([b"", encode_seq(0), b])  # seq went back: the engine restarted
+        assert calls == ["reset"] and got == [0, 0]
+        await sub.handle([b"", encode_seq(5), a])  # 1..4 missing, nothing to replay from
+        assert calls == ["reset", "lost"] and got[-1] == 5 and sub.lost == 4
+
+    asyncio.run(run())
