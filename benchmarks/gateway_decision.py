@@ -24,6 +24,7 @@ from mooncake_conductor.blockkeys import block_keys, namespace_seed
 from mooncake_conductor.engine import Conductor, ConductorConfig
 from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
+from mooncake_gateway.validate import _token_ids
 
 BLOCK = 16
 VOCAB = 131072
@@ -79,6 +80,7 @@ def main() -> int:
     lat_keys: list[float] = []
     lat_all: list[float] = []
     lat_policy: list[float] = []
+    lat_validate: list[float] = []
     lat_decode: list[float] = []
     now = 1000.0
     for i, toks in enumerate(prompts):
@@ -91,6 +93,10 @@ def main() -> int:
         te = time.perf_counter()
         lat_keys.append(tk - t)
         lat_all.append(te - t)
+        as_list = toks.tolist()  # a token-id prompt as JSON gives it: a list of ints
+        tv = time.perf_counter()
+        _token_ids(as_list)
+        lat_validate.append(time.perf_counter() - tv)
         t1 = time.perf_counter()  # the two halves of schedule(), timed apart (same inputs)
         cond.policy.choose(req, cluster, now)
         t2 = time.perf_counter()
@@ -109,6 +115,8 @@ def main() -> int:
           f"policy {a.policy}, {a.rounds} decisions")
     print(f"block keys only   : p50 {pct(lat_keys, 0.5):7.1f} µs  p99 "
           f"{pct(lat_keys, 0.99):7.1f} µs")
+    print(f"token-id list → validated int64 array: p50 {pct(lat_validate, 0.5):7.1f} µs  "
+          f"p99 {pct(lat_validate, 0.99):7.1f} µs")
     print(f"prefill policy    : p50 {pct(lat_policy, 0.5):7.1f} µs  p99 "
           f"{pct(lat_policy, 0.99):7.1f} µs")
     print(f"decode selector   : p50 {pct(lat_decode, 0.5):7.1f} µs  p99 "

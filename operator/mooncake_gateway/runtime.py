@@ -292,9 +292,9 @@ class ModelRuntime:
                 left -= take
             p.queued_work_s = sum(q.work_s for q in p.queue)
 
-    def request_info(self, tokens: list[int], keys: list[int], max_tokens: int) -> RequestInfo:
+    def request_info(self, n_tokens: int, keys: list[int], max_tokens: int) -> RequestInfo:
         return RequestInfo(
-            rid=self.next_rid(), arrival=self.now(), input_tokens=len(tokens),
+            rid=self.next_rid(), arrival=self.now(), input_tokens=n_tokens,
             output_tokens=max_tokens, keys=keys, block_tokens=self.cfg.block_size,
         )
 

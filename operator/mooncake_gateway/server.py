@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
-import numpy as np
 from aiohttp import web
 from mooncake_conductor.blockkeys import block_keys
 from mooncake_conductor.engine import Decision
@@ -34,7 +33,7 @@ from .metrics import GatewayMetrics
 from .openapi import openapi_spec
 from .runtime import EngineStats, Instance, ModelRuntime
 from .settings import GatewaySettings, Role, TokenizerMode
-from .tokens import PromptTokenizer
+from .tokens import PromptTokenizer, Tokens
 from .validate import Parsed, parse_request
 
 log = logging.getLogger(__name__)
@@ -263,7 +262,7 @@ class Gateway:
                     continue
         raise ApiError(503, "no engine could tokenize the prompt", code="no_tokenizer")
 
-    async def _tokens(self, p: Parsed) -> list[int]:
+    async def _tokens(self, p: Parsed) -> Tokens:
         if p.prompt_ids is not None:
             return p.prompt_ids
         if p.prompt_text is not None:
@@ -316,7 +315,7 @@ class Gateway:
                      p: Parsed, arrived: float) -> web.StreamResponse:
         cfg = rt.cfg
         tokens = await self._tokens(p)
-        if not tokens:
+        if len(tokens) == 0:
             raise ApiError(400, "the prompt is empty", "messages" if p.chat else "prompt")
         max_tokens = p.max_tokens or cfg.default_max_tokens
         if len(tokens) + max_tokens > cfg.max_model_len:
@@ -325,8 +324,8 @@ class Gateway:
                            "max_tokens", "context_length_exceeded")
         explain = request.headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes")
         t0 = time.perf_counter()
-        keys = block_keys(np.asarray(tokens, dtype=np.int64), cfg.block_size, rt.seed)
-        req = rt.request_info(tokens, keys, max_tokens)
+        keys = block_keys(tokens, cfg.block_size, rt.seed)
+        req = rt.request_info(len(tokens), keys, max_tokens)
         decision, record = self._decide(rt, req, explain, t0)
         if decision.rejected:
             reason = decision.reject_reason or "rejected"

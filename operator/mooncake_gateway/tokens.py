@@ -23,7 +23,11 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from mooncake_worker.tokenizer import Tokenizer, message_text
+
+Tokens = npt.NDArray[np.int64]
 
 ASSISTANT_PROMPT = "<|start|>assistant\n"
 #: target length of a cached piece of a string prompt
@@ -34,11 +38,11 @@ _SPACE = re.compile(r"\s")
 class LRU:
     def __init__(self, size: int) -> None:
         self.size = size
-        self._d: OrderedDict[Any, list[int]] = OrderedDict()
+        self._d: OrderedDict[Any, Tokens] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: Any) -> list[int] | None:
+    def get(self, key: Any) -> Tokens | None:
         v = self._d.get(key)
         if v is None:
             self.misses += 1
@@ -47,7 +51,7 @@ class LRU:
         self._d.move_to_end(key)
         return v
 
-    def put(self, key: Any, value: list[int]) -> None:
+    def put(self, key: Any, value: Tokens) -> None:
         if self.size <= 0:
             return
         self._d[key] = value
@@ -73,45 +77,49 @@ class PromptTokenizer:
         self.local = Tokenizer()
         self.cache = LRU(cache_entries)
         self.remote = remote
-        self._assistant = self.local.encode(ASSISTANT_PROMPT)
+        self._assistant = _arr(self.local.encode(ASSISTANT_PROMPT))
 
-    async def prompt(self, text: str) -> list[int]:
+    async def prompt(self, text: str) -> Tokens:
         if self.remote is not None:
             key: tuple[Any, ...] = ("p", text)
             got = self.cache.get(key)
             if got is None:
-                got = await self.remote({"prompt": text})
+                got = _arr(await self.remote({"prompt": text}))
                 self.cache.put(key, got)
             return got
-        out: list[int] = []
+        parts: list[Tokens] = []
         for chunk in chunks(text):
             key = ("p", chunk)
             toks = self.cache.get(key)
             if toks is None:
-                toks = self.local.encode(chunk)
+                toks = _arr(self.local.encode(chunk))
                 self.cache.put(key, toks)
-            out.extend(toks)
-        return out
+            parts.append(toks)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    async def chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    async def chat(self, messages: Sequence[dict[str, Any]]) -> Tokens:
         if self.remote is not None:
             key: tuple[Any, ...] = ("c", _digest(list(messages)))
             got = self.cache.get(key)
             if got is None:
-                got = await self.remote({"messages": list(messages)})
+                got = _arr(await self.remote({"messages": list(messages)}))
                 self.cache.put(key, got)
             return got
-        out: list[int] = []
+        parts: list[Tokens] = []
         for m in messages:
             text = message_text(m.get("content"))
             key = ("m", m["role"], text)
             toks = self.cache.get(key)
             if toks is None:
-                toks = self.local.encode(f"<|start|>{m['role']}\n{text}<|end|>\n")
+                toks = _arr(self.local.encode(f"<|start|>{m['role']}\n{text}<|end|>\n"))
                 self.cache.put(key, toks)
-            out.extend(toks)
-        out.extend(self._assistant)
-        return out
+            parts.append(toks)
+        parts.append(self._assistant)
+        return np.concatenate(parts)
+
+
+def _arr(tokens: list[int]) -> Tokens:
+    return np.asarray(tokens, dtype=np.int64)
 
 
 def chunks(text: str, size: int = CHUNK_CHARS) -> list[str]:

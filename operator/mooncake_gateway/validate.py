@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from mooncake_worker.settings import VOCAB_SIZE
 from mooncake_worker.tokenizer import CHAT_ROLES
 
@@ -22,7 +24,7 @@ class Parsed:
     stream: bool
     max_tokens: int | None
     prompt_text: str | None = None
-    prompt_ids: list[int] | None = None
+    prompt_ids: npt.NDArray[np.int64] | None = None
     messages: list[dict[str, Any]] | None = None
     raw: bytes = b""  # the client's body, forwarded without re-encoding
 
@@ -78,14 +80,33 @@ def _prompt(prompt: Any, p: Parsed) -> None:
     if isinstance(prompt, list):
         if not prompt:
             raise ApiError(400, "'prompt' must not be empty", "prompt")
-        if all(_is_int(t) for t in prompt):
-            if any(t < 0 or t >= VOCAB_SIZE for t in prompt):
+        ids = _token_ids(prompt)
+        if ids is not None:
+            if int(ids.min()) < 0 or int(ids.max()) >= VOCAB_SIZE:
                 raise ApiError(400, f"token ids must be in [0, {VOCAB_SIZE})", "prompt")
-            p.prompt_ids = prompt
+            p.prompt_ids = ids
             return
         if all(isinstance(t, str | list) for t in prompt):
             raise ApiError(400, "batches of several prompts are not supported", "prompt")
     raise ApiError(400, "'prompt' must be a string or a list of token ids", "prompt")
+
+
+def _token_ids(prompt: list[Any]) -> npt.NDArray[np.int64] | None:
+    """The list as an int64 array when it holds only integers (vectorised: a 100k-token
+    prompt is checked in about a millisecond); ``None`` otherwise."""
+    if isinstance(prompt[0], bool) or not _is_int(prompt[0]):
+        return None
+    try:
+        arr = np.array(prompt)
+    except (ValueError, TypeError, OverflowError):
+        return None
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        return None  # floats, strings, nested lists, ints beyond 64 bits (object)
+    if arr.dtype != np.int64:
+        if arr.dtype.kind == "u" and int(arr.max()) > np.iinfo(np.int64).max:
+            return None
+        arr = arr.astype(np.int64)
+    return arr
 
 
 def _messages(messages: Any) -> list[dict[str, Any]]:

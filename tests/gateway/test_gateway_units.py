@@ -68,7 +68,7 @@ def test_chat_tokens_equal_the_workers_and_are_cached() -> None:
     convo: list[dict[str, Any]] = [{"role": "system", "content": "Be <| brief."}]
     for turn in range(5):
         convo.append({"role": "user", "content": f"question {turn}, please!"})
-        assert asyncio.run(t.chat(convo)) == ref.encode_chat(convo)
+        assert asyncio.run(t.chat(convo)).tolist() == ref.encode_chat(convo)
         convo.append({"role": "assistant", "content": [{"type": "text", "text": f"a{turn}"}]})
     # each message was tokenized once: later turns hit the cache for the history
     assert t.cache.hits >= 10
@@ -163,10 +163,10 @@ def test_long_string_prompts_are_tokenized_in_cached_chunks() -> None:
     words = ["alpha", "b<|", "<|end|>", "x.y", "日本", "don't", "\n", "  "]
     text = " ".join(rng.choice(words) + str(rng.randrange(50)) for _ in range(3000))
     t = PromptTokenizer(256)
-    assert asyncio.run(t.prompt(text)) == Tokenizer().encode(text)
+    assert asyncio.run(t.prompt(text)).tolist() == Tokenizer().encode(text)
     misses = t.cache.misses
     longer = text + " and one more turn, please."
-    assert asyncio.run(t.prompt(longer)) == Tokenizer().encode(longer)
+    assert asyncio.run(t.prompt(longer)).tolist() == Tokenizer().encode(longer)
     assert t.cache.misses - misses == 1  # only the last chunk is new
 
 
