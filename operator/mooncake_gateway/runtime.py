@@ -89,6 +89,9 @@ class ModelRuntime:
         self.index = PrefixIndex(cfg.index_capacity_blocks)
         self.cluster = ClusterState(prefill=[], decode=[], index=self.index)
         self.feeder = IndexFeeder(self.index, cfg.block_size, self.seed)
+        # decode engines' caches (what a request sent straight to decode would reuse)
+        self.decode_index = PrefixIndex(cfg.index_capacity_blocks)
+        self.decode_feeder = IndexFeeder(self.decode_index, cfg.block_size, self.seed)
         self.prefill: list[Instance] = []
         self.decode: list[Instance] = []
         self._by_url: dict[tuple[Role, str], Instance] = {}
@@ -114,6 +117,9 @@ class ModelRuntime:
         return self._rid
 
     # -- membership ------------------------------------------------------------------------
+    def feeder_of(self, role: Role) -> IndexFeeder:
+        return self.feeder if role is Role.PREFILL else self.decode_feeder
+
     def instances(self, role: Role) -> list[Instance]:
         return self.prefill if role is Role.PREFILL else self.decode
 
@@ -125,8 +131,7 @@ class ModelRuntime:
                 inst.listed = False
                 self._set_up(inst)
                 self._stop_events(inst)
-                if role is Role.PREFILL:
-                    self.feeder.reset(inst.iid)
+                self.feeder_of(role).reset(inst.iid)
         for url, ep in wanted.items():
             known = self._by_url.get((role, url))
             if known is None:
@@ -136,9 +141,9 @@ class ModelRuntime:
                 self._by_url[(role, url)] = inst
                 if role is Role.PREFILL:
                     self.cluster.prefill.append(PrefillState(iid=inst.iid, name=ep.label))
-                    self.index.add_instance(inst.iid)
                 else:
                     self.cluster.decode.append(DecodeState(iid=inst.iid, name=ep.label))
+                self.feeder_of(role).index.add_instance(inst.iid)
             else:
                 inst = known
                 if inst.listed and inst.endpoint == ep:
@@ -149,11 +154,9 @@ class ModelRuntime:
                 inst.listed = True
                 inst.healthy = True
                 inst.failures = 0
-                if role is Role.PREFILL:
-                    self.index.add_instance(inst.iid)
+                self.feeder_of(role).index.add_instance(inst.iid)
             self._set_up(inst)
-            if role is Role.PREFILL:
-                self._start_events(inst)
+            self._start_events(inst)
 
     def _state(self, inst: Instance) -> PrefillState | DecodeState:
         if inst.role is Role.PREFILL:
@@ -172,8 +175,8 @@ class ModelRuntime:
                 log.info("%s %s is back", inst.role.value, inst.name)
                 inst.healthy = True
                 self._set_up(inst)
-                if inst.role is Role.PREFILL and inst.subscriber is not None:
-                    self.feeder.reset(inst.iid)
+                if inst.subscriber is not None:
+                    self.feeder_of(inst.role).reset(inst.iid)
                     asyncio.get_running_loop().create_task(self._resync(inst))
             return
         inst.failures += 1
@@ -181,8 +184,7 @@ class ModelRuntime:
             log.warning("%s %s is down", inst.role.value, inst.name)
             inst.healthy = False
             self._set_up(inst)
-            if inst.role is Role.PREFILL:
-                self.feeder.reset(inst.iid)
+            self.feeder_of(inst.role).reset(inst.iid)
 
     # -- KV events -------------------------------------------------------------------------
     def _start_events(self, inst: Instance) -> None:
@@ -191,17 +193,18 @@ class ModelRuntime:
             return
         iid = inst.iid
         model = self.cfg.name
+        feeder = self.feeder_of(inst.role)
 
         def on_batch(seq: int, batch: Any) -> None:
-            before = self.feeder.events_total
-            self.feeder.apply(iid, seq, batch)
-            self.metrics.events.labels(model).inc(self.feeder.events_total - before)
+            before = feeder.events_total
+            feeder.apply(iid, seq, batch)
+            self.metrics.events.labels(model).inc(feeder.events_total - before)
 
         sub = EngineSubscriber(
             ep.kv_events, on_batch, ep.kv_replay, ep.kv_topic.encode(),
             self.gw.replay_timeout_s,
-            on_reset=lambda: self.feeder.reset(iid),
-            on_lost=lambda: self.feeder.reset(iid),
+            on_reset=lambda: feeder.reset(iid),
+            on_lost=lambda: feeder.reset(iid),
         )
         inst.subscriber = sub
         inst.task = asyncio.get_running_loop().create_task(self._run_events(inst, sub))
@@ -217,7 +220,7 @@ class ModelRuntime:
                 raise
             except Exception:  # a broken socket must not end the subscription
                 log.exception("KV events from %s failed; resubscribing", inst.name)
-                self.feeder.reset(inst.iid)
+                self.feeder_of(inst.role).reset(inst.iid)
                 sub.next_seq = 0
                 await asyncio.sleep(self.gw.health_interval_s)
 
@@ -236,8 +239,9 @@ class ModelRuntime:
         inst.subscriber = None
 
     async def close(self) -> None:
-        tasks = [i.task for i in self.prefill if i.task is not None]
-        for i in self.prefill:
+        everyone = self.prefill + self.decode
+        tasks = [i.task for i in everyone if i.task is not None]
+        for i in everyone:
             self._stop_events(i)
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -258,6 +262,9 @@ class ModelRuntime:
         else:
             d = self.cluster.decode[inst.iid]
             d.waiting = int(stats.waiting)
+            if stats.num_gpu_blocks and self.decode_index.capacity(inst.iid) != \
+                    stats.num_gpu_blocks:
+                self.decode_index.add_instance(inst.iid, stats.num_gpu_blocks)
             if stats.num_gpu_blocks:
                 d.capacity_tokens = stats.num_gpu_blocks * self.cfg.block_size
 
@@ -365,23 +372,24 @@ class ModelRuntime:
                            "block_size": i.stats.block_size,
                            "num_gpu_blocks": i.stats.num_gpu_blocks},
             }
+            feeder = self.feeder_of(i.role)
+            f = feeder.feed(i.iid)
+            sub = i.subscriber
+            v.update({
+                "index_blocks": feeder.index.size(i.iid),
+                "events": {"applied": f.events, "stored_blocks": f.stored_blocks,
+                           "removed_blocks": f.removed_blocks, "resets": f.clears,
+                           "orphan_blocks": f.orphans, "last_seq": f.last_seq,
+                           "block_size_mismatches": f.mismatched_block_size,
+                           "gaps": sub.gaps if sub else 0,
+                           "replayed": sub.replayed if sub else 0,
+                           "lost": sub.lost if sub else 0,
+                           "restarts": sub.restarts if sub else 0},
+            })
             if i.role is Role.PREFILL:
                 p = self.cluster.prefill[i.iid]
-                f = self.feeder.feed(i.iid)
-                sub = i.subscriber
-                v.update({
-                    "predicted_wait_s": p.wait_time(now), "queued": len(p.queue),
-                    "slowdown": self.slowdown(i.iid),
-                    "index_blocks": self.index.size(i.iid),
-                    "events": {"applied": f.events, "stored_blocks": f.stored_blocks,
-                               "removed_blocks": f.removed_blocks, "resets": f.clears,
-                               "orphan_blocks": f.orphans, "last_seq": f.last_seq,
-                               "block_size_mismatches": f.mismatched_block_size,
-                               "gaps": sub.gaps if sub else 0,
-                               "replayed": sub.replayed if sub else 0,
-                               "lost": sub.lost if sub else 0,
-                               "restarts": sub.restarts if sub else 0},
-                })
+                v.update({"predicted_wait_s": p.wait_time(now), "queued": len(p.queue),
+                          "slowdown": self.slowdown(i.iid)})
             else:
                 d = self.cluster.decode[i.iid]
                 v.update({"batch": d.batch, "context_tokens": d.context_tokens,
@@ -397,6 +405,9 @@ class ModelRuntime:
             "decode": [inst_view(i) for i in self.decode],
             "index": {"blocks": len(self.index), "entries": self.index.size(),
                       "events": self.feeder.events_total, "digest": self.index_digest()},
+            "decode_index": {"blocks": len(self.decode_index),
+                             "entries": self.decode_index.size(),
+                             "events": self.decode_feeder.events_total},
             "tokens": {
                 "prompt": self.prompt_tokens, "reused_predicted": self.reused_tokens,
                 "hit_ratio_predicted": (self.reused_tokens / self.prompt_tokens

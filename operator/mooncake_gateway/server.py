@@ -339,9 +339,13 @@ class Gateway:
         # engines cannot pull blocks from a peer, so the gateway runs a fetch as a recompute)
         held = rt.index.match(pl.prefill, keys)
         reused = req.tokens_of(held)
-        direct = len(tokens) - req.tokens_of(pl.reused_blocks) < cfg.direct.uncached_tokens_below
+        # the direct rule: what the chosen decode engine would compute itself
+        dec = decision.decode.decode
+        dec_held = rt.decode_index.match(dec, keys) if dec is not None else 0
+        direct = len(tokens) - req.tokens_of(dec_held) < cfg.direct.uncached_tokens_below
         record["direct"] = direct
         record["held_blocks"] = held
+        record["decode_held_blocks"] = dec_held
         rt.prompt_tokens += len(tokens)
         if not direct:
             rt.reused_tokens += reused

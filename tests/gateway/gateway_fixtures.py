@@ -41,7 +41,7 @@ def endpoint(w: WorkerProc) -> dict[str, Any]:
 def model_config(prefill: list[WorkerProc], decode: list[WorkerProc], name: str = MODEL,
                  **extra: Any) -> dict[str, Any]:
     return {"name": name, "prefill": [endpoint(w) for w in prefill],
-            "decode": [{"url": w.url} for w in decode], **extra}
+            "decode": [endpoint(w) for w in decode], **extra}
 
 
 @dataclass

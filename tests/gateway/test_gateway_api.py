@@ -191,6 +191,12 @@ def test_short_uncached_prompts_skip_disaggregation() -> None:
             assert long_["direct"] is False and long_["attempts"][0]["status"] == 200
             # only the long prompt was prefilled on the prefill worker
             assert p.metric("vllm:prefix_cache_queries_total") == long_["prompt_tokens"]
+            # the decode engine now holds the long prompt (its KV events say so): the same
+            # prompt again has nothing uncached there and goes straight to decode
+            wait_for(lambda: g.state()["decode"][0]["index_blocks"] >= 400 // 16)
+            c.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+            again = g.get("/conductor/decisions?limit=1")[-1]
+            assert again["direct"] is True and again["decode_held_blocks"] == 400 // 16
 
 
 def test_engine_tokenizer_mode_routes_like_the_local_one() -> None:
