@@ -605,6 +605,8 @@ class Gateway:
                             last_at = now
                 if not done:
                     raise UpstreamError("stream ended early")
+            except ConnectionResetError:  # the client went away; closing upstream aborts it
+                return resp
             except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
                 err = error_body(502, f"decode failed mid-stream on {inst.name}: "
                                  f"{type(exc).__name__}", code="upstream_failed")
