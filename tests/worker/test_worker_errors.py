@@ -81,6 +81,8 @@ def test_completions_bad_fields(worker: WorkerProc, body: dict[str, Any], param:
         {"messages": "hello"},
         {"messages": ["hello"]},
         {"messages": [{"role": "wizard", "content": "x"}]},
+        {"messages": [{"role": [], "content": "x"}]},  # unhashable: found by the gateway fuzz
+        {"messages": [{"role": {"a": 1}, "content": "x"}]},
         {"messages": [{"role": "user", "content": 5}]},
         {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
         {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},

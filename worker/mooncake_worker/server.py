@@ -253,7 +253,8 @@ class Worker:
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise ApiError(400, f"messages[{i}] must be an object", "messages")
-            if m.get("role") not in CHAT_ROLES:
+            role = m.get("role")
+            if not isinstance(role, str) or role not in CHAT_ROLES:
                 raise ApiError(400, f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}",
                                "messages")
             c = m.get("content")
