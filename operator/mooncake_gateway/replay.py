@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from mooncake_sim.metrics import latency_summary
 from mooncake_sim.trace import TRACE_BLOCK_TOKENS, TraceRecord
 from mooncake_worker.settings import VOCAB_SIZE
 
@@ -66,12 +67,6 @@ class ReplayConfig:
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
     timeout_s: float = 600.0
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
 async def _state(session: aiohttp.ClientSession, url: str, model: str) -> dict[str, Any]:
@@ -161,9 +156,6 @@ async def replay(records: list[TraceRecord], cfg: ReplayConfig) -> dict[str, Any
 def results(records: list[TraceRecord], outs: list[Outcome], before: dict[str, Any],
             after: dict[str, Any], cfg: ReplayConfig, wall: float) -> dict[str, Any]:
     served = [o for o in outs if o.status == "ok"]
-    ttfts = sorted(o.ttft_s for o in served)
-    tbts = sorted(o.tbt_s for o in served)
-    ok = sum(1 for o in served if o.ttft_s <= cfg.ttft_slo_s and o.tbt_s <= cfg.tbt_slo_s)
     n = len(records)
     tb, ta = before["tokens"], after["tokens"]
     eng_prompt = ta["engine_prompt"] - tb["engine_prompt"]
@@ -181,14 +173,8 @@ def results(records: list[TraceRecord], outs: list[Outcome], before: dict[str, A
         "rejected": sum(1 for o in outs if o.status == "rejected"),
         "failed": sum(1 for o in outs if o.status == "failed"),
         "errors": errors,
-        "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
-        "ttft_p50_s": _pct(ttfts, 0.5),
-        "ttft_p90_s": _pct(ttfts, 0.9),
-        "ttft_p99_s": _pct(ttfts, 0.99),
-        "tbt_mean_ms": 1000.0 * sum(tbts) / len(tbts) if tbts else math.nan,
-        "tbt_p90_ms": 1000.0 * _pct(tbts, 0.9),
-        "tbt_p99_ms": 1000.0 * _pct(tbts, 0.99),
-        "slo_attainment": ok / n if n else math.nan,
+        **latency_summary([(o.ttft_s, o.tbt_s) for o in served], n, cfg.ttft_slo_s,
+                          cfg.tbt_slo_s),
         "token_hit_ratio": eng_cached / eng_prompt if eng_prompt else 0.0,
         "token_hit_ratio_predicted": pred_reused / pred_prompt if pred_prompt else 0.0,
         "prefill_gpu_seconds": ta["prefill_seconds"] - tb["prefill_seconds"],

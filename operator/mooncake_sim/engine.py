@@ -46,6 +46,7 @@ from mooncake_conductor.index import DRAM, STORE, PrefixIndex
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
 from pydantic import BaseModel, ConfigDict, Field
 
+from .metrics import latency_summary
 from .trace import TRACE_BLOCK_TOKENS, TraceRecord
 
 
@@ -473,32 +474,16 @@ class Simulation:
     def _results(self, wall: float) -> dict[str, Any]:
         slo = self.cfg.conductor.slo
         served = [r for r in self.reqs if r.decision is not None and not r.decision.rejected]
-        ttfts = sorted(r.ttft for r in served)
-        tbts = sorted(r.tbt for r in served)
-        ok = sum(1 for r in served if r.ttft <= slo.ttft_s and r.tbt <= slo.tbt_s)
         prompt = sum(r.info.input_tokens for r in served)
         reused = sum(r.reused_tokens for r in served)
         n = len(self.reqs)
-
-        def pct(xs: list[float], q: float) -> float:
-            if not xs:
-                return math.nan
-            return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
-
         return {
             "policy": self.cfg.conductor.policy,
             "requests": n,
             "completed": len(served),
             "rejected": n - len(served),
             "reject_reasons": dict(sorted(self.reject_reasons.items())),
-            "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
-            "ttft_p50_s": pct(ttfts, 0.5),
-            "ttft_p90_s": pct(ttfts, 0.9),
-            "ttft_p99_s": pct(ttfts, 0.99),
-            "tbt_mean_ms": 1000.0 * sum(tbts) / len(tbts) if tbts else math.nan,
-            "tbt_p90_ms": 1000.0 * pct(tbts, 0.9),
-            "tbt_p99_ms": 1000.0 * pct(tbts, 0.99),
-            "slo_attainment": ok / n if n else math.nan,
+            **latency_summary([(r.ttft, r.tbt) for r in served], n, slo.ttft_s, slo.tbt_s),
             "token_hit_ratio": reused / prompt if prompt else 0.0,
             "prefill_gpu_seconds": self.prefill_gpu_s,
             "replicated_tokens": self.replicated_tokens,
