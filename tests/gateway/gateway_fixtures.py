@@ -25,6 +25,7 @@ from worker_fixtures import (
     http_json,
     mooncake_master,
     run_worker,
+    stop_process,
 )
 
 __all__ = ["HOST", "Master", "WorkerProc", "free_port", "http_json", "mooncake_master",
@@ -120,12 +121,7 @@ def run_gateway(models: list[dict[str, Any]], wait_ready: bool = True,
             time.sleep(0.05)
         yield g
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         for p in (config_path, log_path):
             with contextlib.suppress(OSError):
                 os.unlink(p)

@@ -23,6 +23,16 @@ import pytest
 HOST = "127.0.0.1"
 
 
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    """Terminate a server started by a fixture; kill it if it outlives ``grace_s``."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
@@ -135,12 +145,7 @@ def run_worker(
             time.sleep(0.05)
         yield w
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         with contextlib.suppress(OSError):
             os.unlink(log_path)
 
@@ -206,10 +211,5 @@ def mooncake_master() -> Iterator[Master]:
             time.sleep(0.05)
         yield Master(proc, f"{HOST}:{rpc_port}", f"http://{HOST}:{http_port}/metadata")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
