@@ -84,7 +84,6 @@ class _Req:
     remaining: int = 0
     ctx: int = 0
     seg0: int = 0
-    done: bool = False
 
 
 @dataclass(slots=True)
@@ -105,7 +104,6 @@ ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_WAKE, REPLICATE, REPLICA_DONE = 0, 1, 
 class Simulation:
     def __init__(self, records: list[TraceRecord], config: SimConfig) -> None:
         self.cfg = config
-        self.records = records
         self.cost = CostModel(config.conductor.cost)
         self.conductor = Conductor(config.conductor, self.cost)
         bt = config.block_tokens
@@ -225,7 +223,6 @@ class Simulation:
         reason = decision.reject_reason
         if reason is not None:
             self.reject_reasons[reason] = self.reject_reasons.get(reason, 0) + 1
-            req.done = True
             return
         pl = decision.placement
         assert pl.prefill is not None
@@ -348,7 +345,6 @@ class Simulation:
         did = req.decision.decode.decode
         if info.output_tokens <= 1 or did is None:
             req.tbt = 0.0
-            req.done = True
             return
         layers = self.cost.config.model.layers
         join = now + self.cost.transfer_time(info.input_tokens) / layers
@@ -414,7 +410,6 @@ class Simulation:
         st.context_tokens -= r.ctx
         st.reserved_tokens -= r.info.input_tokens + r.info.output_tokens
         r.tbt = self._tbt(dec, r)
-        r.done = True
         while dec.waiting:
             nxt = self.reqs[dec.waiting[0]]
             need = nxt.info.input_tokens + nxt.info.output_tokens

@@ -168,6 +168,16 @@ def _load_all() -> None:
         _loader.append(lambda: None)
 
 
+def longest(matches: dict[int, int]) -> tuple[int | None, int]:
+    """The holder of the longest prefix in a ``match_all`` result and its length in blocks
+    (``(None, 0)`` when nothing matches; the first such holder on ties)."""
+    best_src, best_len = None, 0
+    for iid, m in matches.items():
+        if m > best_len:
+            best_src, best_len = iid, m
+    return best_src, best_len
+
+
 def least(
     items: list[tuple[float, int]], rng: random.Random, rel_tol: float = 1e-9
 ) -> int:

@@ -54,7 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..cpp import CPPConfig, plan_cpp
 from ..state import ClusterState, PrefillState, RequestInfo
-from .base import Placement, PrefillPolicy, register
+from .base import Placement, PrefillPolicy, longest, register
 
 
 class ConductorParams(BaseModel):
@@ -119,10 +119,7 @@ class ConductorPolicy(PrefillPolicy):
             if prm.include_pending and index.has_pending
             else stored
         )
-        best_src, best_len = None, 0
-        for iid, m in stored.items():
-            if m > best_len:
-                best_src, best_len = iid, m
+        best_src, best_len = longest(stored)
         n = req.input_tokens
         arrival = req.arrival
         weight = prm.priority_weight
@@ -172,7 +169,7 @@ class ConductorPolicy(PrefillPolicy):
         ties = no_copy or ties
         chosen = ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties)
         choice = self._placement(chosen, best_src)
-        cpp = self._cpp(req, live, stored, choice, now)
+        cpp = self._cpp(req, live, stored, best_src, best_len, choice, now)
         if cpp is not None:
             rescue = choice.ttft_s > prm.cpp.trigger_share * self.ctx.slo.ttft_s
             if (rescue and cpp.ttft_s < choice.ttft_s) or (
@@ -205,6 +202,8 @@ class ConductorPolicy(PrefillPolicy):
         req: RequestInfo,
         live: list[PrefillState],
         stored: dict[int, int],
+        best_src: int | None,
+        best_len: int,
         single: Placement,
         now: float,
     ) -> Placement | None:
@@ -228,10 +227,6 @@ class ConductorPolicy(PrefillPolicy):
             limit = min(cfg.max_group, idle)
         else:
             limit = cfg.max_group
-        best_src, best_len = None, 0
-        for iid, m in stored.items():
-            if m > best_len:
-                best_src, best_len = iid, m
         best: Placement | None = None
         for size in range(2, min(limit, len(by_wait)) + 1):
             members = by_wait[:size]

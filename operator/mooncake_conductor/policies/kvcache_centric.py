@@ -19,7 +19,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..state import ClusterState, PrefillState, RequestInfo
-from .base import Placement, PrefillPolicy, least, register
+from .base import Placement, PrefillPolicy, least, longest, register
 
 
 class KVCacheCentricParams(BaseModel):
@@ -46,10 +46,7 @@ class KVCacheCentricPolicy(PrefillPolicy):
         if cluster.store_id is not None:
             search |= 1 << cluster.store_id
         matches = cluster.index.match_all(req.keys, search)
-        best_src, best_len = None, 0
-        for iid, m in matches.items():
-            if m > best_len:
-                best_src, best_len = iid, m
+        best_src, best_len = longest(matches)
         n = req.input_tokens
         options: dict[int, Placement] = {}
         for p in live:
