@@ -53,7 +53,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
-    from .server import serve
+    from .server import loop_factory, serve
     from .settings import GatewaySettings
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
@@ -77,7 +77,8 @@ def run_gateway(args: argparse.Namespace) -> int:
             await serve(settings, ready)
 
     try:
-        asyncio.run(main())
+        with asyncio.Runner(loop_factory=loop_factory(settings)) as runner:
+            runner.run(main())
     except OSError as exc:
         print(f"gateway failed to start: {exc}", file=sys.stderr)
         return 1

@@ -27,10 +27,11 @@ from mooncake_conductor.blockkeys import namespace_seed
 from mooncake_conductor.engine import Conductor
 from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
+from prometheus_client import Gauge
 
 from .events import EngineSubscriber
 from .kvindex import IndexFeeder
-from .metrics import GatewayMetrics
+from .metrics import GatewayMetrics, ModelMetrics
 from .settings import Endpoint, GatewaySettings, ModelSettings, Role
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Instance:
     stats: EngineStats = field(default_factory=EngineStats)
     subscriber: EngineSubscriber | None = None
     task: asyncio.Task[None] | None = None
+    inflight_gauge: Gauge | None = None  # its labelled child, looked up once
 
     @property
     def routable(self) -> bool:
@@ -83,6 +85,7 @@ class ModelRuntime:
         self.cfg = cfg
         self.gw = gw
         self.metrics = metrics
+        self.m = ModelMetrics(metrics, cfg.name)
         self.conductor = Conductor(cfg.conductor)
         self.cost = self.conductor.cost
         self.seed = namespace_seed(cfg.name, cfg.block_size, cfg.lora_name, cfg.cache_salt)
@@ -137,6 +140,7 @@ class ModelRuntime:
             if known is None:
                 insts = self.instances(role)
                 inst = Instance(role, len(insts), ep)
+                inst.inflight_gauge = self.m.inflight(role.value, inst.name)
                 insts.append(inst)
                 self._by_url[(role, url)] = inst
                 if role is Role.PREFILL:
@@ -151,6 +155,7 @@ class ModelRuntime:
                     continue
                 self._stop_events(inst)
                 inst.endpoint = ep
+                inst.inflight_gauge = self.m.inflight(role.value, inst.name)
                 inst.listed = True
                 inst.healthy = True
                 inst.failures = 0
@@ -192,13 +197,13 @@ class ModelRuntime:
         if ep.kv_events is None or inst.task is not None:
             return
         iid = inst.iid
-        model = self.cfg.name
+        events = self.m.events
         feeder = self.feeder_of(inst.role)
 
         def on_batch(seq: int, batch: Any) -> None:
             before = feeder.events_total
             feeder.apply(iid, seq, batch)
-            self.metrics.events.labels(model).inc(feeder.events_total - before)
+            events.inc(feeder.events_total - before)
 
         sub = EngineSubscriber(
             ep.kv_events, on_batch, ep.kv_replay, ep.kv_topic.encode(),
@@ -354,8 +359,8 @@ class ModelRuntime:
         self._gauge(inst)
 
     def _gauge(self, inst: Instance) -> None:
-        self.metrics.instance_inflight.labels(self.cfg.name, inst.role.value, inst.name).set(
-            inst.inflight)
+        if inst.inflight_gauge is not None:
+            inst.inflight_gauge.set(inst.inflight)
 
     # -- reports ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

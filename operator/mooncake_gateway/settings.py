@@ -152,6 +152,17 @@ class GatewaySettings(BaseSettings):
     replay_timeout_s: float = Field(2.0, gt=0, description="KV-event replay request timeout")
     discovery_poll_s: float = Field(1.0, gt=0, description="endpoints_file poll period")
     hot_prefixes_max: int = Field(100, gt=0, description="longest /conductor/hot-prefixes list")
+    uvloop: bool = Field(
+        True, description="run on uvloop's event loop when it is installed (false: asyncio's)"
+    )
+    lean_upstream: bool = Field(
+        True, description="non-streamed engine calls over the gateway's own keep-alive "
+        "HTTP/1.1 client (http:// engines); false: aiohttp's client for every call",
+    )
+    upstream_keepalive_s: float = Field(
+        2.0, gt=0, description="idle seconds after which a pooled engine connection is not "
+        "reused (below the engines' own keep-alive: uvicorn closes after 5 s)",
+    )
 
     @model_validator(mode="after")
     def _unique_models(self) -> GatewaySettings:
