@@ -9,6 +9,11 @@
 - Blocks are chained (a key names its whole prefix), so a prefix is touched
   from its last block to its first: the first blocks are the most recently
   used and leaves are evicted before the roots they hang from.
+- Past :data:`VECTOR_MIN_KEYS` distinct keys the holder and pending masks are
+  mirrored into :class:`~mooncake_conductor.keytable.KeyMaskTable` s and
+  ``match_all`` runs vectorised (a few numpy gathers instead of a cold dict
+  lookup per key); below it the dicts are cache-resident and faster. The
+  mirror catches up with the keys changed since the last query, lazily.
 - ``pending`` marks blocks a queued prefill will have written by the time a
   later request on the same instance runs (in-flight prefixes); matches may
   count them (``include_pending``).
@@ -23,12 +28,33 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, repeat, takewhile
 from operator import and_
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .keytable import (
+    WORD_BITS,
+    KeyMaskTable,
+    U64Array,
+    as_key_array,
+    mask_to_words,
+    words_to_mask,
+)
 
 HBM = 0
 DRAM = 1
 STORE = 2
 TIER_NAMES = {HBM: "GPU", DRAM: "CPU", STORE: "STORAGE"}
 TIER_BY_MEDIUM = {v: k for k, v in TIER_NAMES.items()}
+#: distinct keys from which matching runs vectorised (below: the dict is cache-resident)
+VECTOR_MIN_KEYS = 1 << 18
+#: the vectorised mirror is dropped again below this share of VECTOR_MIN_KEYS
+VECTOR_DROP_SHARE = 0.25
+
+_LOW_WORD = (1 << WORD_BITS) - 1
+
+Keys = Sequence[int] | npt.NDArray[Any]
 
 
 def _bits(mask: int) -> Iterable[int]:
@@ -38,12 +64,89 @@ def _bits(mask: int) -> Iterable[int]:
         mask ^= low
 
 
+class _Mirror:
+    """Vectorised copies of the holder and pending masks, and the keys changed since
+    they were last brought up to date."""
+
+    def __init__(self, holders: dict[int, int], pending: dict[int, int]) -> None:
+        self.stored = KeyMaskTable()
+        self.pending = KeyMaskTable()
+        self.dirty_stored: set[int] = set(holders)
+        self.dirty_pending: set[int] = set(pending)
+
+    def sync(self, holders: dict[int, int], pending: dict[int, int]) -> None:
+        if self.dirty_stored:
+            _assign(self.stored, self.dirty_stored, holders)
+        if self.dirty_pending:
+            _assign(self.pending, self.dirty_pending, pending)
+
+
+def _assign(table: KeyMaskTable, dirty: set[int], source: dict[int, int]) -> None:
+    keys = list(dirty)
+    dirty.clear()
+    masks = list(map(source.get, keys, repeat(0)))
+    karr = np.fromiter(keys, dtype=np.uint64, count=len(keys))
+    try:
+        marr = np.fromiter(masks, dtype=np.uint64, count=len(masks))[:, None]
+    except OverflowError:  # instance ids past 63: several words per mask
+        words = max(m.bit_length() for m in masks) // WORD_BITS + 1
+        marr = np.stack([mask_to_words(m, words) for m in masks])
+    table.assign(karr, marr)
+
+
+def _runs(masks: U64Array, start: int) -> dict[int, int]:
+    """Longest prefix per instance from the holder masks of a request's keys: the
+    running AND of the masks (and ``start``) only loses bits, so its zeros are a
+    suffix, and an instance's match ends where its bit drops."""
+    words = masks.shape[1]
+    if words == 1:
+        col = np.bitwise_and.accumulate(masks[:, 0])
+        col &= np.uint64(start & _LOW_WORD)
+        n = int(np.count_nonzero(col))
+        if not n:
+            return {}
+        drops = np.flatnonzero(col[1:n] != col[: n - 1])
+        before: list[int] = col[drops].tolist()
+        after: list[int] = col[drops + 1].tolist()
+        last = int(col[n - 1])
+    else:
+        acc = np.bitwise_and.accumulate(masks, axis=0)
+        acc &= mask_to_words(start, words)
+        n = int(np.count_nonzero(acc.any(axis=1)))
+        if not n:
+            return {}
+        drops = np.flatnonzero((acc[1:n] != acc[: n - 1]).any(axis=1))
+        before = [words_to_mask(acc[i]) for i in drops.tolist()]
+        after = [words_to_mask(acc[i + 1]) for i in drops.tolist()]
+        last = words_to_mask(acc[n - 1])
+    out: dict[int, int] = {}
+    for i, b, a in zip(drops.tolist(), before, after, strict=True):
+        for inst in _bits(b & ~a):
+            out[inst] = i + 1
+    for inst in _bits(last):
+        out[inst] = n
+    return out
+
+
+def _or(a: U64Array, b: U64Array) -> U64Array:
+    """Row-wise OR of two mask arrays that may differ in width."""
+    if a.shape[1] < b.shape[1]:
+        a, b = b, a
+    out = a.copy()
+    out[:, : b.shape[1]] |= b
+    return out
+
+
 class PrefixIndex:
     """Block-key → holder index with per-instance LRU capacity."""
 
-    def __init__(self, capacity_blocks: int, instances: int = 0) -> None:
+    def __init__(
+        self, capacity_blocks: int, instances: int = 0, vector_min_keys: int = VECTOR_MIN_KEYS
+    ) -> None:
         if capacity_blocks <= 0:
             raise ValueError("capacity_blocks must be positive")
+        self.vector_min_keys = vector_min_keys
+        self._mirror: _Mirror | None = None
         self.default_capacity = capacity_blocks
         self.holders: dict[int, int] = {}
         self._lru: list[OrderedDict[int, int] | None] = []
@@ -101,6 +204,8 @@ class PrefixIndex:
             else:
                 table[key] = tier
                 holders[key] = holders.get(key, 0) | bit
+        if self._mirror is not None:
+            self._mirror.dirty_stored.update(keys)
         return self._evict_to(instance, self._capacity[instance])
 
     def touch(self, instance: int, keys: Sequence[int]) -> None:
@@ -133,6 +238,8 @@ class PrefixIndex:
                 del holders[key]
             evicted.append(key)
         self.evictions += len(evicted)
+        if self._mirror is not None:
+            self._mirror.dirty_stored.update(evicted)
         return evicted
 
     def remove(self, instance: int, keys: Iterable[int]) -> None:
@@ -141,6 +248,7 @@ class PrefixIndex:
         table = self._lru[instance]
         assert table is not None
         keep = ~(1 << instance)
+        dirty = self._mirror.dirty_stored if self._mirror is not None else None
         for key in keys:
             if table.pop(key, None) is not None:
                 mask = self.holders[key] & keep
@@ -148,6 +256,8 @@ class PrefixIndex:
                     self.holders[key] = mask
                 else:
                     del self.holders[key]
+                if dirty is not None:
+                    dirty.add(key)
 
     def clear(self, instance: int) -> None:
         if instance < len(self._lru) and self._lru[instance] is not None:
@@ -159,12 +269,14 @@ class PrefixIndex:
                 self._drop_pending(key, inst, all_refs=True)
 
     # -- pending (in-flight) ---------------------------------------------------------------
-    def add_pending(self, instance: int, keys: Iterable[int]) -> None:
+    def add_pending(self, instance: int, keys: Sequence[int]) -> None:
         bit = 1 << instance
         for key in keys:
             ref = (key, instance)
             self._pending_count[ref] = self._pending_count.get(ref, 0) + 1
             self._pending[key] = self._pending.get(key, 0) | bit
+        if self._mirror is not None:
+            self._mirror.dirty_pending.update(keys)
 
     def remove_pending(self, instance: int, keys: Iterable[int]) -> None:
         for key in keys:
@@ -184,6 +296,8 @@ class PrefixIndex:
             self._pending[key] = mask
         else:
             del self._pending[key]
+        if self._mirror is not None:
+            self._mirror.dirty_pending.add(key)
 
     # -- queries ---------------------------------------------------------------------------
     def match(self, instance: int, keys: Sequence[int], include_pending: bool = False) -> int:
@@ -200,18 +314,67 @@ class PrefixIndex:
         return len(keys)
 
     def match_all(
-        self, keys: Sequence[int], mask: int = -1, include_pending: bool = False
+        self, keys: Keys, mask: int = -1, include_pending: bool = False
     ) -> dict[int, int]:
         """Longest held prefix (in blocks) for every instance in ``mask`` that holds at
-        least the first block; instances not in the result match nothing.
+        least the first block; instances not in the result match nothing."""
+        start = self.live_mask & mask
+        if not start or not len(keys):
+            return {}
+        with_pending = include_pending and bool(self._pending)
+        if self._vectorised():
+            masks = self._lookup(as_key_array(keys), with_pending)
+            return _runs(masks, start)
+        keys_seq: Sequence[int] = keys.tolist() if isinstance(keys, np.ndarray) else keys
+        return self._match_dict(keys_seq, start, with_pending)
 
-        ``alive[k]`` = the instances holding all of ``keys[:k]``: a running AND of the
+    def match_views(
+        self, keys: Keys, mask: int, pending_mask: int
+    ) -> tuple[dict[int, int], dict[int, int]]:
+        """``match_all(keys, mask)`` and ``match_all(keys, pending_mask,
+        include_pending=True)`` from one lookup of the keys (the second is the first
+        object when nothing is pending)."""
+        if not self._pending or not self._vectorised():
+            stored = self.match_all(keys, mask)
+            if not self._pending:
+                return stored, stored
+            return stored, self.match_all(keys, pending_mask, include_pending=True)
+        if not len(keys):
+            return {}, {}
+        arr = as_key_array(keys)
+        masks = self._lookup(arr, False)
+        start = self.live_mask & mask
+        stored = _runs(masks, start) if start else {}
+        assert self._mirror is not None
+        extra = self._mirror.pending.lookup(arr)
+        local_start = self.live_mask & pending_mask
+        return stored, (_runs(_or(masks, extra), local_start) if local_start else {})
+
+    def _lookup(self, keys: U64Array, with_pending: bool) -> U64Array:
+        mirror = self._mirror
+        assert mirror is not None
+        mirror.sync(self.holders, self._pending)
+        masks = mirror.stored.lookup(keys)
+        if with_pending:
+            masks = _or(masks, mirror.pending.lookup(keys))
+        return masks
+
+    def _vectorised(self) -> bool:
+        n = len(self.holders)
+        if self._mirror is None:
+            if n >= self.vector_min_keys:
+                self._mirror = _Mirror(self.holders, self._pending)
+        elif n < VECTOR_DROP_SHARE * self.vector_min_keys:
+            self._mirror = None
+        return self._mirror is not None
+
+    def _match_dict(self, keys: Sequence[int], start: int, include_pending: bool) -> dict[int, int]:
+        """``alive[k]`` = the instances holding all of ``keys[:k]``: a running AND of the
         holder masks, computed in C (``accumulate``) and cut where it reaches zero.
         Bits only ever drop, so each instance's match is the end of the last run that
         still has its bit; runs are found by binary search, one per drop.
         """
-        start = self.live_mask & mask
-        if not start or not keys:
+        if not start:
             return {}
         if include_pending and self._pending:
             holders, pending = self.holders, self._pending

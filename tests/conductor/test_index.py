@@ -1,3 +1,5 @@
+import random
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mooncake_conductor.index import DRAM, HBM, PrefixIndex
@@ -123,3 +125,49 @@ def test_removal_undoes_storage(keys: list[int]) -> None:
     ix.remove(0, keys)
     assert {k: ix.holder_mask(k) for k in keys} == before
     assert ix.blocks(0) == set()
+
+
+def test_vectorised_matching_equals_the_dict_walk() -> None:
+    """Past ``vector_min_keys`` matching runs on the numpy mirror; every answer (and
+    its order, which breaks ties downstream) must equal the dict walk's."""
+    for trial in range(12):
+        r = random.Random(trial)
+        n_inst = r.choice([3, 64, 70, 130])  # 70 and 130: masks of several words
+        cap = r.choice([5, 50, 500])
+        walk = PrefixIndex(cap, instances=n_inst, vector_min_keys=10**9)
+        vec = PrefixIndex(cap, instances=n_inst, vector_min_keys=1)
+        chains = [[r.randrange(0, 2**64) if r.random() > 0.01 else 0
+                   for _ in range(r.randint(1, 60))] for _ in range(20)]
+        for _ in range(300):
+            op, inst, chain = r.random(), r.randrange(n_inst), r.choice(chains)
+            prefix = chain[: r.randint(1, len(chain))]
+            for ix in (walk, vec):
+                if op < 0.5:
+                    ix.store(inst, prefix)
+                elif op < 0.6:
+                    ix.remove(inst, prefix[-3:])
+                elif op < 0.7:
+                    ix.add_pending(inst, prefix)
+                elif op < 0.8:
+                    ix.remove_pending(inst, prefix)
+                elif op < 0.82:
+                    ix.clear(inst)
+            if op >= 0.82:
+                mask = r.choice([-1, r.getrandbits(n_inst)])
+                for pending in (False, True):
+                    a = walk.match_all(chain, mask, pending)
+                    b = vec.match_all(chain, mask, pending)
+                    assert a == b and list(a) == list(b)
+                assert walk.match_views(chain, mask, -1) == vec.match_views(chain, mask, -1)
+        assert vec._mirror is not None and walk._mirror is None
+
+
+def test_vectorised_mirror_is_dropped_when_the_index_shrinks() -> None:
+    ix = PrefixIndex(1000, instances=2, vector_min_keys=100)
+    ix.store(0, list(range(1, 201)))
+    assert ix.match_all(list(range(1, 11))) == {0: 10}
+    assert ix._mirror is not None
+    ix.clear(0)
+    ix.store(1, [1, 2])
+    assert ix.match_all([1, 2, 3]) == {1: 2}
+    assert ix._mirror is None

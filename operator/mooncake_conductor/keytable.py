@@ -1,0 +1,325 @@
+"""A vectorised map from 64-bit block keys to instance bitmasks.
+
+Rule: bucketed hashing with a second choice. Every key has a home bucket and
+an overflow bucket (two multiplicative hashes), each of :data:`SLOTS` slots; a
+bucket's row holds its slots' keys *and* masks side by side, so one gathered
+row (one cache line for up to 64 instances) answers a key. A new key goes
+home when there is room, else to its overflow bucket, and the home bucket is
+flagged as having overflowed; the few keys that find both buckets full wait
+in a small stash (a dict, at most ``capacity >> STASH_SHIFT`` of them) and the
+table doubles when the stash is full or it passes :data:`MAX_LOAD`. A batch lookup of a whole
+request's keys is one numpy gather of home rows, plus a second gather only
+for the absent keys whose home has overflowed (rare below :data:`MAX_LOAD`)
+— no probing loop and no per-key Python work. A Python ``dict`` pays a cache
+miss per key, one after another; the gather overlaps them. Deleting a key
+just empties its slot (overflow flags stay until the next resize).
+
+Masks are ``words`` unsigned 64-bit words (bit ``i`` of the mask is bit
+``i % 64`` of word ``i // 64``); a zero mask means "no holder" and the key
+leaves. Slot key 0 marks an empty slot, so the key 0 itself is kept aside.
+
+This table mirrors :attr:`mooncake_conductor.index.PrefixIndex.holders` (and its
+pending blocks) for the vectorised queries; the dicts stay the source of truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+SLOTS = 4  #: slots per bucket (keys + one-word masks: one 64-byte cache line)
+MAX_LOAD = 0.4  #: keys per slot before the table doubles (keeps overflows rare)
+WORD_BITS = 64
+MIN_BUCKETS_LOG2 = 4
+STASH_SHIFT = 10  #: the stash holds up to capacity / 2**STASH_SHIFT keys
+MIN_STASH = 64
+_H1 = np.uint64(0x9E3779B97F4A7C15)  # odd multipliers (Fibonacci hashing)
+_H2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_H2_INT = int(_H2)
+SCALAR_RETRY_MAX = 16  #: fewer overflow lookups than this run as plain Python
+_MASK64 = (1 << WORD_BITS) - 1
+_CACHE_LINE = 64
+_FLAGS = np.uint32  # SLOTS one-byte booleans read as one integer
+_ONE = np.uint32(1)
+_BYTE_SHIFT = np.uint8(3)
+assert np.dtype(_FLAGS).itemsize == SLOTS
+
+U64Array = npt.NDArray[np.uint64]
+IntpArray = npt.NDArray[np.intp]
+BoolArray = npt.NDArray[np.bool_]
+
+
+def as_key_array(keys: Sequence[int] | npt.NDArray[Any]) -> U64Array:
+    """Keys as a uint64 array (no copy when they already are one)."""
+    if isinstance(keys, np.ndarray):
+        return keys if keys.dtype == np.uint64 else keys.astype(np.uint64)
+    return np.fromiter(keys, dtype=np.uint64, count=len(keys))
+
+
+def mask_to_words(mask: int, words: int) -> U64Array:
+    """A non-negative Python int mask as ``words`` uint64 words (low word first)."""
+    return np.array(
+        [(mask >> (WORD_BITS * w)) & _MASK64 for w in range(words)], dtype=np.uint64
+    )
+
+
+def words_to_mask(row: U64Array) -> int:
+    """Inverse of :func:`mask_to_words`."""
+    out = 0
+    for w, v in enumerate(row.tolist()):
+        out |= int(v) << (WORD_BITS * w)
+    return out
+
+
+class KeyMaskTable:
+    """uint64 key → bitmask table with batch assignment and batch lookup."""
+
+    def __init__(self, words: int = 1, buckets_log2: int = MIN_BUCKETS_LOG2) -> None:
+        self.words = max(1, words)
+        self.count = 0  # keys stored in the rows (key 0 excluded)
+        self._zero = np.zeros(self.words, dtype=np.uint64)  # mask of key 0
+        self._base: IntpArray = np.arange(0, dtype=np.intp)  # row offsets, grown on demand
+        self._alloc(max(MIN_BUCKETS_LOG2, buckets_log2))
+
+    def _alloc(self, log2: int) -> None:
+        self._log2 = log2
+        self._shift = np.uint64(WORD_BITS - log2)
+        n = 1 << log2
+        # row = SLOTS keys, then SLOTS masks of ``words`` words each; rows start on a
+        # cache line so that a one-word row is one line
+        self._rows = _aligned_zeros(n, SLOTS * (1 + self.words))
+        self._overflowed = np.zeros(n, dtype=bool)
+        self._stash: dict[int, U64Array] = {}  # key -> mask words, both buckets were full
+        self._stash_max = max(MIN_STASH, self.capacity >> STASH_SHIFT)
+
+    @property
+    def capacity(self) -> int:
+        return len(self._rows) * SLOTS
+
+    def __len__(self) -> int:
+        return self.count + len(self._stash) + (1 if self._zero.any() else 0)
+
+    def _entries(self) -> tuple[U64Array, U64Array]:
+        """Every stored key (key 0 excluded) and its mask."""
+        keys = self._rows[:, :SLOTS].reshape(-1)
+        used = np.flatnonzero(keys)
+        masks = self._rows[:, SLOTS:].reshape(-1, self.words)[used]
+        if self._stash:
+            extra = np.fromiter(self._stash, dtype=np.uint64, count=len(self._stash))
+            return (np.concatenate([keys[used], extra]),
+                    np.concatenate([masks, np.stack(list(self._stash.values()))]))
+        return keys[used], masks
+
+    def ensure_words(self, words: int) -> None:
+        if words <= self.words:
+            return
+        keys, masks = self._entries()
+        pad = np.zeros((len(masks), words - self.words), dtype=np.uint64)
+        self._zero = np.concatenate([self._zero, np.zeros(words - self.words, np.uint64)])
+        self._stash = {}
+        self.words = words
+        self._alloc(self._log2)
+        self.count = 0
+        self._insert(keys, np.hstack([masks, pad]))
+
+    # -- lookup ------------------------------------------------------------------------------
+    def _home(self, keys: U64Array) -> IntpArray:
+        out: IntpArray = ((keys * _H1) >> self._shift).astype(np.intp)
+        return out
+
+    def _away(self, keys: U64Array) -> IntpArray:
+        out: IntpArray = ((keys * _H2) >> self._shift).astype(np.intp)
+        return out
+
+    def _probe(
+        self, keys: U64Array, buckets: IntpArray
+    ) -> tuple[BoolArray, IntpArray, npt.NDArray[Any]]:
+        """Whether each key is in its bucket, at which slot, and the gathered rows."""
+        rows = np.take(self._rows, buckets, axis=0)
+        eq = rows[:, :SLOTS] == keys[:, None]
+        j = eq.argmax(axis=1)
+        hit = eq[np.arange(len(keys)), j] & (keys != 0)
+        return hit, j, rows
+
+    def _find(self, keys: U64Array) -> tuple[IntpArray, IntpArray, BoolArray]:
+        """Bucket and slot of every key, and whether it is there (key 0 never is)."""
+        bucket = self._home(keys)
+        hit, j, _ = self._probe(keys, bucket)
+        retry = np.flatnonzero(~hit & self._overflowed[bucket])
+        if len(retry):
+            away = self._away(keys[retry])
+            hit2, j2, _ = self._probe(keys[retry], away)
+            found = retry[hit2]
+            bucket[found], j[found], hit[found] = away[hit2], j2[hit2], True
+        return bucket, j, hit
+
+    def _select(self, keys: U64Array, rows: U64Array) -> tuple[U64Array, BoolArray]:
+        """Each key's mask from its gathered bucket row (zeros when absent) and whether
+        it was there. The whole row is compared with the key (contiguous: fast); the
+        first ``SLOTS`` one-byte results, read as one uint32, say whether the key is
+        there, and their argmax at which slot."""
+        n, w = len(keys), self.words
+        width = rows.shape[1]
+        eq = rows == keys[:, None]
+        hit = eq.view(_FLAGS)[:, 0] != 0
+        slot = eq[:, :SLOTS].argmax(axis=1)
+        if len(self._base) < n * width:
+            self._base = np.arange(n * width, dtype=np.intp) + SLOTS
+        start = self._base[: n * width : width] + (slot if w == 1 else slot * w)
+        flat = rows.reshape(-1)
+        if w == 1:
+            out = flat.take(start) * hit
+            return out[:, None], hit
+        words = flat.take(start[:, None] + np.arange(w))
+        return words * hit[:, None], hit
+
+    def lookup(self, keys: U64Array) -> U64Array:
+        """Masks of ``keys``, shape ``(len(keys), words)``; zeros for absent keys."""
+        if not len(keys):
+            return np.zeros((0, self.words), dtype=np.uint64)
+        bucket = self._home(keys)
+        out, hit = self._select(keys, np.take(self._rows, bucket, axis=0))
+        retry = np.flatnonzero(self._overflowed[bucket] & ~hit)
+        if len(retry) > SCALAR_RETRY_MAX:
+            sub = keys[retry]
+            away, found = self._select(sub, np.take(self._rows, self._away(sub), axis=0))
+            out[retry] = away
+            if self._stash:
+                for i in retry[~found].tolist():
+                    row = self._stash.get(int(keys[i]))
+                    if row is not None:
+                        out[i] = row
+        elif len(retry):
+            for i in retry.tolist():
+                row = self._scalar_away(int(keys[i]))
+                if row is not None:
+                    out[i] = row
+        if self._zero.any():
+            zero = keys == 0
+            if zero.any():
+                out[zero] = self._zero
+        return out
+
+    def _scalar_away(self, key: int) -> U64Array | None:
+        """One key's mask from its overflow bucket or the stash (``None``: absent)."""
+        bucket = ((key * _H2_INT) & _MASK64) >> (WORD_BITS - self._log2)
+        row = self._rows[bucket]
+        for j, k in enumerate(row[:SLOTS].tolist()):
+            if k == key:
+                w = self.words
+                found: U64Array = row[SLOTS + j * w : SLOTS + (j + 1) * w]
+                return found
+        return self._stash.get(key)
+
+    def get(self, key: int) -> int:
+        """One key's mask as a Python int (for tests and debugging)."""
+        return words_to_mask(self.lookup(np.array([key], dtype=np.uint64))[0])
+
+    # -- mutation ----------------------------------------------------------------------------
+    def assign(self, keys: U64Array, masks: U64Array) -> None:
+        """Set the masks of distinct ``keys`` (rows of ``masks``, ``(n, words)`` or fewer
+        words); a zero row removes its key."""
+        if not len(keys):
+            return
+        if masks.shape[1] > self.words:
+            self.ensure_words(masks.shape[1])
+        elif masks.shape[1] < self.words:
+            pad = np.zeros((len(masks), self.words - masks.shape[1]), dtype=np.uint64)
+            masks = np.hstack([masks, pad])
+        if self._stash:
+            stashed = np.isin(keys, np.fromiter(self._stash, np.uint64, len(self._stash)))
+            if stashed.any():
+                for i, key in zip(np.flatnonzero(stashed).tolist(), keys[stashed].tolist(),
+                                  strict=True):
+                    if masks[i].any():
+                        self._stash[key] = masks[i].copy()
+                    else:
+                        del self._stash[key]
+                keys, masks = keys[~stashed], masks[~stashed]
+        bucket, j, hit = self._find(keys)
+        empty: BoolArray = np.logical_not(masks.any(axis=1))
+        self._put(bucket[hit], j[hit], keys[hit] * ~empty[hit], masks[hit])
+        self.count -= int(np.count_nonzero(hit & empty))
+        zero = keys == 0
+        if zero.any():
+            self._zero = masks[zero][-1].copy()
+            empty = empty | zero
+        new = ~hit & ~empty
+        if new.any():
+            self._insert(keys[new], masks[new])
+
+    def _put(self, bucket: IntpArray, slot: IntpArray, keys: U64Array, masks: U64Array) -> None:
+        w = self.words
+        self._rows[bucket, slot] = keys
+        for k in range(w):
+            self._rows[bucket, SLOTS + slot * w + k] = masks[:, k]
+
+    def _insert(self, keys: U64Array, masks: U64Array) -> None:
+        """Place distinct absent non-zero ``keys``: home if there is room (several new
+        keys of one bucket ranked into its free slots), else the overflow bucket (home
+        flagged), else the table doubles and they retry."""
+        while len(keys):
+            if self.count + len(keys) > MAX_LOAD * self.capacity:
+                self._grow(self.count + len(keys))
+            left = np.ones(len(keys), dtype=bool)
+            home = self._home(keys)
+            for bucket in (home, self._away(keys)):
+                idx = np.flatnonzero(left)
+                if not len(idx):
+                    break
+                b = bucket[idx]
+                free = np.take(self._rows, b, axis=0)[:, :SLOTS] == 0
+                rank = _rank_within(b)
+                fits = rank < free.sum(axis=1)
+                # the rank-th free slot of the bucket
+                j = (np.cumsum(free[fits], axis=1) > rank[fits, None]).argmax(axis=1)
+                placed = idx[fits]
+                self._put(b[fits], j, keys[placed], masks[placed])
+                self.count += len(placed)
+                left[placed] = False
+                self._overflowed[home[idx[~fits]]] = True
+            if not left.any():
+                return
+            if left.all():  # both buckets full for every one of them
+                if len(self._stash) + len(keys) <= self._stash_max:
+                    for key, row in zip(keys.tolist(), masks, strict=True):
+                        self._stash[key] = row.copy()
+                    return
+                self._grow(2 * self.capacity)
+            keys, masks = keys[left], masks[left]
+
+    def _grow(self, need: int) -> None:
+        keys, masks = self._entries()
+        log2 = self._log2 + 1
+        while need > MAX_LOAD * (SLOTS << log2):
+            log2 += 1
+        self._alloc(log2)
+        self.count = 0
+        self._insert(keys, masks)
+
+
+def _aligned_zeros(rows: int, cols: int) -> U64Array:
+    """A zeroed ``(rows, cols)`` uint64 array whose data starts on a 64-byte boundary."""
+    per_line = _CACHE_LINE // 8
+    buf = np.zeros(rows * cols + per_line, dtype=np.uint64)
+    skip = (-buf.ctypes.data % _CACHE_LINE) // 8
+    out: U64Array = buf[skip : skip + rows * cols].reshape(rows, cols)
+    return out
+
+
+def _rank_within(groups: IntpArray) -> IntpArray:
+    """For each element, how many earlier elements share its value."""
+    order = np.argsort(groups, kind="stable")
+    sorted_groups = groups[order]
+    n = len(groups)
+    idx = np.arange(n)
+    starts = np.empty(n, dtype=bool)
+    starts[:1] = True
+    starts[1:] = sorted_groups[1:] != sorted_groups[:-1]
+    first = np.maximum.accumulate(np.where(starts, idx, 0))
+    rank = np.empty(n, dtype=np.intp)
+    rank[order] = idx - first
+    return rank

@@ -1,0 +1,62 @@
+"""The vectorised key → mask table against a plain dict."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mooncake_conductor import keytable
+from mooncake_conductor.keytable import KeyMaskTable, mask_to_words, words_to_mask
+
+
+def _check(table: KeyMaskTable, truth: dict[int, int], probe: list[int]) -> None:
+    got = table.lookup(np.array(probe, dtype=np.uint64))
+    assert [words_to_mask(row) for row in got] == [truth.get(k, 0) for k in probe]
+    assert len(table) == len(truth)
+
+
+@pytest.mark.parametrize("scalar_retry_max", [0, 10**9])
+@pytest.mark.parametrize("max_load", [keytable.MAX_LOAD, 0.95])
+def test_matches_a_dict_through_growth_deletes_and_overflow(
+    monkeypatch: pytest.MonkeyPatch, scalar_retry_max: int, max_load: float
+) -> None:
+    # a high load forces full buckets (overflow buckets and the stash); both retry paths
+    monkeypatch.setattr(keytable, "MAX_LOAD", max_load)
+    monkeypatch.setattr(keytable, "SCALAR_RETRY_MAX", scalar_retry_max)
+    rng = np.random.default_rng(7)
+    table = KeyMaskTable()
+    truth: dict[int, int] = {}
+    overflowed = stashed = False
+    for _ in range(40):
+        keys = np.unique(rng.integers(0, 2**64 - 1, size=int(rng.integers(1, 3000)),
+                                      dtype=np.uint64))
+        if truth and rng.random() < 0.5:  # also rewrite and delete existing keys
+            old = np.array(list(truth)[: len(keys)], dtype=np.uint64)
+            keys = np.unique(np.concatenate([keys, old]))
+        masks = rng.integers(0, 4, size=len(keys), dtype=np.uint64)  # 0 deletes
+        table.assign(keys, masks[:, None])
+        for k, m in zip(keys.tolist(), masks.tolist(), strict=True):
+            if m:
+                truth[k] = m
+            else:
+                truth.pop(k, None)
+        overflowed |= bool(table._overflowed.any())
+        stashed |= bool(table._stash)
+        probe = list(truth)[:4000] + rng.integers(0, 2**64 - 1, size=200,
+                                                  dtype=np.uint64).tolist()
+        _check(table, truth, probe)
+    assert overflowed
+    if max_load > 0.9:
+        assert stashed
+
+
+def test_small_and_zero_keys_and_wide_masks() -> None:
+    table = KeyMaskTable()
+    truth = {0: 1 << 130, 1: 5, 2: (1 << 64) | 1, 3: 1 << 63}  # small ints: the hash spreads them
+    keys = np.array(list(truth), dtype=np.uint64)
+    table.assign(keys, np.stack([mask_to_words(m, 3) for m in truth.values()]))
+    assert table.words == 3
+    _check(table, truth, [0, 1, 2, 3, 4])
+    table.assign(np.array([0, 2], dtype=np.uint64), np.zeros((2, 1), dtype=np.uint64))
+    del truth[0], truth[2]
+    _check(table, truth, [0, 1, 2, 3])
+    assert table.get(3) == 1 << 63
