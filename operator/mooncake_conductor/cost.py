@@ -197,6 +197,20 @@ class CostModel:
         ) / self._decode_peak
         return self._decode_overhead + max(mem, compute)
 
+    def decode_step_floor(self, context_tokens: int) -> float:
+        """A lower bound of :meth:`decode_step_time` over every batch size: the fixed
+        overhead plus reading the weights and ``context_tokens`` of KV (same float
+        expression, so ``decode_step_time(b, c) >= decode_step_floor(c)`` exactly)."""
+        return self._decode_overhead + (
+            (self._weight_bytes + context_tokens * self.kv_bytes_per_token) / self._hbm
+        )
+
+    def decode_context_within(self, step_s: float) -> float:
+        """The most context tokens whose :meth:`decode_step_floor` stays within
+        ``step_s`` (rounded up a little: a bound for pruning, never too small)."""
+        room = (step_s - self._decode_overhead) * self._hbm - self._weight_bytes
+        return room / self.kv_bytes_per_token * (1.0 + _PRUNE_SLACK) + _PRUNE_SLACK
+
     # -- queue -------------------------------------------------------------------------------
     @staticmethod
     def queue_time(predicted_work_s: Sequence[float], running_remaining_s: float = 0.0) -> float:
@@ -207,6 +221,9 @@ class CostModel:
 # -- the paper's prefill-time predictor -------------------------------------------------------
 
 FEATURE_NAMES: tuple[str, ...] = ("1", "n", "p", "n^2", "p^2", "n*p")
+
+
+_PRUNE_SLACK = 1e-9  # relative slack of pruning bounds (float rounding)
 
 
 def _features(n: float, p: float) -> list[float]:

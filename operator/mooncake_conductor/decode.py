@@ -22,6 +22,8 @@ from .cost import CostModel
 from .policies.base import least
 from .state import DecodeState, RequestInfo
 
+_TIE_EPS = 1e-12  # absolute tie slack of :func:`~.policies.base.least`
+
 
 @dataclass(slots=True)
 class DecodeChoice:
@@ -86,30 +88,43 @@ class LeastLoadDecode(DecodeSelector):
 
 
 class TBTSLODecode(DecodeSelector):
+    """Smallest predicted step among instances within the TBT SLO with KV room.
+
+    Instances are priced lazily: a step is never below
+    :meth:`~mooncake_conductor.cost.CostModel.decode_step_floor` of the instance's
+    context, so after pricing the least-loaded one only those whose floor reaches
+    into its tie band can win or tie (the same answer as pricing all of them)."""
+
     name = "tbt-slo"
+    tie_tolerance: ClassVar[float] = 0.01
 
     def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
-        need = req.input_tokens + req.output_tokens
+        inp = req.input_tokens
+        need = inp + req.output_tokens
+        # (context, batch, reserved, capacity, id) of every live instance, in list order
+        states = [(d.context_tokens, d.batch, d.reserved_tokens, d.capacity_tokens, d.iid)
+                  for d in decode if d.up]
+        if not states:
+            return DecodeChoice(None, reject_reason="no-decode-instance")
         step_time = self.cost.decode_step_time
         slo = self.tbt_slo_s
-        options: list[tuple[float, int]] = []
-        fallback: tuple[float, int] | None = None
-        for d in decode:
-            if not d.up:
-                continue
-            step = step_time(d.batch + 1, d.context_tokens + req.input_tokens)
-            if fallback is None or step < fallback[0]:
-                fallback = (step, d.iid)
-            if step <= slo and (
-                d.capacity_tokens <= 0
-                or d.context_tokens + d.reserved_tokens + need <= d.capacity_tokens
-            ):
-                options.append((step, d.iid))
-        if fallback is None:
-            return DecodeChoice(None, reject_reason="no-decode-instance")
+        ctx, batch, reserved, capacity, _ = min(states)
+        first = step_time(batch + 1, ctx + inp)
+        if first <= slo and (capacity <= 0 or ctx + reserved + need <= capacity):
+            # past ``bound`` context even the floor is outside the tie band
+            bound = self.cost.decode_context_within(
+                first * (1.0 + self.tie_tolerance) + _TIE_EPS) - inp
+            states = [s for s in states if s[0] <= bound]
+        # equal loads share one prediction
+        steps = {load: step_time(load[1] + 1, load[0] + inp)
+                 for load in {(s[0], s[1]) for s in states}}
+        options = [(steps[(c, b)], iid) for c, b, r, cap, iid in states
+                   if steps[(c, b)] <= slo and (cap <= 0 or c + r + need <= cap)]
         if not options:
-            return DecodeChoice(fallback[1], fallback[0], reject_reason="tbt-slo")
-        iid = least(options, self.rng, rel_tol=0.01)
+            best = min(states, key=lambda s: steps[(s[0], s[1])])  # first of the fastest
+            step = steps[(best[0], best[1])]
+            return DecodeChoice(best[4], step, reject_reason="tbt-slo")
+        iid = least(options, self.rng, rel_tol=self.tie_tolerance)
         return DecodeChoice(iid, next(s for s, i in options if i == iid))
 
 

@@ -57,3 +57,50 @@ def test_down_and_unknown() -> None:
     assert selector("tbt-slo").choose(request(KEYS), ds).reject_reason == "no-decode-instance"
     with pytest.raises(KeyError, match="unknown decode selector"):
         selector("nope")
+
+
+def _tbt_slo_by_pricing_all(req, decode, rng, slo_s):  # type: ignore[no-untyped-def]
+    """The rule priced for every instance (what the pruned selector must equal)."""
+    from mooncake_conductor.policies.base import least
+
+    need = req.input_tokens + req.output_tokens
+    options, fallback = [], None
+    for d in decode:
+        if not d.up:
+            continue
+        step = COST.decode_step_time(d.batch + 1, d.context_tokens + req.input_tokens)
+        if fallback is None or step < fallback[0]:
+            fallback = (step, d.iid)
+        if step <= slo_s and (d.capacity_tokens <= 0 or
+                              d.context_tokens + d.reserved_tokens + need <= d.capacity_tokens):
+            options.append((step, d.iid))
+    if fallback is None:
+        return None, None
+    if not options:
+        return fallback[1], "tbt-slo"
+    return least(options, rng, rel_tol=0.01), None
+
+
+def test_tbt_slo_pruning_equals_pricing_every_instance() -> None:
+    r = random.Random(3)
+    for trial in range(300):
+        n = r.choice([1, 4, 64])
+        cap = COST.kv_capacity_tokens
+        decode = [
+            DecodeState(
+                iid=i, up=r.random() > 0.1,
+                batch=r.choice([0, 0, r.randint(0, 256)]),
+                context_tokens=r.choice([0, 0, r.randint(0, cap)]),
+                capacity_tokens=r.choice([0, cap]),
+                reserved_tokens=r.randint(0, cap // 4),
+            )
+            for i in range(n)
+        ]
+        req = request(list(range(r.randint(1, 64))), output=r.randint(1, 2000))
+        slo = r.choice([0.02, 0.05, 0.1, 1.0])
+        sel = create_decode_selector("tbt-slo", COST, slo, random.Random(trial))
+        got = sel.choose(req, decode)
+        want = _tbt_slo_by_pricing_all(req, decode, random.Random(trial), slo)
+        assert (got.decode, got.reject_reason) == (
+            want if want[0] is not None else (None, "no-decode-instance")
+        )

@@ -267,3 +267,39 @@ def test_create_policy_from_name_and_params() -> None:
     ctx = PolicyContext(cost=COST, slo=SLOConfig(), rng=random.Random(0))
     p = create_policy("score", ctx, {"alpha": 0.2, "beta": 0.8})
     assert p.params.alpha == 0.2  # type: ignore[attr-defined]
+
+
+def test_conductor_pruned_pricing_equals_pricing_every_instance() -> None:
+    """The conductor skips instances whose lower bound cannot reach the tie band;
+    with ``explain`` it prices all of them. Same seed, same choices."""
+    import random
+
+    r = random.Random(11)
+    for trial in range(150):
+        n = r.choice([2, 8, 64])
+        pruned, full = cluster(n=n), cluster(n=n)
+        chains = [list(range(1000 * c, 1000 * c + 40)) for c in range(6)]
+        for inst in range(n):
+            for _ in range(r.randint(0, 2)):
+                held = r.choice(chains)[: r.randint(1, 40)]
+                for c in (pruned, full):
+                    c.index.store(inst, held)
+            wait = r.choice([0.0, 0.0, r.random() * 5])
+            if r.random() < 0.3:
+                pending = r.choice(chains)[: r.randint(1, 40)]
+                for c in (pruned, full):
+                    c.index.add_pending(inst, pending)
+            running_until = r.choice([0.0, 0.5])
+            for c in (pruned, full):
+                if wait:
+                    queue(c.prefill[inst], wait)
+                c.prefill[inst].busy_until = running_until
+        keys = r.choice(chains)[: r.randint(1, 40)] + [10**6 + trial]
+        req = request(keys)
+        for cpp in (False, True):
+            a = policy("conductor", seed=trial, cpp={"enabled": cpp}).choose(req, pruned, 0.1)
+            b = policy("conductor", seed=trial, cpp={"enabled": cpp}, explain=True).choose(
+                req, full, 0.1)
+            assert (a.prefill, a.local_blocks, a.fetch_blocks, a.source, a.cpp_group) == (
+                b.prefill, b.local_blocks, b.fetch_blocks, b.source, b.cpp_group)
+            assert a.ttft_s == pytest.approx(b.ttft_s)

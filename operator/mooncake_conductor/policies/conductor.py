@@ -82,6 +82,8 @@ class ConductorParams(BaseModel):
 
 
 _AFTER = 1e-6  # priority step that orders a request right after another
+_ONE = 1
+_SLACK = 1e-9  # relative float slack when pruning by a lower bound
 # (ttft, instance, local blocks, fetched blocks, queue s, transfer s, prefill s, priority)
 _Row = tuple[float, int, int, int, float, float, float, float]
 
@@ -101,57 +103,53 @@ class ConductorPolicy(PrefillPolicy):
         prm = self.params
         cost = self.ctx.cost
         index = cluster.index
-        live_mask = 0
-        busy = waiting = 0
-        for p in live:
-            live_mask |= 1 << p.iid
-            if p.queue:
-                busy += 1
-                waiting += len(p.queue)
-            elif p.busy_until > now:
-                busy += 1
+        iids = [p.iid for p in live]
+        live_mask = sum(map(_ONE.__lshift__, iids))  # ids are distinct: sum = OR
+        # FIFO wait per live instance: what runs plus what is queued
+        fifo_queue = [(p.busy_until - now if p.busy_until > now else 0.0) + p.queued_work_s
+                      for p in live]
+        # busy = has work ahead (every predicted prefill takes a positive time)
+        busy = len(fifo_queue) - fifo_queue.count(0.0)
+        waiting = sum([len(p.queue) for p in live])
         search = live_mask
         if cluster.store_id is not None:
             search |= 1 << cluster.store_id
-        stored = index.match_all(req.keys, search)
-        local_view = (
-            index.match_all(req.keys, live_mask, include_pending=True)
-            if prm.include_pending and index.has_pending
-            else stored
-        )
+        if prm.include_pending:
+            stored, local_view = index.match_views(req.match_keys, search, live_mask)
+        else:
+            stored = local_view = index.match_all(req.match_keys, search)
         best_src, best_len = longest(stored)
         n = req.input_tokens
-        arrival = req.arrival
         weight = prm.priority_weight
         best_tokens = req.tokens_of(best_len)
         fetch_prefill = cost.prefill_time(n, best_tokens)
-        f_prio = arrival + weight * fetch_prefill
-        # instances with the same local match share their prefill and transfer times
-        by_local: dict[int, tuple[float, float]] = {}
+        f_prio = req.arrival + weight * fetch_prefill
         # score = TTFT + kappa x GPU seconds. Work a choice adds delays the requests that
         # would have used that time: on average the busy share of the pool plus the
         # requests already waiting per instance (0 when idle: pure TTFT).
         kappa = prm.work_weight * (busy + waiting) / len(live)
-        rows: list[_Row] = []
-        for p in live:
-            iid = p.iid
-            local = local_view.get(iid, 0)
+        # instances with the same local match share their prefill and transfer times
+        by_local: dict[int, tuple[float, float]] = {}
+
+        def times_of(local: int) -> tuple[float, float]:
             times = by_local.get(local)
             if times is None:
                 local_tokens = req.tokens_of(local)
                 times = (cost.prefill_time(n, local_tokens),
                          cost.transfer_time(best_tokens - local_tokens))
                 by_local[local] = times
-            recompute, transfer = times
-            prio = arrival + weight * recompute
+            return times
+
+        def row_of(pos: int) -> _Row:
+            p = live[pos]
+            iid = p.iid
+            local = local_view.get(iid, 0)
+            recompute, transfer = times_of(local)
+            prio = req.arrival + weight * recompute
             if local > stored.get(iid, 0) and p.queue:
                 # reusing blocks a queued prefill will write: never jump ahead of it
                 prio = max(prio, max(q.priority for q in p.queue) + _AFTER)
-            if weight:
-                queue = p.wait_time(now, prio)
-            else:  # FIFO: everything running or queued goes first
-                queue = p.busy_until - now
-                queue = (queue if queue > 0.0 else 0.0) + p.queued_work_s
+            queue = p.wait_time(now, prio) if weight else fifo_queue[pos]
             row: _Row = (queue + recompute, iid, local, 0, queue, 0.0, recompute, prio)
             if best_len > local and best_src != iid:
                 f_queue = p.wait_time(now, f_prio) if weight else queue
@@ -160,14 +158,56 @@ class ConductorPolicy(PrefillPolicy):
                 if f_ttft < row[0]:
                     row = (f_ttft, iid, local, best_len - local, f_queue, f_transfer,
                            fetch_prefill, f_prio)
-            rows.append(row)
-        scores = [r[0] + kappa * r[6] for r in rows]
-        best = min(scores)
-        band = best * (1.0 + prm.tie_tolerance) + prm.tie_tolerance_s
-        ties = [r for r, sc in zip(rows, scores, strict=True) if sc <= band]
-        no_copy = [r for r in ties if not r[3]]  # a tie never pays a new copy
+            return row
+
+        def band_of(best: float) -> float:
+            return best * (1.0 + prm.tie_tolerance) + prm.tie_tolerance_s
+
+        # Exact pruning (FIFO): an instance that holds nothing of the prompt, is not the
+        # fetch source and has nothing pending scores at least its queue plus the
+        # cheapest way to compute the prompt; the ones whose bound is past the tie band
+        # of a score already seen can neither win nor tie, so they are never priced.
+        rows: list[tuple[int, _Row, float]] = []  # (live position, row, score)
+        if weight or prm.explain:
+            for pos in range(len(live)):
+                row = row_of(pos)
+                rows.append((pos, row, row[0] + kappa * row[6]))
+        else:
+            held = local_view.keys() | stored.keys()
+            if best_src is not None:
+                held.add(best_src)
+            done = {iids.index(iid) for iid in held if live_mask >> iid & 1}
+            for pos in sorted(done):
+                row = row_of(pos)
+                rows.append((pos, row, row[0] + kappa * row[6]))
+            # a plain instance's row depends on its queue only: equal queues share it
+            same: dict[float, _Row] = {}
+            first = min(range(len(live)), key=fifo_queue.__getitem__)
+            if first not in done:
+                row = same[fifo_queue[first]] = row_of(first)
+                rows.append((first, row, row[0] + kappa * row[6]))
+                done.add(first)
+            if len(done) < len(live):
+                recompute0 = times_of(0)[0]
+                floor = (1.0 + kappa) * (min(recompute0, fetch_prefill) if best_len
+                                         else recompute0)
+                reach = band_of(min(r[2] for r in rows)) * (1.0 + _SLACK) - floor
+                for pos in [pos for pos, q in enumerate(fifo_queue) if q <= reach]:
+                    if pos not in done:
+                        queue = fifo_queue[pos]
+                        like = same.get(queue)
+                        if like is None:
+                            row = same[queue] = row_of(pos)
+                        else:
+                            row = (like[0], iids[pos], *like[2:])
+                        rows.append((pos, row, row[0] + kappa * row[6]))
+        best = min(r[2] for r in rows)
+        band = band_of(best)
+        ties = [r for r in rows if r[2] <= band]
+        ties.sort()  # live order (positions are distinct: rows are never compared)
+        no_copy = [r for r in ties if not r[1][3]]  # a tie never pays a new copy
         ties = no_copy or ties
-        chosen = ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties)
+        chosen = (ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties))[1]
         choice = self._placement(chosen, best_src)
         cpp = self._cpp(req, live, stored, best_src, best_len, choice, now)
         if cpp is not None:
@@ -177,7 +217,7 @@ class ConductorPolicy(PrefillPolicy):
             ):
                 choice = cpp
         if prm.explain:
-            options = [self._placement(r, best_src) for r in sorted(rows)[:5]]
+            options = [self._placement(r, best_src) for r in sorted(r[1] for r in rows)[:5]]
             if cpp is not None:
                 options.append(cpp)
             choice.candidates = [
