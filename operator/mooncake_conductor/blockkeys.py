@@ -16,8 +16,8 @@ Definition (``P`` odd 64-bit constant, all arithmetic mod 2^64)::
 ``mix64`` is the SplitMix64 finaliser. The polynomial prefix hash lets
 :func:`block_keys_array` compute every boundary at once with numpy (one
 integer matrix product for the blocks, one cumulative sum for the chain; see
-its docstring), about 20 µs for an 8k-token prompt at block size 16; :func:`block_keys_reference` is the
-sequential definition, and tests hold both to golden vectors.
+its docstring), about 20 µs for an 8k-token prompt at block size 16;
+:func:`block_keys_reference` is the sequential definition, and tests hold both to golden vectors.
 
 Traces give ``hash_ids`` (one per 512-token block, already prefix-identifying);
 :func:`trace_block_keys` namespaces them with the same seed and mixer.

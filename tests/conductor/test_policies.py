@@ -294,7 +294,7 @@ def test_conductor_pruned_pricing_equals_pricing_every_instance() -> None:
                 if wait:
                     queue(c.prefill[inst], wait)
                 c.prefill[inst].busy_until = running_until
-        keys = r.choice(chains)[: r.randint(1, 40)] + [10**6 + trial]
+        keys = [*r.choice(chains)[: r.randint(1, 40)], 10**6 + trial]
         req = request(keys)
         for cpp in (False, True):
             a = policy("conductor", seed=trial, cpp={"enabled": cpp}).choose(req, pruned, 0.1)
