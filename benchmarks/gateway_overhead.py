@@ -15,7 +15,10 @@ non-streamed):
 - ``sglang-router`` / ``vllm-router`` (``cache_aware``), when installed.
 
 Added latency = target's p50/p99 minus direct's at the same concurrency; peak req/s =
-highest throughput over the concurrencies.
+highest throughput over the concurrencies. ``cpu us`` = CPU seconds (user + system, all
+threads) the target's process spent per request during the measured requests — for
+``direct`` the worker's, for the others the router's own (the workers' not included): less
+noisy than latency on a shared machine. ``--targets`` picks some of the targets.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +56,19 @@ PROMPT = " ".join(f"w{i % 97} x{i}" for i in range(100))
 MAX_TOKENS = 8
 START_TIMEOUT_S = 30
 MS = 1000.0
+US = 1e6
+TARGETS = ("direct", "gateway", "gateway-pd", "sglang-router", "vllm-router")
 
 
-async def drive(url: str, n: int, conc: int) -> dict[str, float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+async def drive(url: str, n: int, conc: int, pid: int | None = None) -> dict[str, float]:
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS}).encode()
     lat: list[float] = []
     errors = 0
@@ -76,16 +90,24 @@ async def drive(url: str, n: int, conc: int) -> dict[str, float]:
             async with s.post(url + "/v1/completions", data=body,
                               headers={"Content-Type": "application/json"}) as r:
                 await r.read()
+        cpu0 = cpu_seconds(pid) if pid is not None else 0.0
         t0 = time.perf_counter()
         await asyncio.gather(*(one_loop() for _ in range(conc)))
         wall = time.perf_counter() - t0
+        cpu = cpu_seconds(pid) - cpu0 if pid is not None else float("nan")
     lat.sort()
     return {"p50_ms": lat[len(lat) // 2] * MS, "p99_ms": lat[int(0.99 * len(lat))] * MS,
-            "rps": len(lat) / wall, "errors": errors}
+            "rps": len(lat) / wall, "errors": errors, "cpu_us": cpu / len(lat) * US}
+
+
+@dataclass
+class Target:
+    url: str
+    pid: int
 
 
 @contextlib.contextmanager
-def router(cmd: list[str], port: int) -> Iterator[str]:
+def router(cmd: list[str], port: int) -> Iterator[Target]:
     log = open(f"/tmp/router-{port}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://{HOST}:{port}"
@@ -103,7 +125,7 @@ def router(cmd: list[str], port: int) -> Iterator[str]:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{cmd[0]} did not start; see {log.name}")
             time.sleep(0.2)
-        yield url
+        yield Target(url, proc.pid)
     finally:
         proc.terminate()
         try:
@@ -119,14 +141,20 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--routers", default=None, help="bin folder with sglang-router/vllm-router")
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--targets", default=",".join(TARGETS),
+                    help=f"comma-separated subset of {','.join(TARGETS)}")
     a = ap.parse_args()
     concs = [int(c) for c in a.concurrency.split(",")]
+    wanted = set(a.targets.split(","))
+    if "direct" not in wanted:
+        wanted.add("direct")  # the baseline of every "+" column
     bindir = a.routers
     results: dict[str, dict[int, dict[str, float]]] = {}
     fast = ("--time-scale", "0", "--max-waiting", "100000")
     with run_worker(*fast) as w1, run_worker(*fast) as w2:
         urls = [w1.url, w2.url]
-        targets: list[tuple[str, Any]] = [("direct", contextlib.nullcontext(w1.url))]
+        targets: list[tuple[str, Any]] = [
+            ("direct", contextlib.nullcontext(Target(w1.url, w1.proc.pid)))]
         single = model_config([w1, w2], [w1, w2], conductor={"policy": "conductor"},
                               direct={"uncached_tokens_below": 1 << 30})
         pd = model_config([w1], [w2], conductor={"policy": "conductor"})
@@ -149,20 +177,24 @@ def main() -> int:
                      "--prometheus-port", str(free_port())], p)))
         for name, ctx in targets:
             try:
+                if name not in wanted:
+                    continue
                 with ctx as target:
-                    url = target if isinstance(target, str) else target.url
-                    results[name] = {c: asyncio.run(drive(url, a.requests, c)) for c in concs}
+                    if not isinstance(target, Target):
+                        target = Target(target.url, target.proc.pid)
+                    results[name] = {c: asyncio.run(drive(target.url, a.requests, c, target.pid))
+                                     for c in concs}
             except RuntimeError as exc:
                 print(f"{name}: {exc}")
     base = results.get("direct", {})
     print(f"{'target':<14} {'conc':>4} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
-          f"{'+p99 ms':>8} {'req/s':>8} {'errors':>6}")
+          f"{'+p99 ms':>8} {'req/s':>8} {'cpu us':>7} {'errors':>6}")
     for name, rows in results.items():
         for c, r in rows.items():
             b = base.get(c, r)
             print(f"{name:<14} {c:>4} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
                   f"{r['p50_ms'] - b['p50_ms']:>8.2f} {r['p99_ms'] - b['p99_ms']:>8.2f} "
-                  f"{r['rps']:>8.0f} {int(r['errors']):>6}")
+                  f"{r['rps']:>8.0f} {r['cpu_us']:>7.0f} {int(r['errors']):>6}")
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(results, f, indent=2)
