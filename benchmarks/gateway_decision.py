@@ -5,7 +5,8 @@
 
 The index holds ``--blocks`` keys spread over ``--instances`` prefill instances (chained
 prefixes of 512 blocks, every tenth one shared by several instances), queues are non-empty,
-and each request shares a random-length prefix with an indexed chain. Timed per request:
+and each request shares a random-length prefix with an indexed chain (made just
+before its decision: fresh token ids, as from a tokenizer). Timed per request:
 ``block_keys`` over the token ids (numpy) + ``Conductor.schedule`` (prefill policy,
 decode selector, admission, hot-prefix record) — what the gateway does between
 tokenizing and dispatching. Target: p99 < 200 µs for 8k-token prompts.
@@ -18,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 
 import numpy as np
 from mooncake_conductor.blockkeys import block_keys, block_keys_array, namespace_seed
@@ -73,20 +75,22 @@ def main() -> int:
     for p in cluster.prefill:  # some queued work everywhere
         for j in range(prng.randint(0, 4)):
             p.enqueue(10**9 + j, 0.0, prng.random(), 100, 1600)
-    prompts = []
-    for _ in range(a.rounds):
-        base = chains[prng.randrange(len(chains))]
-        shared = prng.randrange(0, a.tokens + 1)
-        shared = min(shared, len(base))
-        tail = rng.integers(256, VOCAB, size=a.tokens - shared)
-        prompts.append(np.concatenate([base[:shared], tail]).astype(np.int64))
+
+    def prompts() -> Iterator[np.ndarray]:
+        """Each prompt is made just before its decision, as a tokenizer hands it over."""
+        for _ in range(a.rounds):
+            base = chains[prng.randrange(len(chains))]
+            shared = min(prng.randrange(0, a.tokens + 1), len(base))
+            tail = rng.integers(256, VOCAB, size=a.tokens - shared)
+            yield np.concatenate([base[:shared], tail]).astype(np.int64)
+
     lat_keys: list[float] = []
     lat_all: list[float] = []
     lat_policy: list[float] = []
     lat_validate: list[float] = []
     lat_decode: list[float] = []
     now = 1000.0
-    for i, toks in enumerate(prompts):
+    for i, toks in enumerate(prompts()):
         t = time.perf_counter()
         key_array = block_keys_array(toks, BLOCK, seed)
         keys = key_array.tolist()

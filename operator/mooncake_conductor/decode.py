@@ -101,31 +101,42 @@ class TBTSLODecode(DecodeSelector):
     def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
         inp = req.input_tokens
         need = inp + req.output_tokens
-        # (context, batch, reserved, capacity, id) of every live instance, in list order
-        states = [(d.context_tokens, d.batch, d.reserved_tokens, d.capacity_tokens, d.iid)
-                  for d in decode if d.up]
-        if not states:
+        live = [d for d in decode if d.up]
+        if not live:
             return DecodeChoice(None, reject_reason="no-decode-instance")
         step_time = self.cost.decode_step_time
         slo = self.tbt_slo_s
-        ctx, batch, reserved, capacity, _ = min(states)
+        # (context, batch, reserved, capacity) of every live instance, in list order
+        loads = [(d.context_tokens, d.batch, d.reserved_tokens, d.capacity_tokens)
+                 for d in live]
+        ctx, batch, reserved, capacity = min(loads)
         first = step_time(batch + 1, ctx + inp)
-        if first <= slo and (capacity <= 0 or ctx + reserved + need <= capacity):
-            # past ``bound`` context even the floor is outside the tie band
-            bound = self.cost.decode_context_within(
-                first * (1.0 + self.tie_tolerance) + _TIE_EPS) - inp
-            states = [s for s in states if s[0] <= bound]
-        # equal loads share one prediction
-        steps = {load: step_time(load[1] + 1, load[0] + inp)
-                 for load in {(s[0], s[1]) for s in states}}
-        options = [(steps[(c, b)], iid) for c, b, r, cap, iid in states
-                   if steps[(c, b)] <= slo and (cap <= 0 or c + r + need <= cap)]
-        if not options:
-            best = min(states, key=lambda s: steps[(s[0], s[1])])  # first of the fastest
-            step = steps[(best[0], best[1])]
-            return DecodeChoice(best[4], step, reject_reason="tbt-slo")
-        iid = least(options, self.rng, rel_tol=self.tie_tolerance)
-        return DecodeChoice(iid, next(s for s, i in options if i == iid))
+        first_ok = first <= slo and (capacity <= 0 or ctx + reserved + need <= capacity)
+        if loads.count(loads[0]) == len(loads):  # all alike (an idle pool): all tie
+            if not first_ok:
+                return DecodeChoice(live[0].iid, first, reject_reason="tbt-slo")
+            ties = [(first, d.iid) for d in live]
+        else:
+            states = [(*load, d.iid) for load, d in zip(loads, live, strict=True)]
+            if first_ok:  # past ``bound`` context even the floor is outside the tie band
+                bound = self.cost.decode_context_within(
+                    first + abs(first) * self.tie_tolerance + _TIE_EPS) - inp
+                states = [s for s in states if s[0] <= bound]
+            # equal loads share one prediction
+            steps = {load: step_time(load[1] + 1, load[0] + inp)
+                     for load in {(s[0], s[1]) for s in states}}
+            options = [(steps[(c, b)], iid) for c, b, r, cap, iid in states
+                       if steps[(c, b)] <= slo and (cap <= 0 or c + r + need <= cap)]
+            if not options:
+                best = min(states, key=lambda s: steps[(s[0], s[1])])  # first of the fastest
+                return DecodeChoice(best[4], steps[(best[0], best[1])],
+                                    reject_reason="tbt-slo")
+            # as :func:`least` (same ties in the same order, same draw), keeping the step
+            best_step = min(options)[0]
+            band = best_step + abs(best_step) * self.tie_tolerance + _TIE_EPS
+            ties = [o for o in options if o[0] <= band]
+        step, iid = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        return DecodeChoice(iid, step)
 
 
 class AIBrixDecode(DecodeSelector):

@@ -94,17 +94,18 @@ def _assign(table: KeyMaskTable, dirty: set[int], source: dict[int, int]) -> Non
     table.assign(karr, marr)
 
 
-def _runs(masks: U64Array, start: int) -> dict[int, int]:
-    """Longest prefix per instance from the holder masks of a request's keys: the
-    running AND of the masks (and ``start``) only loses bits, so its zeros are a
-    suffix, and an instance's match ends where its bit drops."""
+def _runs(masks: U64Array, start: int) -> tuple[dict[int, int], int]:
+    """Longest prefix per instance from the holder masks of a request's keys, and how
+    many leading keys some instance holds: the running AND of the masks (and
+    ``start``) only loses bits, so its zeros are a suffix, and an instance's match
+    ends where its bit drops."""
     words = masks.shape[1]
     if words == 1:
         col = np.bitwise_and.accumulate(masks[:, 0])
         col &= np.uint64(start & _LOW_WORD)
         n = int(np.count_nonzero(col))
         if not n:
-            return {}
+            return {}, 0
         drops = np.flatnonzero(col[1:n] != col[: n - 1])
         before: list[int] = col[drops].tolist()
         after: list[int] = col[drops + 1].tolist()
@@ -114,7 +115,7 @@ def _runs(masks: U64Array, start: int) -> dict[int, int]:
         acc &= mask_to_words(start, words)
         n = int(np.count_nonzero(acc.any(axis=1)))
         if not n:
-            return {}
+            return {}, 0
         drops = np.flatnonzero((acc[1:n] != acc[: n - 1]).any(axis=1))
         before = [words_to_mask(acc[i]) for i in drops.tolist()]
         after = [words_to_mask(acc[i + 1]) for i in drops.tolist()]
@@ -125,7 +126,42 @@ def _runs(masks: U64Array, start: int) -> dict[int, int]:
             out[inst] = i + 1
     for inst in _bits(last):
         out[inst] = n
-    return out
+    return out, n
+
+
+#: one table's home-bucket lookup of a request's keys: (table, masks, found, buckets)
+_Looked = tuple[KeyMaskTable, U64Array, npt.NDArray[np.bool_], npt.NDArray[np.intp]]
+
+
+def _complete_or(keys: U64Array, looked: list[_Looked]) -> U64Array:
+    """OR of several tables' masks, each lookup completed first: with two tables a
+    false miss in one need not zero the running AND, so every miss is resolved."""
+    for table, masks, found, bucket in looked:
+        table.complete(keys, masks, found, bucket)
+    return _or(looked[0][1], looked[1][1])
+
+
+def _exact_runs(
+    keys: U64Array, masks: U64Array, start: int, looked: list[_Looked]
+) -> dict[int, int]:
+    """:func:`_runs` over one table's home-bucket lookup, made exact: only the key
+    where the running AND first reaches zero can be a false miss (every key before it
+    was found, with its whole mask), so that one key is resolved in the overflow
+    bucket or stash, and the runs are recomputed if it was there (rare)."""
+    while True:
+        out, n = _runs(masks, start)
+        if n >= len(keys) or not start:
+            return out
+        patched = False
+        for table, _, found, bucket in looked:
+            if not found[n]:
+                row = table.resolve(int(keys[n]), int(bucket[n]))
+                found[n] = True  # resolved either way
+                if row is not None:
+                    masks[n, : len(row)] |= row
+                    patched = True
+        if not patched:
+            return out
 
 
 def _or(a: U64Array, b: U64Array) -> U64Array:
@@ -323,8 +359,11 @@ class PrefixIndex:
             return {}
         with_pending = include_pending and bool(self._pending)
         if self._vectorised():
-            masks = self._lookup(as_key_array(keys), with_pending)
-            return _runs(masks, start)
+            arr = as_key_array(keys)
+            looked = self._look(arr, with_pending)
+            if not with_pending:
+                return _exact_runs(arr, looked[0][1], start, looked)
+            return _runs(_complete_or(arr, looked), start)[0]
         keys_seq: Sequence[int] = keys.tolist() if isinstance(keys, np.ndarray) else keys
         return self._match_dict(keys_seq, start, with_pending)
 
@@ -342,22 +381,20 @@ class PrefixIndex:
         if not len(keys):
             return {}, {}
         arr = as_key_array(keys)
-        masks = self._lookup(arr, False)
+        looked = self._look(arr, True)
         start = self.live_mask & mask
-        stored = _runs(masks, start) if start else {}
-        assert self._mirror is not None
-        extra = self._mirror.pending.lookup(arr)
+        stored = _exact_runs(arr, looked[0][1], start, looked[:1]) if start else {}
         local_start = self.live_mask & pending_mask
-        return stored, (_runs(_or(masks, extra), local_start) if local_start else {})
+        if not local_start:
+            return stored, {}
+        return stored, _runs(_complete_or(arr, looked), local_start)[0]
 
-    def _lookup(self, keys: U64Array, with_pending: bool) -> U64Array:
+    def _look(self, keys: U64Array, with_pending: bool) -> list[_Looked]:
         mirror = self._mirror
         assert mirror is not None
         mirror.sync(self.holders, self._pending)
-        masks = mirror.stored.lookup(keys)
-        if with_pending:
-            masks = _or(masks, mirror.pending.lookup(keys))
-        return masks
+        tables = [mirror.stored, mirror.pending] if with_pending else [mirror.stored]
+        return [(t, *t.lookup_home(keys)) for t in tables]
 
     def _vectorised(self) -> bool:
         n = len(self.holders)

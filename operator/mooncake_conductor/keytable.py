@@ -176,32 +176,55 @@ class KeyMaskTable:
         words = flat.take(start[:, None] + np.arange(w))
         return words * hit[:, None], hit
 
-    def lookup(self, keys: U64Array) -> U64Array:
-        """Masks of ``keys``, shape ``(len(keys), words)``; zeros for absent keys."""
+    def lookup_home(self, keys: U64Array) -> tuple[U64Array, BoolArray, IntpArray]:
+        """Masks of ``keys`` found in their home buckets, whether each was found there,
+        and the home buckets. A miss is final unless :meth:`resolve` finds the key in
+        its overflow bucket or the stash (rare: only when its home has overflowed)."""
         if not len(keys):
-            return np.zeros((0, self.words), dtype=np.uint64)
+            return (np.zeros((0, self.words), dtype=np.uint64), np.zeros(0, dtype=bool),
+                    np.zeros(0, dtype=np.intp))
         bucket = self._home(keys)
         out, hit = self._select(keys, np.take(self._rows, bucket, axis=0))
-        retry = np.flatnonzero(self._overflowed[bucket] & ~hit)
-        if len(retry) > SCALAR_RETRY_MAX:
-            sub = keys[retry]
-            away, found = self._select(sub, np.take(self._rows, self._away(sub), axis=0))
-            out[retry] = away
-            if self._stash:
-                for i in retry[~found].tolist():
-                    row = self._stash.get(int(keys[i]))
-                    if row is not None:
-                        out[i] = row
-        elif len(retry):
-            for i in retry.tolist():
-                row = self._scalar_away(int(keys[i]))
-                if row is not None:
-                    out[i] = row
         if self._zero.any():
             zero = keys == 0
             if zero.any():
                 out[zero] = self._zero
+                hit = hit | zero
+        return out, hit, bucket
+
+    def resolve(self, key: int, bucket: int) -> U64Array | None:
+        """The mask of a key its home bucket ``bucket`` did not hold (``None``: absent)."""
+        if not self._overflowed[bucket]:
+            return None
+        return self._scalar_away(key)
+
+    def lookup(self, keys: U64Array) -> U64Array:
+        """Masks of ``keys``, shape ``(len(keys), words)``; zeros for absent keys."""
+        out, hit, bucket = self.lookup_home(keys)
+        self.complete(keys, out, hit, bucket)
         return out
+
+    def complete(
+        self, keys: U64Array, out: U64Array, hit: BoolArray, bucket: IntpArray
+    ) -> None:
+        """Finish a :meth:`lookup_home` in place: every miss whose home overflowed is
+        looked up in its overflow bucket and the stash (``hit`` marks them done)."""
+        retry = np.flatnonzero(self._overflowed[bucket] & ~hit)
+        hit[retry] = True
+        if len(retry) > SCALAR_RETRY_MAX:
+            sub = keys[retry]
+            away, found = self._select(sub, np.take(self._rows, self._away(sub), axis=0))
+            out[retry, : self.words] = away
+            if self._stash:
+                for i in retry[~found].tolist():
+                    row = self._stash.get(int(keys[i]))
+                    if row is not None:
+                        out[i, : self.words] = row
+        else:
+            for i in retry.tolist():
+                row = self._scalar_away(int(keys[i]))
+                if row is not None:
+                    out[i, : self.words] = row
 
     def _scalar_away(self, key: int) -> U64Array | None:
         """One key's mask from its overflow bucket or the stash (``None``: absent)."""

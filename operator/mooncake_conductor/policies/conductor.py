@@ -181,11 +181,13 @@ class ConductorPolicy(PrefillPolicy):
                 row = row_of(pos)
                 rows.append((pos, row, row[0] + kappa * row[6]))
             # a plain instance's row depends on its queue only: equal queues share it
-            same: dict[float, _Row] = {}
+            # (the row keeps the id of the first one; the chosen one gets its own)
+            same: dict[float, tuple[_Row, float]] = {}
             first = min(range(len(live)), key=fifo_queue.__getitem__)
             if first not in done:
-                row = same[fifo_queue[first]] = row_of(first)
+                row = row_of(first)
                 rows.append((first, row, row[0] + kappa * row[6]))
+                same[fifo_queue[first]] = rows[-1][1:]
                 done.add(first)
             if len(done) < len(live):
                 recompute0 = times_of(0)[0]
@@ -197,17 +199,18 @@ class ConductorPolicy(PrefillPolicy):
                         queue = fifo_queue[pos]
                         like = same.get(queue)
                         if like is None:
-                            row = same[queue] = row_of(pos)
-                        else:
-                            row = (like[0], iids[pos], *like[2:])
-                        rows.append((pos, row, row[0] + kappa * row[6]))
+                            row = row_of(pos)
+                            like = same[queue] = (row, row[0] + kappa * row[6])
+                        rows.append((pos, *like))
         best = min(r[2] for r in rows)
         band = band_of(best)
         ties = [r for r in rows if r[2] <= band]
         ties.sort()  # live order (positions are distinct: rows are never compared)
         no_copy = [r for r in ties if not r[1][3]]  # a tie never pays a new copy
         ties = no_copy or ties
-        chosen = (ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties))[1]
+        pos, chosen, _ = ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties)
+        if chosen[1] != iids[pos]:  # a shared plain row
+            chosen = (chosen[0], iids[pos], *chosen[2:])
         choice = self._placement(chosen, best_src)
         cpp = self._cpp(req, live, stored, best_src, best_len, choice, now)
         if cpp is not None:
