@@ -316,7 +316,6 @@ class ModelRuntime:
         p.enqueue(req.rid, priority, work_s, len(req.keys), req.input_tokens)
         self.index.add_pending(inst.iid, req.keys)
         inst.inflight += 1
-        self._gauge(inst)
 
     def prefill_done(self, inst: Instance, req: RequestInfo, elapsed_s: float,
                      predicted_s: float | None = None) -> None:
@@ -340,7 +339,6 @@ class ModelRuntime:
             elapsed_s if p.completed == 1
             else (1 - EWMA_ALPHA) * p.avg_prefill_s + EWMA_ALPHA * elapsed_s
         )
-        self._gauge(inst)
 
     def decode_started(self, inst: Instance, req: RequestInfo) -> None:
         d = self.cluster.decode[inst.iid]
@@ -348,7 +346,6 @@ class ModelRuntime:
         d.context_tokens += req.input_tokens
         d.reserved_tokens += req.output_tokens
         inst.inflight += 1
-        self._gauge(inst)
 
     def decode_done(self, inst: Instance, req: RequestInfo) -> None:
         d = self.cluster.decode[inst.iid]
@@ -356,11 +353,13 @@ class ModelRuntime:
         d.context_tokens = max(0, d.context_tokens - req.input_tokens)
         d.reserved_tokens = max(0, d.reserved_tokens - req.output_tokens)
         inst.inflight -= 1
-        self._gauge(inst)
 
-    def _gauge(self, inst: Instance) -> None:
-        if inst.inflight_gauge is not None:
-            inst.inflight_gauge.set(inst.inflight)
+    def publish_gauges(self) -> None:
+        """Copy the in-flight counts to their gauges (when ``/metrics`` is read, not on every
+        dispatch and completion)."""
+        for inst in self.prefill + self.decode:
+            if inst.inflight_gauge is not None:
+                inst.inflight_gauge.set(inst.inflight)
 
     # -- reports ---------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

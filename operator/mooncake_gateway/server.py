@@ -169,6 +169,7 @@ class Gateway:
     async def metrics_handler(self, _r: web.Request) -> web.Response:
         for name, rt in self.models.items():
             self.metrics.index_blocks.labels(name).set(len(rt.index))
+            rt.publish_gauges()
             now = rt.now()
             rt.drain(now)
             for inst in rt.prefill:
