@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .kernels import STOP_RESOLVE, walk_keys
 from .keytable import (
     WORD_BITS,
     KeyMaskTable,
@@ -183,6 +184,7 @@ class PrefixIndex:
             raise ValueError("capacity_blocks must be positive")
         self.vector_min_keys = vector_min_keys
         self._mirror: _Mirror | None = None
+        self._drops = (np.empty(0, np.intp), np.empty(0, np.uint64), np.empty(0, np.uint64))
         self.default_capacity = capacity_blocks
         self.holders: dict[int, int] = {}
         self._lru: list[OrderedDict[int, int] | None] = []
@@ -359,11 +361,7 @@ class PrefixIndex:
             return {}
         with_pending = include_pending and bool(self._pending)
         if self._vectorised():
-            arr = as_key_array(keys)
-            looked = self._look(arr, with_pending)
-            if not with_pending:
-                return _exact_runs(arr, looked[0][1], start, looked)
-            return _runs(_complete_or(arr, looked), start)[0]
+            return self._match_vec(as_key_array(keys), start, with_pending)
         keys_seq: Sequence[int] = keys.tolist() if isinstance(keys, np.ndarray) else keys
         return self._match_dict(keys_seq, start, with_pending)
 
@@ -381,13 +379,57 @@ class PrefixIndex:
         if not len(keys):
             return {}, {}
         arr = as_key_array(keys)
-        looked = self._look(arr, True)
         start = self.live_mask & mask
-        stored = _exact_runs(arr, looked[0][1], start, looked[:1]) if start else {}
         local_start = self.live_mask & pending_mask
-        if not local_start:
-            return stored, {}
-        return stored, _runs(_complete_or(arr, looked), local_start)[0]
+        return (self._match_vec(arr, start, False) if start else {},
+                self._match_vec(arr, local_start, True) if local_start else {})
+
+    def _match_vec(self, keys: U64Array, start: int, with_pending: bool) -> dict[int, int]:
+        mirror = self._mirror
+        assert mirror is not None
+        mirror.sync(self.holders, self._pending)
+        tables = [mirror.stored, mirror.pending] if with_pending else [mirror.stored]
+        if any(t.words > 1 for t in tables):  # more than 64 instance ids: numpy
+            looked = self._look(keys, with_pending)
+            if not with_pending:
+                return _exact_runs(keys, looked[0][1], start, looked)
+            return _runs(_complete_or(keys, looked), start)[0]
+        return self._walk(keys, start, tables)
+
+    def _walk(self, keys: U64Array, start: int, tables: list[KeyMaskTable]) -> dict[int, int]:
+        """Longest prefixes by the compiled walk (:mod:`.kernels`), resolving in Python
+        the few keys it hands back."""
+        n = len(keys)
+        if len(self._drops[0]) < n:
+            self._drops = (np.empty(n, np.intp), np.empty(n, np.uint64), np.empty(n, np.uint64))
+        views = [t.kernel_view() for t in tables]
+        acc = start & _LOW_WORD
+        events: list[tuple[int, int, int]] = []  # (position, set before, set after)
+        pos = 0
+        while acc and pos < n:
+            end, acc, dropped, stop = walk_keys(views, keys, pos, acc, self._drops)
+            if dropped:
+                at_arr, before_arr, after_arr = self._drops
+                events.extend(zip(at_arr[:dropped].tolist(), before_arr[:dropped].tolist(),
+                                  after_arr[:dropped].tolist(), strict=True))
+            if stop != STOP_RESOLVE:
+                break
+            key = int(keys[end])
+            mask = 0
+            for t in tables:
+                mask |= t.mask_of(key)
+            if acc & mask != acc:
+                events.append((end, acc, acc & mask))
+                acc &= mask
+            pos = end + 1
+        out: dict[int, int] = {}
+        for at_pos, before, after in events:
+            if at_pos:  # dropping at the first key: no match at all
+                for inst in _bits(before & ~after):
+                    out[inst] = at_pos
+        for inst in _bits(acc):
+            out[inst] = n
+        return out
 
     def _look(self, keys: U64Array, with_pending: bool) -> list[_Looked]:
         mirror = self._mirror

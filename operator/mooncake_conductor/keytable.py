@@ -38,6 +38,7 @@ STASH_SHIFT = 10  #: the stash holds up to capacity / 2**STASH_SHIFT keys
 MIN_STASH = 64
 _H1 = np.uint64(0x9E3779B97F4A7C15)  # odd multipliers (Fibonacci hashing)
 _H2 = np.uint64(0xC2B2AE3D27D4EB4F)
+_H1_INT = int(_H1)
 _H2_INT = int(_H2)
 SCALAR_RETRY_MAX = 16  #: fewer overflow lookups than this run as plain Python
 _MASK64 = (1 << WORD_BITS) - 1
@@ -236,6 +237,27 @@ class KeyMaskTable:
                 found: U64Array = row[SLOTS + j * w : SLOTS + (j + 1) * w]
                 return found
         return self._stash.get(key)
+
+    def kernel_view(self) -> tuple[U64Array, BoolArray, np.uint64]:
+        """What :func:`mooncake_conductor.kernels.walk_keys` reads: the rows, the
+        overflow flags and the hash shift (one-word masks only)."""
+        return self._rows, self._overflowed, self._shift
+
+    def mask_of(self, key: int) -> int:
+        """One key's mask, wherever it lives (home, overflow bucket, stash, key 0)."""
+        if key == 0:
+            return words_to_mask(self._zero)
+        w = self.words
+        bucket = ((key * _H1_INT) & _MASK64) >> (WORD_BITS - self._log2)
+        row = self._rows[bucket]
+        keys: list[int] = row[:SLOTS].tolist()
+        if key in keys:
+            j = keys.index(key)
+            return words_to_mask(row[SLOTS + j * w : SLOTS + (j + 1) * w])
+        if not self._overflowed[bucket]:
+            return 0
+        found = self._scalar_away(key)
+        return 0 if found is None else words_to_mask(found)
 
     def get(self, key: int) -> int:
         """One key's mask as a Python int (for tests and debugging)."""

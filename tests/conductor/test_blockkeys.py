@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mooncake_conductor import blockkeys
 from mooncake_conductor.blockkeys import (
     P,
     block_keys,
@@ -17,8 +18,16 @@ from mooncake_conductor.blockkeys import (
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "block-keys.json").read_text())
 
 
+@pytest.fixture(params=["numpy", "compiled"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test through both implementations of :func:`block_keys`."""
+    threshold = 10**9 if request.param == "numpy" else 0
+    monkeypatch.setattr(blockkeys, "COMPILED_MIN_TOKENS", threshold)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("case", GOLDEN["tokens"], ids=lambda c: f"{c['model']}-{c['block_size']}")
-def test_golden_vectors(case: dict) -> None:
+def test_golden_vectors(case: dict, path: str) -> None:
     seed = namespace_seed(case["model"], case["block_size"], case["lora"], case["salt"])
     assert seed == case["seed"]
     assert block_keys_reference(case["tokens"], case["block_size"], seed) == case["keys"]
@@ -66,10 +75,21 @@ def test_namespace_separates(field: str) -> None:
     seed=st.integers(0, 2**64 - 1),
 )
 def test_vectorised_equals_reference(tokens: list[int], block: int, seed: int) -> None:
-    assert block_keys(tokens, block, seed) == block_keys_reference(tokens, block, seed)
-    assert block_keys(np.asarray(tokens, dtype=np.int64), block, seed) == block_keys_reference(
-        tokens, block, seed
-    )
+    want = block_keys_reference(tokens, block, seed)
+    for threshold in (10**9, 0):  # the numpy formulation, the compiled loop
+        blockkeys.COMPILED_MIN_TOKENS, saved = threshold, blockkeys.COMPILED_MIN_TOKENS
+        try:
+            assert block_keys(tokens, block, seed) == want
+            assert block_keys(np.asarray(tokens, dtype=np.int64), block, seed) == want
+        finally:
+            blockkeys.COMPILED_MIN_TOKENS = saved
+
+
+def test_long_prompts_take_the_compiled_path_and_agree() -> None:
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, 2**31 - 1, size=blockkeys.COMPILED_MIN_TOKENS + 100)
+    seed = namespace_seed("m", 16)
+    assert block_keys(tokens, 16, seed) == block_keys_reference(tokens.tolist(), 16, seed)
 
 
 def test_mix64_is_a_bijection_sample() -> None:
