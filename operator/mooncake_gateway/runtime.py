@@ -23,6 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from mooncake_conductor.blockkeys import namespace_seed
 from mooncake_conductor.engine import Conductor
 from mooncake_conductor.index import PrefixIndex
@@ -304,10 +306,16 @@ class ModelRuntime:
                 left -= take
             p.queued_work_s = sum(q.work_s for q in p.queue)
 
-    def request_info(self, n_tokens: int, keys: list[int], max_tokens: int) -> RequestInfo:
+    def request_info(
+        self, n_tokens: int, keys: npt.NDArray[np.uint64], max_tokens: int
+    ) -> RequestInfo:
+        """The scheduler's view of a request; ``keys`` as
+        :func:`~mooncake_conductor.blockkeys.block_keys_array` gives them (matching
+        uses the array as is)."""
         return RequestInfo(
             rid=self.next_rid(), arrival=self.now(), input_tokens=n_tokens,
-            output_tokens=max_tokens, keys=keys, block_tokens=self.cfg.block_size,
+            output_tokens=max_tokens, keys=keys.tolist(), block_tokens=self.cfg.block_size,
+            key_array=keys,
         )
 
     def prefill_started(self, inst: Instance, req: RequestInfo, work_s: float,

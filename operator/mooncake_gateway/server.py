@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from mooncake_conductor.blockkeys import block_keys
+from mooncake_conductor.blockkeys import block_keys_array
 from mooncake_conductor.engine import Decision
 from mooncake_conductor.state import RequestInfo
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -334,8 +334,8 @@ class Gateway:
                            "max_tokens", "context_length_exceeded")
         explain = request.headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes")
         t0 = time.perf_counter()
-        keys = block_keys(tokens, cfg.block_size, rt.seed)
-        req = rt.request_info(len(tokens), keys, max_tokens)
+        key_array = block_keys_array(tokens, cfg.block_size, rt.seed)
+        req = rt.request_info(len(tokens), key_array, max_tokens)
         decision, record = self._decide(rt, req, explain, t0)
         if decision.rejected:
             reason = decision.reject_reason or "rejected"
@@ -347,11 +347,11 @@ class Gateway:
         assert pl.prefill is not None
         # what the chosen instance holds now (pending prefixes and fetches not counted: the
         # engines cannot pull blocks from a peer, so the gateway runs a fetch as a recompute)
-        held = rt.index.match(pl.prefill, keys)
+        held = rt.index.match(pl.prefill, req.keys)
         reused = req.tokens_of(held)
         # the direct rule: what the chosen decode engine would compute itself
         dec = decision.decode.decode
-        dec_held = rt.decode_index.match(dec, keys) if dec is not None else 0
+        dec_held = rt.decode_index.match(dec, req.keys) if dec is not None else 0
         direct = len(tokens) - req.tokens_of(dec_held) < cfg.direct.uncached_tokens_below
         record["direct"] = direct
         record["held_blocks"] = held
