@@ -263,3 +263,22 @@ def test_engine_metrics_sum_label_sets_and_read_cache_config() -> None:
     assert (st.prefix_hits, st.prefix_queries) == (10.0, 40.0)
     assert (st.block_size, st.num_gpu_blocks) == (16, 512)
     assert parse_engine_metrics("garbage\n{}").waiting == 0.0
+
+
+def test_fastjson_accepts_what_json_accepts_with_the_same_errors() -> None:
+    import json
+
+    from mooncake_gateway import fastjson
+
+    for text in (b'{"a": 1, "a": 2}', b"[NaN, Infinity]", b"[1e400]", b'"\\ud800"',
+                 '{"x": "é"}'.encode("utf-16"), b'{"prompt": [1, 2, 3]}'):
+        got, want = fastjson.loads(text), json.loads(text)
+        assert json.dumps(got) == json.dumps(want)
+    for bad in (b"", b"{", b"[1,]", b"\xff"):
+        with pytest.raises(ValueError) as ours:
+            fastjson.loads(bad)
+        with pytest.raises(ValueError) as theirs:
+            json.loads(bad)
+        assert str(ours.value) == str(theirs.value)
+    assert fastjson.dumps({"a": [1, None, "x"]}) == b'{"a":[1,null,"x"]}'
+    assert json.loads(fastjson.dumps({"big": 1 << 70})) == {"big": 1 << 70}
