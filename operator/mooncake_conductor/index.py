@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .kernels import STOP_RESOLVE, walk_keys
+from .kernels import walk_keys
 from .keytable import (
     WORD_BITS,
     KeyMaskTable,
@@ -184,7 +184,7 @@ class PrefixIndex:
             raise ValueError("capacity_blocks must be positive")
         self.vector_min_keys = vector_min_keys
         self._mirror: _Mirror | None = None
-        self._drops = (np.empty(0, np.intp), np.empty(0, np.uint64), np.empty(0, np.uint64))
+        self._drops = np.empty((0, 3), dtype=np.uint64)  # the compiled walk's drop rows
         self.default_capacity = capacity_blocks
         self.holders: dict[int, int] = {}
         self._lru: list[OrderedDict[int, int] | None] = []
@@ -397,36 +397,17 @@ class PrefixIndex:
         return self._walk(keys, start, tables)
 
     def _walk(self, keys: U64Array, start: int, tables: list[KeyMaskTable]) -> dict[int, int]:
-        """Longest prefixes by the compiled walk (:mod:`.kernels`), resolving in Python
-        the few keys it hands back."""
+        """Longest prefixes by the compiled walk (:mod:`.kernels`)."""
         n = len(keys)
-        if len(self._drops[0]) < n:
-            self._drops = (np.empty(n, np.intp), np.empty(n, np.uint64), np.empty(n, np.uint64))
-        views = [t.kernel_view() for t in tables]
-        acc = start & _LOW_WORD
-        events: list[tuple[int, int, int]] = []  # (position, set before, set after)
-        pos = 0
-        while acc and pos < n:
-            end, acc, dropped, stop = walk_keys(views, keys, pos, acc, self._drops)
-            if dropped:
-                at_arr, before_arr, after_arr = self._drops
-                events.extend(zip(at_arr[:dropped].tolist(), before_arr[:dropped].tolist(),
-                                  after_arr[:dropped].tolist(), strict=True))
-            if stop != STOP_RESOLVE:
-                break
-            key = int(keys[end])
-            mask = 0
-            for t in tables:
-                mask |= t.mask_of(key)
-            if acc & mask != acc:
-                events.append((end, acc, acc & mask))
-                acc &= mask
-            pos = end + 1
+        if len(self._drops) < n:
+            self._drops = np.empty((n, 3), dtype=np.uint64)
+        _, acc, dropped = walk_keys([t.kernel_view() for t in tables], keys,
+                                    start & _LOW_WORD, self._drops)
         out: dict[int, int] = {}
-        for at_pos, before, after in events:
-            if at_pos:  # dropping at the first key: no match at all
+        for at, before, after in self._drops[:dropped].tolist():
+            if at:  # dropping at the first key: no match at all
                 for inst in _bits(before & ~after):
-                    out[inst] = at_pos
+                    out[inst] = at
         for inst in _bits(acc):
             out[inst] = n
         return out
@@ -437,6 +418,12 @@ class PrefixIndex:
         mirror.sync(self.holders, self._pending)
         tables = [mirror.stored, mirror.pending] if with_pending else [mirror.stored]
         return [(t, *t.lookup_home(keys)) for t in tables]
+
+    def sync(self) -> None:
+        """Bring the vectorised mirror up to date now (else the next match does it):
+        call after applying a batch of changes, off the decision's critical path."""
+        if self._mirror is not None:
+            self._mirror.sync(self.holders, self._pending)
 
     def _vectorised(self) -> bool:
         n = len(self.holders)

@@ -20,11 +20,10 @@ made per key — about 7 µs for an 8k-token prompt against a million-block
 index, where a numpy formulation pays ~30 array operations (~60 µs) and a
 Python dict walk a dependent cache miss per key.
 
-A key whose home bucket does not hold it but has overflowed (its mask may be in
-the overflow bucket or the stash), and the key 0 (kept beside the table), are
-handed back to Python (:data:`STOP_RESOLVE`), which finds the mask and calls
-again from the next key. Masks are one 64-bit word here (up to 64 instance
-ids); wider tables use the numpy path.
+A key its home bucket does not hold is looked for in its overflow bucket and
+the (sorted) stash only when the home has sent keys away, so the walk never
+returns to Python. Masks are one 64-bit word here (up to 64 instance ids);
+wider tables use the numpy path.
 
 numba is imported on first use only: a process whose index never grows past
 :data:`mooncake_conductor.index.VECTOR_MIN_KEYS` and never hashes a long prompt
@@ -40,88 +39,83 @@ import numpy as np
 
 from .keytable import SLOTS, U64Array
 
-STOP_DONE = 0  #: every key walked, or the running set became empty
-STOP_RESOLVE = 1  #: the key at the returned position needs a Python lookup
+_kernel: Callable[..., tuple[int, int, int]] | None = None
 
-_kernel: Callable[..., tuple[int, int, int, int]] | None = None
+#: one table as the walk reads it: rows, per-bucket overflow counts, ``[hash shift,
+#: mask of key 0]`` and the stash as a key-sorted ``(n, 2)`` array of (key, mask)
+TableView = tuple[U64Array, Any, U64Array, U64Array]
 
 
-def _compile() -> Callable[..., tuple[int, int, int, int]]:
+def _compile() -> Callable[..., tuple[int, int, int]]:
     from numba import njit  # heavy import, deferred to the first large index
 
-    from .keytable import _H1
+    from .keytable import _H1, _H2
 
-    h1 = np.uint64(_H1)
+    h1, h2 = np.uint64(_H1), np.uint64(_H2)
     slots = SLOTS
+
+    @njit(cache=True, nogil=True, inline="always")
+    def probe(rows: Any, over: Any, meta: Any, stash: Any, key: Any) -> Any:
+        """The key's mask: home bucket; if the home sent keys away, the overflow
+        bucket, then the stash; the key 0 from ``meta``."""
+        if key == 0:
+            return meta[1]
+        b = (key * h1) >> meta[0]
+        for j in range(slots):
+            if rows[b, j] == key:
+                return rows[b, slots + j]
+        if over[b] == 0:
+            return np.uint64(0)
+        b = (key * h2) >> meta[0]
+        for j in range(slots):
+            if rows[b, j] == key:
+                return rows[b, slots + j]
+        if stash.shape[0]:
+            at = np.searchsorted(stash[:, 0], key)
+            if at < stash.shape[0] and stash[at, 0] == key:
+                return stash[at, 1]
+        return np.uint64(0)
 
     @njit(cache=True, nogil=True)
     def walk(
-        rows1: Any, over1: Any, shift1: Any, rows2: Any, over2: Any, shift2: Any,
-        two: bool, keys: Any, begin: int, acc: Any,
-        drop_at: Any, drop_before: Any, drop_after: Any,
-    ) -> tuple[int, int, int, int]:
+        rows1: Any, over1: Any, meta1: Any, stash1: Any,
+        rows2: Any, over2: Any, meta2: Any, stash2: Any,
+        two: bool, keys: Any, acc: Any, drops: Any,
+    ) -> tuple[int, int, int]:
         dropped = 0
-        i = begin
         n = keys.shape[0]
-        while i < n:
+        for i in range(n):
             key = keys[i]
-            if key == 0:
-                return i, acc, dropped, 1
-            mask = np.uint64(0)
-            b = (key * h1) >> shift1
-            found = False
-            for j in range(slots):
-                if rows1[b, j] == key:
-                    mask = rows1[b, slots + j]
-                    found = True
-                    break
-            if not found and over1[b]:
-                return i, acc, dropped, 1
+            mask = probe(rows1, over1, meta1, stash1, key)
             if two:
-                b = (key * h1) >> shift2
-                found = False
-                for j in range(slots):
-                    if rows2[b, j] == key:
-                        mask |= rows2[b, slots + j]
-                        found = True
-                        break
-                if not found and over2[b]:
-                    return i, acc, dropped, 1
+                mask |= probe(rows2, over2, meta2, stash2, key)
             new = acc & mask
             if new != acc:
-                drop_at[dropped] = i
-                drop_before[dropped] = acc
-                drop_after[dropped] = new
+                drops[dropped, 0] = i
+                drops[dropped, 1] = acc
+                drops[dropped, 2] = new
                 dropped += 1
                 acc = new
                 if acc == 0:
-                    return i, acc, dropped, 0
-            i += 1
-        return n, acc, dropped, 0
+                    return i, acc, dropped
+        return n, acc, dropped
 
     return walk
 
 
 def walk_keys(
-    tables: list[tuple[U64Array, Any, Any]],
-    keys: U64Array,
-    begin: int,
-    acc: int,
-    drops: tuple[Any, Any, Any],
-) -> tuple[int, int, int, int]:
-    """Run the compiled walk from ``begin`` with running set ``acc`` over one or two
-    tables ``(rows, overflowed, shift)``; returns ``(position, acc, drops recorded,
-    stop reason)`` with the drops written into ``drops`` (positions, before, after)."""
+    tables: list[TableView], keys: U64Array, acc: int, drops: U64Array
+) -> tuple[int, int, int]:
+    """Walk ``keys`` with running set ``acc`` over one or two tables; returns
+    ``(position reached, set left, drops)`` with each drop written as a row
+    ``(position, set before, set after)`` of ``drops`` (at least ``len(keys)`` rows)."""
     global _kernel
     if _kernel is None:
         _kernel = _compile()
-    rows1, over1, shift1 = tables[0]
-    rows2, over2, shift2 = tables[1] if len(tables) > 1 else tables[0]
-    end, left, dropped, stop = _kernel(
-        rows1, over1, shift1, rows2, over2, shift2, len(tables) > 1, keys, begin,
-        np.uint64(acc), drops[0], drops[1], drops[2],
-    )
-    return int(end), int(left), int(dropped), int(stop)
+    second = tables[1] if len(tables) > 1 else tables[0]
+    end, left, dropped = _kernel(*tables[0], *second, len(tables) > 1, keys,
+                                 np.uint64(acc), drops)
+    return int(end), int(left), int(dropped)
 
 
 _chain: Callable[..., U64Array] | None = None

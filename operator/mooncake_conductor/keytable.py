@@ -4,8 +4,9 @@ Rule: bucketed hashing with a second choice. Every key has a home bucket and
 an overflow bucket (two multiplicative hashes), each of :data:`SLOTS` slots; a
 bucket's row holds its slots' keys *and* masks side by side, so one gathered
 row (one cache line for up to 64 instances) answers a key. A new key goes
-home when there is room, else to its overflow bucket, and the home bucket is
-flagged as having overflowed; the few keys that find both buckets full wait
+home when there is room, else to its overflow bucket, and the home bucket
+counts the keys it sent away (decremented when they leave, so the count stays
+exact under churn); the few keys that find both buckets full wait
 in a small stash (a dict, at most ``capacity >> STASH_SHIFT`` of them) and the
 table doubles when the stash is full or it passes :data:`MAX_LOAD`. A batch lookup of a whole
 request's keys is one numpy gather of home rows, plus a second gather only
@@ -92,8 +93,12 @@ class KeyMaskTable:
         # row = SLOTS keys, then SLOTS masks of ``words`` words each; rows start on a
         # cache line so that a one-word row is one line
         self._rows = _aligned_zeros(n, SLOTS * (1 + self.words))
-        self._overflowed = np.zeros(n, dtype=bool)
+        # per bucket: how many keys whose home it is live elsewhere (overflow bucket or
+        # stash); 0 means a miss at home is final
+        self._overflowed = np.zeros(n, dtype=np.uint32)
         self._stash: dict[int, U64Array] = {}  # key -> mask words, both buckets were full
+        self._stash_view: U64Array | None = None  # the stash sorted, for the compiled walk
+        self._meta: U64Array | None = None  # [shift, mask of key 0], for the compiled walk
         self._stash_max = max(MIN_STASH, self.capacity >> STASH_SHIFT)
 
     @property
@@ -121,12 +126,17 @@ class KeyMaskTable:
         pad = np.zeros((len(masks), words - self.words), dtype=np.uint64)
         self._zero = np.concatenate([self._zero, np.zeros(words - self.words, np.uint64)])
         self._stash = {}
+        self._stash_view = None
+        self._meta = None
         self.words = words
         self._alloc(self._log2)
         self.count = 0
         self._insert(keys, np.hstack([masks, pad]))
 
     # -- lookup ------------------------------------------------------------------------------
+    def _home_of(self, key: int) -> int:
+        return ((key * _H1_INT) & _MASK64) >> (WORD_BITS - self._log2)
+
     def _home(self, keys: U64Array) -> IntpArray:
         out: IntpArray = ((keys * _H1) >> self._shift).astype(np.intp)
         return out
@@ -149,7 +159,7 @@ class KeyMaskTable:
         """Bucket and slot of every key, and whether it is there (key 0 never is)."""
         bucket = self._home(keys)
         hit, j, _ = self._probe(keys, bucket)
-        retry = np.flatnonzero(~hit & self._overflowed[bucket])
+        retry = np.flatnonzero(~hit & (self._overflowed[bucket] != 0))
         if len(retry):
             away = self._away(keys[retry])
             hit2, j2, _ = self._probe(keys[retry], away)
@@ -210,7 +220,7 @@ class KeyMaskTable:
     ) -> None:
         """Finish a :meth:`lookup_home` in place: every miss whose home overflowed is
         looked up in its overflow bucket and the stash (``hit`` marks them done)."""
-        retry = np.flatnonzero(self._overflowed[bucket] & ~hit)
+        retry = np.flatnonzero((self._overflowed[bucket] != 0) & ~hit)
         hit[retry] = True
         if len(retry) > SCALAR_RETRY_MAX:
             sub = keys[retry]
@@ -238,17 +248,25 @@ class KeyMaskTable:
                 return found
         return self._stash.get(key)
 
-    def kernel_view(self) -> tuple[U64Array, BoolArray, np.uint64]:
-        """What :func:`mooncake_conductor.kernels.walk_keys` reads: the rows, the
-        overflow flags and the hash shift (one-word masks only)."""
-        return self._rows, self._overflowed, self._shift
+    def kernel_view(self) -> tuple[U64Array, npt.NDArray[np.uint32], U64Array, U64Array]:
+        """What :func:`mooncake_conductor.kernels.walk_keys` reads (one-word masks):
+        rows, overflow counts, ``[hash shift, mask of key 0]``, and the stash as a
+        key-sorted ``(n, 2)`` array."""
+        if self._stash_view is None:
+            keys = sorted(self._stash)
+            self._stash_view = np.array(
+                [(k, int(self._stash[k][0])) for k in keys], dtype=np.uint64
+            ).reshape(len(keys), 2)
+        if self._meta is None:
+            self._meta = np.array([int(self._shift), int(self._zero[0])], dtype=np.uint64)
+        return self._rows, self._overflowed, self._meta, self._stash_view
 
     def mask_of(self, key: int) -> int:
         """One key's mask, wherever it lives (home, overflow bucket, stash, key 0)."""
         if key == 0:
             return words_to_mask(self._zero)
         w = self.words
-        bucket = ((key * _H1_INT) & _MASK64) >> (WORD_BITS - self._log2)
+        bucket = self._home_of(key)
         row = self._rows[bucket]
         keys: list[int] = row[:SLOTS].tolist()
         if key in keys:
@@ -283,14 +301,21 @@ class KeyMaskTable:
                         self._stash[key] = masks[i].copy()
                     else:
                         del self._stash[key]
+                        self._overflowed[self._home_of(key)] -= 1
                 keys, masks = keys[~stashed], masks[~stashed]
+                self._stash_view = None
         bucket, j, hit = self._find(keys)
         empty: BoolArray = np.logical_not(masks.any(axis=1))
         self._put(bucket[hit], j[hit], keys[hit] * ~empty[hit], masks[hit])
-        self.count -= int(np.count_nonzero(hit & empty))
+        gone = hit & empty
+        self.count -= int(np.count_nonzero(gone))
+        home = self._home(keys[gone])
+        away = bucket[gone] != home  # leaving an overflow bucket: its home has one fewer
+        np.subtract.at(self._overflowed, home[away], 1)
         zero = keys == 0
         if zero.any():
             self._zero = masks[zero][-1].copy()
+            self._meta = None
             empty = empty | zero
         new = ~hit & ~empty
         if new.any():
@@ -304,8 +329,8 @@ class KeyMaskTable:
 
     def _insert(self, keys: U64Array, masks: U64Array) -> None:
         """Place distinct absent non-zero ``keys``: home if there is room (several new
-        keys of one bucket ranked into its free slots), else the overflow bucket (home
-        flagged), else the table doubles and they retry."""
+        keys of one bucket ranked into its free slots), else the overflow bucket (the
+        home counts it), else the stash or the table doubles and they retry."""
         while len(keys):
             if self.count + len(keys) > MAX_LOAD * self.capacity:
                 self._grow(self.count + len(keys))
@@ -325,13 +350,17 @@ class KeyMaskTable:
                 self._put(b[fits], j, keys[placed], masks[placed])
                 self.count += len(placed)
                 left[placed] = False
-                self._overflowed[home[idx[~fits]]] = True
+                if bucket is not home:
+                    moved = home[placed]
+                    np.add.at(self._overflowed, moved[b[fits] != moved], 1)
             if not left.any():
                 return
             if left.all():  # both buckets full for every one of them
                 if len(self._stash) + len(keys) <= self._stash_max:
                     for key, row in zip(keys.tolist(), masks, strict=True):
                         self._stash[key] = row.copy()
+                    np.add.at(self._overflowed, self._home(keys), 1)
+                    self._stash_view = None
                     return
                 self._grow(2 * self.capacity)
             keys, masks = keys[left], masks[left]

@@ -109,6 +109,7 @@ class IndexFeeder:
                 self.index.remove(iid, keys)
             elif isinstance(ev, AllBlocksCleared):
                 self.reset(iid)
+        self.index.sync()  # the mirror's update is paid here, not by the next decision
 
     def _stored(self, f: InstanceFeed, ev: BlockStored) -> None:
         bs = self.block_size

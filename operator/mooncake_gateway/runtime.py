@@ -323,6 +323,7 @@ class ModelRuntime:
         p = self.cluster.prefill[inst.iid]
         p.enqueue(req.rid, priority, work_s, len(req.keys), req.input_tokens)
         self.index.add_pending(inst.iid, req.keys)
+        self.index.sync()
         inst.inflight += 1
 
     def prefill_done(self, inst: Instance, req: RequestInfo, elapsed_s: float,
@@ -341,6 +342,7 @@ class ModelRuntime:
         with contextlib.suppress(StopIteration):
             p.pop(req.rid)
         self.index.remove_pending(inst.iid, req.keys)
+        self.index.sync()
         inst.inflight -= 1
         p.completed += 1
         p.avg_prefill_s = (

@@ -11,7 +11,17 @@ from mooncake_conductor.keytable import KeyMaskTable, mask_to_words, words_to_ma
 def _check(table: KeyMaskTable, truth: dict[int, int], probe: list[int]) -> None:
     got = table.lookup(np.array(probe, dtype=np.uint64))
     assert [words_to_mask(row) for row in got] == [truth.get(k, 0) for k in probe]
+    assert [table.mask_of(k) for k in probe[:300]] == [truth.get(k, 0) for k in probe[:300]]
     assert len(table) == len(truth)
+    # every bucket counts exactly the keys homed there that live elsewhere
+    keys = table._rows[:, : keytable.SLOTS]
+    where = np.repeat(np.arange(len(keys)), keytable.SLOTS)[keys.reshape(-1) != 0]
+    stored = keys.reshape(-1)[keys.reshape(-1) != 0]
+    away = table._home(stored) != where
+    want = np.bincount(table._home(stored[away]), minlength=len(keys))
+    stash = np.array(list(table._stash), dtype=np.uint64)
+    want += np.bincount(table._home(stash), minlength=len(keys))
+    assert (table._overflowed == want).all()
 
 
 @pytest.mark.parametrize("scalar_retry_max", [0, 10**9])
