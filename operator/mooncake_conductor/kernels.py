@@ -36,8 +36,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from .keytable import SLOTS, U64Array
+U64Array = npt.NDArray[np.uint64]
 
 _kernel: Callable[..., tuple[int, int, int]] | None = None
 
@@ -49,7 +50,7 @@ TableView = tuple[U64Array, Any, U64Array, U64Array]
 def _compile() -> Callable[..., tuple[int, int, int]]:
     from numba import njit  # heavy import, deferred to the first large index
 
-    from .keytable import _H1, _H2
+    from .keytable import _H1, _H2, SLOTS
 
     h1, h2 = np.uint64(_H1), np.uint64(_H2)
     slots = SLOTS
@@ -116,6 +117,95 @@ def walk_keys(
     end, left, dropped = _kernel(*tables[0], *second, len(tables) > 1, keys,
                                  np.uint64(acc), drops)
     return int(end), int(left), int(dropped)
+
+
+_upsert: Callable[..., int] | None = None
+
+
+def _compile_upsert() -> Callable[..., int]:
+    from numba import njit
+
+    from .keytable import _H1, _H2, SLOTS
+
+    h1, h2 = np.uint64(_H1), np.uint64(_H2)
+    slots = SLOTS
+
+    @njit(cache=True, nogil=True)
+    def upsert(
+        rows: Any, over: Any, shift: Any, stash: Any, keys: Any, masks: Any, left: Any
+    ) -> Any:
+        """Set each key's mask (0 removes it) in place; returns the change in the number
+        of stored keys and marks in ``left`` the keys left to Python: 1 found no room
+        (stash them or grow), 2 sit in the stash."""
+        delta = 0
+        for i in range(keys.shape[0]):
+            key = keys[i]
+            mask = masks[i]
+            home = np.int64((key * h1) >> shift)
+            away = np.int64((key * h2) >> shift)
+            at_b = np.int64(-1)
+            at_j = 0
+            for j in range(slots):
+                if rows[home, j] == key:
+                    at_b = home
+                    at_j = j
+                    break
+            if at_b < 0 and over[home] != 0:
+                for j in range(slots):
+                    if rows[away, j] == key:
+                        at_b = away
+                        at_j = j
+                        break
+                if at_b < 0 and stash.shape[0]:
+                    at = np.searchsorted(stash[:, 0], key)
+                    if at < stash.shape[0] and stash[at, 0] == key:
+                        left[i] = 2
+                        continue
+            if at_b >= 0:
+                if mask != 0:
+                    rows[at_b, slots + at_j] = mask
+                else:
+                    rows[at_b, at_j] = 0
+                    rows[at_b, slots + at_j] = 0
+                    delta -= 1
+                    if at_b != home:
+                        over[home] -= 1
+                continue
+            if mask == 0:
+                continue
+            placed = False
+            for b in (home, away):
+                for j in range(slots):
+                    if rows[b, j] == 0:
+                        rows[b, j] = key
+                        rows[b, slots + j] = mask
+                        placed = True
+                        break
+                if placed:
+                    if b != home:
+                        over[home] += 1
+                    break
+            if placed:
+                delta += 1
+            else:
+                left[i] = 1
+        return delta
+
+    return upsert
+
+
+def upsert_keys(
+    rows: U64Array, over: Any, shift: np.uint64, stash: U64Array, keys: U64Array,
+    masks: U64Array,
+) -> tuple[int, npt.NDArray[np.int8]]:
+    """Assign one-word ``masks`` to distinct non-zero ``keys``; returns the change in
+    stored keys and, per key, 0 (done), 1 (no room) or 2 (in the sorted ``stash``)."""
+    global _upsert
+    if _upsert is None:
+        _upsert = _compile_upsert()
+    left = np.zeros(len(keys), dtype=np.int8)
+    delta = _upsert(rows, over, shift, stash, keys, masks, left)
+    return int(delta), left
 
 
 _chain: Callable[..., U64Array] | None = None

@@ -31,6 +31,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .kernels import upsert_keys
+
 SLOTS = 4  #: slots per bucket (keys + one-word masks: one 64-byte cache line)
 MAX_LOAD = 0.4  #: keys per slot before the table doubles (keeps overflows rare)
 WORD_BITS = 64
@@ -41,6 +43,8 @@ _H1 = np.uint64(0x9E3779B97F4A7C15)  # odd multipliers (Fibonacci hashing)
 _H2 = np.uint64(0xC2B2AE3D27D4EB4F)
 _H1_INT = int(_H1)
 _H2_INT = int(_H2)
+#: batches from this many keys (one-word masks) are assigned by a compiled loop
+COMPILED_MIN_BATCH = 64
 SCALAR_RETRY_MAX = 16  #: fewer overflow lookups than this run as plain Python
 _MASK64 = (1 << WORD_BITS) - 1
 _CACHE_LINE = 64
@@ -292,18 +296,31 @@ class KeyMaskTable:
         elif masks.shape[1] < self.words:
             pad = np.zeros((len(masks), self.words - masks.shape[1]), dtype=np.uint64)
             masks = np.hstack([masks, pad])
+        zero = keys == 0
+        if zero.any():
+            self._zero = masks[zero][-1].copy()
+            self._meta = None
+            keys, masks = keys[~zero], masks[~zero]
+        if self.words == 1 and len(keys) >= COMPILED_MIN_BATCH:
+            # one compiled pass: update, delete, place home or away; the rest below
+            if self.count + len(keys) > MAX_LOAD * self.capacity:
+                self._grow(self.count + len(keys))
+            delta, left = upsert_keys(self._rows, self._overflowed, self._shift,
+                                      self.kernel_view()[3], keys,
+                                      np.ascontiguousarray(masks[:, 0]))
+            self.count += delta
+            stashed = left == 2
+            if stashed.any():
+                self._assign_stashed(keys[stashed], masks[stashed])
+            room = left == 1
+            if room.any():
+                self._insert(keys[room], masks[room])
+            return
         if self._stash:
             stashed = np.isin(keys, np.fromiter(self._stash, np.uint64, len(self._stash)))
             if stashed.any():
-                for i, key in zip(np.flatnonzero(stashed).tolist(), keys[stashed].tolist(),
-                                  strict=True):
-                    if masks[i].any():
-                        self._stash[key] = masks[i].copy()
-                    else:
-                        del self._stash[key]
-                        self._overflowed[self._home_of(key)] -= 1
+                self._assign_stashed(keys[stashed], masks[stashed])
                 keys, masks = keys[~stashed], masks[~stashed]
-                self._stash_view = None
         bucket, j, hit = self._find(keys)
         empty: BoolArray = np.logical_not(masks.any(axis=1))
         self._put(bucket[hit], j[hit], keys[hit] * ~empty[hit], masks[hit])
@@ -312,14 +329,18 @@ class KeyMaskTable:
         home = self._home(keys[gone])
         away = bucket[gone] != home  # leaving an overflow bucket: its home has one fewer
         np.subtract.at(self._overflowed, home[away], 1)
-        zero = keys == 0
-        if zero.any():
-            self._zero = masks[zero][-1].copy()
-            self._meta = None
-            empty = empty | zero
         new = ~hit & ~empty
         if new.any():
             self._insert(keys[new], masks[new])
+
+    def _assign_stashed(self, keys: U64Array, masks: U64Array) -> None:
+        for key, row in zip(keys.tolist(), masks, strict=True):
+            if row.any():
+                self._stash[key] = row.copy()
+            else:
+                del self._stash[key]
+                self._overflowed[self._home_of(key)] -= 1
+        self._stash_view = None
 
     def _put(self, bucket: IntpArray, slot: IntpArray, keys: U64Array, masks: U64Array) -> None:
         w = self.words

@@ -35,7 +35,7 @@ def test_matches_a_dict_through_growth_deletes_and_overflow(
     rng = np.random.default_rng(7)
     table = KeyMaskTable()
     truth: dict[int, int] = {}
-    overflowed = stashed = False
+    overflowed = stashed = rewrote = False
     for _ in range(40):
         keys = np.unique(rng.integers(0, 2**64 - 1, size=int(rng.integers(1, 3000)),
                                       dtype=np.uint64))
@@ -51,12 +51,25 @@ def test_matches_a_dict_through_growth_deletes_and_overflow(
                 truth.pop(k, None)
         overflowed |= bool(table._overflowed.any())
         stashed |= bool(table._stash)
+        if table._stash and not rewrote:
+            # rewrite and delete what sits in the stash, in one batch with other keys
+            stash = list(table._stash)
+            batch = np.array(stash + [k for k in list(truth)[:200] if k not in table._stash],
+                             dtype=np.uint64)
+            flip = np.where(np.arange(len(batch)) % 2, 7, 0).astype(np.uint64)
+            table.assign(batch, flip[:, None])
+            for k, m in zip(batch.tolist(), flip.tolist(), strict=True):
+                if m:
+                    truth[k] = m
+                else:
+                    truth.pop(k, None)
+            rewrote = True
         probe = list(truth)[:4000] + rng.integers(0, 2**64 - 1, size=200,
                                                   dtype=np.uint64).tolist()
         _check(table, truth, probe)
     assert overflowed
     if max_load > 0.9:
-        assert stashed
+        assert stashed and rewrote
 
 
 def test_small_and_zero_keys_and_wide_masks() -> None:
