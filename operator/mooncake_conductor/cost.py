@@ -159,9 +159,19 @@ class CostModel:
     def prefill_time(self, n: int, cached: int = 0, cached_in_hbm: int = 0) -> float:
         """Prefill wall time: compute overlapped layer-wise with loading the cached prefix
         from host memory (tokens already in HBM load for free)."""
-        compute = self.prefill_compute_time(n, cached)
+        # prefill_compute_time inlined (the same arithmetic): this runs several times
+        # per scheduling decision
+        reused = min(max(cached, 0), n)
+        new = n - reused
+        if new <= 0:
+            compute = self._prefill_overhead
+        else:
+            a, b = self._flops_l_a_d, self._flops_l_b_d2
+            work = (a * n * n + b * n) - (a * reused * reused + b * reused)
+            mfu = self._mfu_max * new / (new + self._mfu_half)
+            compute = self._prefill_overhead + work / (self._peak * mfu)
         load = max(0, cached - cached_in_hbm) * self.kv_bytes_per_token / self._h2d
-        return max(compute, load)
+        return compute if compute >= load else load
 
     def reuse_breakeven_bandwidth(self, prefix_tokens: int) -> float:
         """Bytes/s above which loading a cached prefix beats recomputing it (paper §3:
