@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from . import fastjson
 from .discovery import EndpointSource, source_for
 from .errors import ApiError, error_body
+from .front import FrontServer
 from .metrics import GatewayMetrics, RequestCounter
 from .openapi import openapi_spec
 from .runtime import EngineStats, Instance, ModelRuntime
@@ -288,25 +289,57 @@ class Gateway:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        arrived = time.perf_counter()
+        explain = request.headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes")
+        resp = await self._answer(chat, time.perf_counter(), explain, request=request)
+        assert resp is not None
+        return resp
+
+    async def serve_plain(self, raw: bytes, chat: bool) -> web.Response | None:
+        """The fast front end's entry (``front.py``): a request without ``stream`` nor
+        explain header, answered in full; ``None`` (nothing counted, nothing sent upstream)
+        when it asks for a stream, which aiohttp's server then serves."""
+        try:
+            resp = await self._answer(chat, time.perf_counter(), False, raw=raw)
+        except ApiError as exc:
+            return exc.response()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("internal error on POST %s", "chat" if chat else "completions")
+            return ApiError(500, "internal gateway error", code="internal_error").response()
+        if resp is None:
+            return None
+        assert isinstance(resp, web.Response)
+        return resp
+
+    async def _answer(self, chat: bool, arrived: float, explain: bool,
+                      request: web.Request | None = None,
+                      raw: bytes | None = None) -> web.StreamResponse | None:
+        """One completion request from ``request`` (aiohttp) or ``raw`` (the fast front end;
+        ``None`` is returned for a streamed one)."""
         endpoint = "chat" if chat else "completions"
         model = UNKNOWN_MODEL  # label for requests that name no served model
-        outcome = "error"
+        outcome: str | None = "error"
         try:
             try:
-                raw = await request.read()
+                if raw is None:
+                    assert request is not None
+                    raw = await request.read()
                 data = fastjson.loads(raw)
             except (ValueError, UnicodeDecodeError) as exc:
                 raise ApiError(400, f"request body is not valid JSON: {exc}") from None
             default = next(iter(self.models)) if len(self.models) == 1 else None
             p = parse_request(data, chat, default)
+            if request is None and p.stream:
+                outcome = None  # served (and counted) through aiohttp
+                return None
             p.raw = raw
             rt = self.models.get(p.model)
             if rt is None:
                 raise ApiError(404, f"The model `{p.model}` does not exist.", "model",
                                "model_not_found")
             model = p.model
-            resp = await self._route(request, rt, data, p, arrived)
+            resp = await self._route(request, rt, data, p, arrived, explain)
             outcome = "ok"
             return resp
         except ApiError as exc:
@@ -319,10 +352,12 @@ class Gateway:
             outcome = "cancelled"
             raise
         finally:
-            self.request_counter.inc(model, endpoint, outcome)
+            if outcome is not None:
+                self.request_counter.inc(model, endpoint, outcome)
 
-    async def _route(self, request: web.Request, rt: ModelRuntime, data: dict[str, Any],
-                     p: Parsed, arrived: float) -> web.StreamResponse:
+    async def _route(self, request: web.Request | None, rt: ModelRuntime,
+                     data: dict[str, Any], p: Parsed, arrived: float,
+                     explain: bool) -> web.StreamResponse:
         cfg = rt.cfg
         tokens = await self._tokens(p)
         if len(tokens) == 0:
@@ -332,7 +367,6 @@ class Gateway:
             raise ApiError(400, f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) "
                            f"exceeds the context window ({cfg.max_model_len})",
                            "max_tokens", "context_length_exceeded")
-        explain = request.headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes")
         t0 = time.perf_counter()
         key_array = block_keys_array(tokens, cfg.block_size, rt.seed)
         req = rt.request_info(len(tokens), key_array, max_tokens)
@@ -519,7 +553,7 @@ class Gateway:
         return status, parsed, raw
 
     # -- decode ----------------------------------------------------------------------------
-    async def _decode(self, request: web.Request, rt: ModelRuntime, req: RequestInfo,
+    async def _decode(self, request: web.Request | None, rt: ModelRuntime, req: RequestInfo,
                       decision: Decision, data: dict[str, Any], p: Parsed,
                       kvp: dict[str, Any] | None, record: dict[str, Any],
                       headers: dict[str, str], arrived: float,
@@ -542,6 +576,7 @@ class Gateway:
             rt.decode_started(inst, req)
             try:
                 if p.stream:
+                    assert request is not None  # the fast front end hands streams to aiohttp
                     resp = await self._stream(request, rt, inst, path, body, headers, arrived)
                 else:
                     resp = await self._unary(rt, inst, path, body, headers, record, explain)
@@ -778,15 +813,28 @@ async def serve(settings: GatewaySettings, ready: Callable[[int], None] | None =
     gw = Gateway(settings)
     runner = web.AppRunner(gw.app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port)
-    await site.start()
-    port = int(runner.addresses[0][1]) if runner.addresses else settings.port
-    log.info("gateway listening on %s:%s (event loop %s, upstream client %s)", settings.host,
-             port, type(asyncio.get_running_loop()).__module__,
-             "lean" if gw.upstream is not None else "aiohttp")
+    front: FrontServer | None = None
+    listener: asyncio.Server | None = None
+    if settings.fast_front and runner.server is not None:
+        front = FrontServer(gw, runner.server, settings.max_body_bytes, settings.front_idle_s)
+        listener = await asyncio.get_running_loop().create_server(
+            front.protocol, settings.host, settings.port, reuse_address=True)
+        port = int(listener.sockets[0].getsockname()[1])
+    else:
+        site = web.TCPSite(runner, settings.host, settings.port)
+        await site.start()
+        port = int(runner.addresses[0][1]) if runner.addresses else settings.port
+    log.info("gateway listening on %s:%s (event loop %s, upstream client %s, front end %s)",
+             settings.host, port, type(asyncio.get_running_loop()).__module__,
+             "lean" if gw.upstream is not None else "aiohttp",
+             "fast" if front is not None else "aiohttp")
     if ready is not None:
         ready(port)
     try:
         await asyncio.Event().wait()
     finally:
+        if listener is not None:
+            listener.close()
+        if front is not None:
+            front.close()
         await runner.cleanup()

@@ -159,6 +159,14 @@ class GatewaySettings(BaseSettings):
         True, description="non-streamed engine calls over the gateway's own keep-alive "
         "HTTP/1.1 client (http:// engines); false: aiohttp's client for every call",
     )
+    fast_front: bool = Field(
+        True, description="serve plain non-streamed completion requests on the gateway's own "
+        "HTTP/1.1 front end (everything else still goes through aiohttp's server)",
+    )
+    front_idle_s: float = Field(
+        75.0, gt=0, description="idle seconds after which the front end closes a client's "
+        "keep-alive connection (aiohttp's default)",
+    )
     upstream_keepalive_s: float = Field(
         2.0, gt=0, description="idle seconds after which a pooled engine connection is not "
         "reused (below the engines' own keep-alive: uvicorn closes after 5 s)",

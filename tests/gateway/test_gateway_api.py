@@ -214,12 +214,13 @@ def test_engine_tokenizer_mode_routes_like_the_local_one() -> None:
 
 
 def test_aiohttp_client_and_asyncio_loop_settings_serve_the_same() -> None:
-    """``lean_upstream: false`` and ``uvloop: false`` (the fallbacks) answer as the defaults."""
+    """``lean_upstream``, ``uvloop`` and ``fast_front`` false (the fallbacks) answer as the
+    defaults."""
     with run_worker(*FAST, "--role", "prefill") as p0, \
             run_worker(*FAST, "--role", "decode") as d0:
         model = model_config([p0], [d0], max_model_len=16384)
         answers = []
-        for opts in ({}, {"lean_upstream": False, "uvloop": False}):
+        for opts in ({}, {"lean_upstream": False, "uvloop": False, "fast_front": False}):
             with run_gateway([model], **opts) as g:
                 c = openai.OpenAI(base_url=g.base_url, api_key="x", max_retries=0, timeout=30)
                 one = c.completions.create(model=MODEL, prompt=LONG, max_tokens=4)
@@ -229,4 +230,5 @@ def test_aiohttp_client_and_asyncio_loop_settings_serve_the_same() -> None:
                 log = g.log()
                 assert ("upstream client aiohttp" in log) == bool(opts)
                 assert ("event loop asyncio" in log) == bool(opts)
+                assert ("front end aiohttp" in log) == bool(opts)
         assert answers[0] == answers[1] and answers[0][0] == answers[0][1]

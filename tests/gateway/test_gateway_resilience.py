@@ -136,18 +136,23 @@ def test_two_replicas_agree_on_the_index_even_when_one_starts_late() -> None:
 
 
 def test_client_disconnect_aborts_the_upstream_request() -> None:
+    """Streamed (served by aiohttp) and not (the fast front end): closing the client's
+    connection aborts the engine's request."""
     import socket
 
     with run_worker(*FAST) as p, run_worker("--time-scale", "1") as d, \
             run_gateway([model_config([p], [d])]) as g:
-        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 5000,
-                           "stream": True}).encode()
-        s = socket.create_connection((HOST, g.port), timeout=10)
-        s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                  f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
-        assert b"200 OK" in s.recv(65536)
-        wait_for(lambda: d.metric("vllm:num_requests_running") == 1)
-        s.close()
-        wait_for(lambda: d.metric("vllm:num_requests_running") == 0)
-        wait_for(lambda: g.state()["decode"][0]["inflight"] == 0)
-        assert _complete(g.url)  # still serving
+        for stream in (True, False):
+            body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 5000,
+                               "stream": stream}).encode()
+            s = socket.create_connection((HOST, g.port), timeout=10)
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      f"application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                      + body)
+            if stream:
+                assert b"200 OK" in s.recv(65536)
+            wait_for(lambda: d.metric("vllm:num_requests_running") == 1)
+            s.close()
+            wait_for(lambda: d.metric("vllm:num_requests_running") == 0)
+            wait_for(lambda: g.state()["decode"][0]["inflight"] == 0)
+            assert _complete(g.url)  # still serving
