@@ -399,8 +399,8 @@ class PrefixIndex:
     def _walk(self, keys: U64Array, start: int, tables: list[KeyMaskTable]) -> dict[int, int]:
         """Longest prefixes by the compiled walk (:mod:`.kernels`)."""
         n = len(keys)
-        if len(self._drops) < n:
-            self._drops = np.empty((n, 3), dtype=np.uint64)
+        if len(self._drops) <= n:
+            self._drops = np.empty((n + 1, 3), dtype=np.uint64)
         _, acc, dropped = walk_keys([t.kernel_view() for t in tables], keys,
                                     start & _LOW_WORD, self._drops)
         out: dict[int, int] = {}

@@ -85,6 +85,12 @@ def _compile() -> Callable[..., tuple[int, int, int]]:
     ) -> tuple[int, int, int]:
         dropped = 0
         n = keys.shape[0]
+        # touch every key's home row first: independent loads the CPU overlaps, so the
+        # walk below (a branchy loop) mostly hits cache
+        sink = np.uint64(0)
+        for i in range(n):
+            sink ^= rows1[(keys[i] * h1) >> meta1[0], 0]
+        drops[n, 0] = sink  # keeps the loads (the row past the last usable one)
         for i in range(n):
             key = keys[i]
             mask = probe(rows1, over1, meta1, stash1, key)
@@ -109,7 +115,8 @@ def walk_keys(
 ) -> tuple[int, int, int]:
     """Walk ``keys`` with running set ``acc`` over one or two tables; returns
     ``(position reached, set left, drops)`` with each drop written as a row
-    ``(position, set before, set after)`` of ``drops`` (at least ``len(keys)`` rows)."""
+    ``(position, set before, set after)`` of ``drops`` (at least ``len(keys) + 1``
+    rows; the last is scratch)."""
     global _kernel
     if _kernel is None:
         _kernel = _compile()
@@ -247,3 +254,17 @@ def chain_keys(
     if _chain is None:
         _chain = _compile_chain()
     return _chain(tokens, block_size, weights, ones, np.uint64(q), np.uint64(seed))
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel now, so that the first large
+    index or long prompt of a server does not pay for it mid-request."""
+    from .blockkeys import block_keys_array
+    from .keytable import KeyMaskTable
+
+    block_keys_array(np.arange(1 << 12, dtype=np.int64), 16, 1)
+    table = KeyMaskTable()
+    keys = np.arange(1, 1 << 7, dtype=np.uint64)
+    table.assign(keys, np.ones((len(keys), 1), dtype=np.uint64))
+    drops = np.empty((len(keys) + 1, 3), dtype=np.uint64)
+    walk_keys([table.kernel_view()], keys, 1, drops)
