@@ -141,6 +141,8 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--routers", default=None, help="bin folder with sglang-router/vllm-router")
     ap.add_argument("--json", dest="json_out", default=None)
+    ap.add_argument("--gateway-settings", default="{}",
+                    help='extra gateway settings as JSON, e.g. \'{"fast_front": false}\'')
     ap.add_argument("--targets", default=",".join(TARGETS),
                     help=f"comma-separated subset of {','.join(TARGETS)}")
     a = ap.parse_args()
@@ -158,8 +160,9 @@ def main() -> int:
         single = model_config([w1, w2], [w1, w2], conductor={"policy": "conductor"},
                               direct={"uncached_tokens_below": 1 << 30})
         pd = model_config([w1], [w2], conductor={"policy": "conductor"})
-        targets.append(("gateway", run_gateway([single])))
-        targets.append(("gateway-pd", run_gateway([pd])))
+        extra = json.loads(a.gateway_settings)
+        targets.append(("gateway", run_gateway([single], **extra)))
+        targets.append(("gateway-pd", run_gateway([pd], **extra)))
         if bindir:
             sg = os.path.join(bindir, "sglang-router")
             vr = os.path.join(bindir, "vllm-router")

@@ -139,22 +139,27 @@ class FrontProtocol(asyncio.Protocol):
             self._serve(body, chat, keep_alive, start + length))
 
     async def _serve(self, body: bytes, chat: bool, keep_alive: bool, consumed: int) -> None:
-        resp = await self.front.gateway.serve_plain(body, chat)
-        self._task = None
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return
-        if resp is None:  # a stream: aiohttp serves it, from this request on
-            self._hand_over()
-            return
-        del self._buf[:consumed]
-        self.idle_since = self.front.loop.time()
-        keep_alive = keep_alive and not self._eof
-        transport.write(self.front.encode(resp, keep_alive))
-        if not keep_alive:
-            transport.close()
-        elif self._buf:
-            self._next()
+        try:
+            resp = await self.front.gateway.serve_plain(body, chat)
+            self._task = None
+            transport = self.transport
+            if transport is None or transport.is_closing():
+                return
+            if resp is None:  # a stream: aiohttp serves it, from this request on
+                self._hand_over()
+                return
+            del self._buf[:consumed]
+            self.idle_since = self.front.loop.time()
+            keep_alive = keep_alive and not self._eof
+            transport.write(self.front.encode(resp, keep_alive))
+            if not keep_alive:
+                transport.close()
+            elif self._buf:
+                self._next()
+        except Exception:  # a bug here must not leave the client waiting
+            log.exception("front end failed; closing the connection")
+            if self.transport is not None:
+                self.transport.close()
 
     def _hand_over(self) -> None:
         transport = self.transport
