@@ -235,10 +235,13 @@ class PrefixIndex:
         table = self._table(instance)
         bit = 1 << instance
         holders = self.holders
+        get, move = table.get, table.move_to_end
         for key in reversed(keys):
-            if key in table:
-                table.move_to_end(key)
-                table[key] = min(table[key], tier)
+            held = get(key)
+            if held is not None:
+                move(key)
+                if tier < held:
+                    table[key] = tier
             else:
                 table[key] = tier
                 holders[key] = holders.get(key, 0) | bit

@@ -257,10 +257,8 @@ class KeyMaskTable:
         rows, overflow counts, ``[hash shift, mask of key 0]``, and the stash as a
         key-sorted ``(n, 2)`` array."""
         if self._stash_view is None:
-            keys = sorted(self._stash)
-            self._stash_view = np.array(
-                [(k, int(self._stash[k][0])) for k in keys], dtype=np.uint64
-            ).reshape(len(keys), 2)
+            self._build_stash_view()
+        assert self._stash_view is not None
         if self._meta is None:
             self._meta = np.array([int(self._shift), int(self._zero[0])], dtype=np.uint64)
         return self._rows, self._overflowed, self._meta, self._stash_view
@@ -315,6 +313,8 @@ class KeyMaskTable:
             room = left == 1
             if room.any():
                 self._insert(keys[room], masks[room])
+            if self._stash_view is None and self.words == 1:
+                self._build_stash_view()  # here, not in the next (timed) match
             return
         if self._stash:
             stashed = np.isin(keys, np.fromiter(self._stash, np.uint64, len(self._stash)))
@@ -332,6 +332,13 @@ class KeyMaskTable:
         new = ~hit & ~empty
         if new.any():
             self._insert(keys[new], masks[new])
+
+    def _build_stash_view(self) -> None:
+        keys = sorted(self._stash)
+        view = np.empty((len(keys), 2), dtype=np.uint64)
+        view[:, 0] = keys
+        view[:, 1] = [int(self._stash[k][0]) for k in keys]
+        self._stash_view = view
 
     def _assign_stashed(self, keys: U64Array, masks: U64Array) -> None:
         for key, row in zip(keys.tolist(), masks, strict=True):
