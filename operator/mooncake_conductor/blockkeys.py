@@ -33,12 +33,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .kernels import chain_keys
+from .kernels import chain_keys, chain_loaded
 
 MASK64 = (1 << 64) - 1
 P = 0x9E3779B97F4A7C15  # odd: invertible mod 2^64
 P_INV = pow(P, -1, 1 << 64)
-#: prompts from this many tokens are hashed by the compiled chain (:mod:`.kernels`)
+#: prompts from this many tokens are hashed by the compiled chain (:mod:`.kernels`);
+#: once it is compiled (a long prompt, or a server's warm-up) it hashes every prompt
 COMPILED_MIN_TOKENS = 4096
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -119,7 +120,7 @@ def block_keys_array(
     pw = _POWERS.get(block_size)
     if pw is None:
         pw = _POWERS[block_size] = _BlockPowers(block_size)
-    if len(arr) >= COMPILED_MIN_TOKENS:
+    if len(arr) >= COMPILED_MIN_TOKENS or chain_loaded():
         return chain_keys(arr, block_size, pw.weights, pw.ones, pw.q, seed & MASK64)
     pw.ensure(nblocks)
     sums = arr[: nblocks * block_size].reshape(nblocks, block_size) @ pw.weights

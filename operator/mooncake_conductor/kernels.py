@@ -245,6 +245,11 @@ def _compile_chain() -> Callable[..., U64Array]:
     return chain
 
 
+def chain_loaded() -> bool:
+    """Whether the block-key loop is compiled already (then it serves every length)."""
+    return _chain is not None
+
+
 def chain_keys(
     tokens: U64Array, block_size: int, weights: U64Array, ones: np.uint64, q: int, seed: int
 ) -> U64Array:

@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from mooncake_conductor import kernels
 from mooncake_conductor.blockkeys import block_keys_array
 from mooncake_conductor.engine import Decision
 from mooncake_conductor.state import RequestInfo
@@ -98,6 +99,8 @@ class Gateway:
 
     async def _on_startup(self, _app: web.Application) -> None:
         s = self.settings
+        if s.warm_kernels:
+            kernels.warm_up()  # before serving: nothing waits on the loop yet
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=s.request_timeout_s,

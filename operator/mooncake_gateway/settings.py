@@ -155,6 +155,11 @@ class GatewaySettings(BaseSettings):
     uvloop: bool = Field(
         True, description="run on uvloop's event loop when it is installed (false: asyncio's)"
     )
+    warm_kernels: bool = Field(
+        True, description="compile (or load from numba's cache) the core's compiled loops "
+        "at startup, so the first long prompt or large index does not pay for it "
+        "mid-request (~1 s once cached, a few seconds the first time)",
+    )
     lean_upstream: bool = Field(
         True, description="non-streamed engine calls over the gateway's own keep-alive "
         "HTTP/1.1 client (http:// engines); false: aiohttp's client for every call",

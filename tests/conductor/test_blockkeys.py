@@ -21,8 +21,9 @@ GOLDEN = json.loads((Path(__file__).parent / "golden" / "block-keys.json").read_
 @pytest.fixture(params=["numpy", "compiled"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test through both implementations of :func:`block_keys`."""
-    threshold = 10**9 if request.param == "numpy" else 0
-    monkeypatch.setattr(blockkeys, "COMPILED_MIN_TOKENS", threshold)
+    numpy = request.param == "numpy"
+    monkeypatch.setattr(blockkeys, "COMPILED_MIN_TOKENS", 10**9 if numpy else 0)
+    monkeypatch.setattr(blockkeys, "chain_loaded", lambda: not numpy)
     return str(request.param)
 
 
@@ -76,13 +77,15 @@ def test_namespace_separates(field: str) -> None:
 )
 def test_vectorised_equals_reference(tokens: list[int], block: int, seed: int) -> None:
     want = block_keys_reference(tokens, block, seed)
-    for threshold in (10**9, 0):  # the numpy formulation, the compiled loop
-        blockkeys.COMPILED_MIN_TOKENS, saved = threshold, blockkeys.COMPILED_MIN_TOKENS
+    saved = blockkeys.COMPILED_MIN_TOKENS, blockkeys.chain_loaded
+    for compiled in (False, True):  # the numpy formulation, the compiled loop
+        blockkeys.COMPILED_MIN_TOKENS = 0 if compiled else 10**9
+        blockkeys.chain_loaded = lambda c=compiled: c  # type: ignore[misc]
         try:
             assert block_keys(tokens, block, seed) == want
             assert block_keys(np.asarray(tokens, dtype=np.int64), block, seed) == want
         finally:
-            blockkeys.COMPILED_MIN_TOKENS = saved
+            blockkeys.COMPILED_MIN_TOKENS, blockkeys.chain_loaded = saved
 
 
 def test_long_prompts_take_the_compiled_path_and_agree() -> None:
