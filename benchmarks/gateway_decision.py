@@ -1,7 +1,7 @@
 """Decision latency: token ids → block keys (block size 16) → Conductor decision.
 
     python benchmarks/gateway_decision.py [--instances 64] [--blocks 1000000]
-        [--tokens 8192] [--rounds 2000] [--policy conductor]
+        [--tokens 8192] [--rounds 10000] [--policy conductor] [--no-churn]
 
 The index holds ``--blocks`` keys spread over ``--instances`` prefill instances (chained
 prefixes of 512 blocks, every tenth one shared by several instances), queues are non-empty,
@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--blocks", type=int, default=1_000_000)
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--rounds", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=10000)
     ap.add_argument("--policy", default="conductor")
     ap.add_argument("--churn", action=argparse.BooleanOptionalAction, default=True,
                     help="store each decided prompt on its instance (KV events) between "
