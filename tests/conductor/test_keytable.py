@@ -24,6 +24,17 @@ def _check(table: KeyMaskTable, truth: dict[int, int], probe: list[int]) -> None
     assert (table._overflowed == want).all()
 
 
+def _assign(table: KeyMaskTable, truth: dict[int, int], keys: np.ndarray,
+            masks: np.ndarray) -> None:
+    """The same assignment to the table and to the dict it must equal (0 deletes)."""
+    table.assign(keys, masks[:, None])
+    for k, m in zip(keys.tolist(), masks.tolist(), strict=True):
+        if m:
+            truth[k] = m
+        else:
+            truth.pop(k, None)
+
+
 @pytest.mark.parametrize("scalar_retry_max", [0, 10**9])
 @pytest.mark.parametrize("max_load", [keytable.MAX_LOAD, 0.95])
 def test_matches_a_dict_through_growth_deletes_and_overflow(
@@ -43,12 +54,7 @@ def test_matches_a_dict_through_growth_deletes_and_overflow(
             old = np.array(list(truth)[: len(keys)], dtype=np.uint64)
             keys = np.unique(np.concatenate([keys, old]))
         masks = rng.integers(0, 4, size=len(keys), dtype=np.uint64)  # 0 deletes
-        table.assign(keys, masks[:, None])
-        for k, m in zip(keys.tolist(), masks.tolist(), strict=True):
-            if m:
-                truth[k] = m
-            else:
-                truth.pop(k, None)
+        _assign(table, truth, keys, masks)
         overflowed |= bool(table._overflowed.any())
         stashed |= bool(table._stash)
         if table._stash and not rewrote:
@@ -57,12 +63,7 @@ def test_matches_a_dict_through_growth_deletes_and_overflow(
             batch = np.array(stash + [k for k in list(truth)[:200] if k not in table._stash],
                              dtype=np.uint64)
             flip = np.where(np.arange(len(batch)) % 2, 7, 0).astype(np.uint64)
-            table.assign(batch, flip[:, None])
-            for k, m in zip(batch.tolist(), flip.tolist(), strict=True):
-                if m:
-                    truth[k] = m
-                else:
-                    truth.pop(k, None)
+            _assign(table, truth, batch, flip)
             rewrote = True
         probe = list(truth)[:4000] + rng.integers(0, 2**64 - 1, size=200,
                                                   dtype=np.uint64).tolist()
