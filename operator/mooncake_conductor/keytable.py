@@ -279,10 +279,6 @@ class KeyMaskTable:
         found = self._scalar_away(key)
         return 0 if found is None else words_to_mask(found)
 
-    def get(self, key: int) -> int:
-        """One key's mask as a Python int (for tests and debugging)."""
-        return words_to_mask(self.lookup(np.array([key], dtype=np.uint64))[0])
-
     # -- mutation ----------------------------------------------------------------------------
     def assign(self, keys: U64Array, masks: U64Array) -> None:
         """Set the masks of distinct ``keys`` (rows of ``masks``, ``(n, words)`` or fewer

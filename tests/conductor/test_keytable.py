@@ -83,4 +83,4 @@ def test_small_and_zero_keys_and_wide_masks() -> None:
     table.assign(np.array([0, 2], dtype=np.uint64), np.zeros((2, 1), dtype=np.uint64))
     del truth[0], truth[2]
     _check(table, truth, [0, 1, 2, 3])
-    assert table.get(3) == 1 << 63
+    assert table.mask_of(3) == 1 << 63
