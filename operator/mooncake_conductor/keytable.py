@@ -2,18 +2,22 @@
 
 Rule: bucketed hashing with a second choice. Every key has a home bucket and
 an overflow bucket (two multiplicative hashes), each of :data:`SLOTS` slots; a
-bucket's row holds its slots' keys *and* masks side by side, so one gathered
-row (one cache line for up to 64 instances) answers a key. A new key goes
-home when there is room, else to its overflow bucket, and the home bucket
-counts the keys it sent away (decremented when they leave, so the count stays
-exact under churn); the few keys that find both buckets full wait
-in a small stash (a dict, at most ``capacity >> STASH_SHIFT`` of them) and the
-table doubles when the stash is full or it passes :data:`MAX_LOAD`. A batch lookup of a whole
-request's keys is one numpy gather of home rows, plus a second gather only
-for the absent keys whose home has overflowed (rare below :data:`MAX_LOAD`)
-— no probing loop and no per-key Python work. A Python ``dict`` pays a cache
-miss per key, one after another; the gather overlaps them. Deleting a key
-just empties its slot (overflow flags stay until the next resize).
+bucket's row holds its slots' keys *and* masks side by side, so one row (one
+cache line for up to 64 instances) answers a key. A new key goes home when
+there is room, else to its overflow bucket, and the home bucket counts the keys
+it sent away (decremented when they leave, so the count stays exact under
+churn); the few keys that find both buckets full wait in a small stash (a dict,
+at most ``capacity >> STASH_SHIFT`` of them), and the table doubles when the
+stash is full or it passes :data:`MAX_LOAD`. A miss at home is final unless the
+home's count is non-zero. Deleting a key just empties its slot.
+
+Queries: the compiled walk of :mod:`mooncake_conductor.kernels` reads the rows
+directly (one-word masks); the numpy batch lookup (:meth:`KeyMaskTable.lookup`:
+one gather of home rows, a second only for misses whose home sent keys away)
+serves wider masks. Either way there is no per-key Python work: a Python
+``dict`` pays a dependent cache miss per key, one after another. Batches of
+changes are applied by a compiled upsert (one-word masks, from
+:data:`COMPILED_MIN_BATCH` keys) or vectorised numpy.
 
 Masks are ``words`` unsigned 64-bit words (bit ``i`` of the mask is bit
 ``i % 64`` of word ``i // 64``); a zero mask means "no holder" and the key
