@@ -108,9 +108,9 @@ class ConductorPolicy(PrefillPolicy):
         # FIFO wait per live instance: what runs plus what is queued
         fifo_queue = [(p.busy_until - now if p.busy_until > now else 0.0) + p.queued_work_s
                       for p in live]
-        # busy = has work ahead (every predicted prefill takes a positive time)
-        busy = len(fifo_queue) - fifo_queue.count(0.0)
-        waiting = sum([len(p.queue) for p in live])
+        queued = [len(p.queue) for p in live]
+        waiting = sum(queued)
+        busy = sum([bool(q) or p.busy_until > now for q, p in zip(queued, live, strict=True)])
         search = live_mask
         if cluster.store_id is not None:
             search |= 1 << cluster.store_id
