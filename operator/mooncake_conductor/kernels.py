@@ -1,33 +1,33 @@
-"""Compiled (numba) inner loops: prefix matching over a large index, block keys of
-long prompts.
+"""Compiled (numba) inner loops of the core: block keys, prefix matching over a
+large index, and applying batches of changes to the index's mirror.
 
 **Block keys** (:func:`chain_keys`): the same chain as
 :func:`mooncake_conductor.blockkeys.block_keys_reference`, one block at a time
 (``S = sum_j (token_j + 1) * P^(B-1-j)``, ``h = h * P^B + S``, key = ``mix64(h)``)
-in one pass: ~8 µs for 8k tokens at block size 16 against ~18 µs for the
-numpy formulation, which stays in use for shorter prompts (no compile, no numba
-import in processes that never see a long prompt).
+in one pass: ~8 µs for 8k tokens at block size 16 against ~18 µs for the numpy
+formulation, which serves short prompts until the loop is compiled (no numba
+import in a process that never sees a long prompt or warms up).
 
-**Prefix matching** (:func:`walk_keys`):
+**Prefix matching** (:func:`walk_keys`). Rule: walk a request's keys in order,
+look each one up in one or two :class:`~mooncake_conductor.keytable.KeyMaskTable`
+s (holders, and pending blocks when they count), AND its mask into the running
+set of instances still matching, record every drop (position, set before, set
+after) and stop as soon as the set is empty. Every key's home row is touched
+first in a separate loop (independent loads the CPU overlaps), then the walk
+runs mostly from cache; no Python object is made per key. A key its home
+bucket does not hold is looked for in its overflow bucket and the (sorted)
+stash only when the home has sent keys away, so the walk never returns to
+Python. ~20 µs for a cold 8k-token prompt against a million-block index, where
+a numpy formulation pays ~30 array operations (~60 µs) and a Python dict walk a
+dependent cache miss per key (~110 µs). Masks are one 64-bit word here (up to 64
+instance ids); wider tables use the numpy path.
 
-Rule: walk a request's keys in order, look each one up in its home bucket of
-one or two :class:`~mooncake_conductor.keytable.KeyMaskTable` s (holders, and
-pending blocks when they count), AND its mask into the running set of
-instances still matching, record every drop (position, set before, set after)
-and stop as soon as the set is empty. Only the keys up to the end of the
-longest match are touched, each with one cache line, and no Python object is
-made per key — about 7 µs for an 8k-token prompt against a million-block
-index, where a numpy formulation pays ~30 array operations (~60 µs) and a
-Python dict walk a dependent cache miss per key.
+**Upsert** (:func:`upsert_keys`): set, replace or delete each key's mask in one
+pass (home bucket, else overflow bucket with the home's count kept exact); the
+few keys with no room or in the stash go back to Python.
 
-A key its home bucket does not hold is looked for in its overflow bucket and
-the (sorted) stash only when the home has sent keys away, so the walk never
-returns to Python. Masks are one 64-bit word here (up to 64 instance ids);
-wider tables use the numpy path.
-
-numba is imported on first use only: a process whose index never grows past
-:data:`mooncake_conductor.index.VECTOR_MIN_KEYS` and never hashes a long prompt
-never compiles anything.
+numba is imported on first use only; :func:`warm_up` compiles everything (or
+loads it from numba's cache) up front, as the gateway does at startup.
 """
 
 from __future__ import annotations
