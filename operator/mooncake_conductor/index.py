@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .kernels import walk_keys
+from .kernels import walk_keys, walk_keys_wide
 from .keytable import (
     WORD_BITS,
     KeyMaskTable,
@@ -95,82 +95,17 @@ def _assign(table: KeyMaskTable, dirty: set[int], source: dict[int, int]) -> Non
     table.assign(karr, marr)
 
 
-def _runs(masks: U64Array, start: int) -> tuple[dict[int, int], int]:
-    """Longest prefix per instance from the holder masks of a request's keys, and how
-    many leading keys some instance holds: the running AND of the masks (and
-    ``start``) only loses bits, so its zeros are a suffix, and an instance's match
-    ends where its bit drops."""
-    words = masks.shape[1]
-    if words == 1:
-        col = np.bitwise_and.accumulate(masks[:, 0])
-        col &= np.uint64(start & _LOW_WORD)
-        n = int(np.count_nonzero(col))
-        if not n:
-            return {}, 0
-        drops = np.flatnonzero(col[1:n] != col[: n - 1])
-        before: list[int] = col[drops].tolist()
-        after: list[int] = col[drops + 1].tolist()
-        last = int(col[n - 1])
-    else:
-        acc = np.bitwise_and.accumulate(masks, axis=0)
-        acc &= mask_to_words(start, words)
-        n = int(np.count_nonzero(acc.any(axis=1)))
-        if not n:
-            return {}, 0
-        drops = np.flatnonzero((acc[1:n] != acc[: n - 1]).any(axis=1))
-        before = [words_to_mask(acc[i]) for i in drops.tolist()]
-        after = [words_to_mask(acc[i + 1]) for i in drops.tolist()]
-        last = words_to_mask(acc[n - 1])
+def _matches(drops: list[tuple[int, int, int]], left: int, n: int) -> dict[int, int]:
+    """Longest prefix per instance from a walk's drops ``(position, set before, set
+    after)`` and the set ``left`` holding all ``n`` keys (instances that drop at the
+    first key match nothing and are left out)."""
     out: dict[int, int] = {}
-    for i, b, a in zip(drops.tolist(), before, after, strict=True):
-        for inst in _bits(b & ~a):
-            out[inst] = i + 1
-    for inst in _bits(last):
+    for at, before, after in drops:
+        if at:
+            for inst in _bits(before & ~after):
+                out[inst] = at
+    for inst in _bits(left):
         out[inst] = n
-    return out, n
-
-
-#: one table's home-bucket lookup of a request's keys: (table, masks, found, buckets)
-_Looked = tuple[KeyMaskTable, U64Array, npt.NDArray[np.bool_], npt.NDArray[np.intp]]
-
-
-def _complete_or(keys: U64Array, looked: list[_Looked]) -> U64Array:
-    """OR of several tables' masks, each lookup completed first: with two tables a
-    false miss in one need not zero the running AND, so every miss is resolved."""
-    for table, masks, found, bucket in looked:
-        table.complete(keys, masks, found, bucket)
-    return _or(looked[0][1], looked[1][1])
-
-
-def _exact_runs(
-    keys: U64Array, masks: U64Array, start: int, looked: list[_Looked]
-) -> dict[int, int]:
-    """:func:`_runs` over one table's home-bucket lookup, made exact: only the key
-    where the running AND first reaches zero can be a false miss (every key before it
-    was found, with its whole mask), so that one key is resolved in the overflow
-    bucket or stash, and the runs are recomputed if it was there (rare)."""
-    while True:
-        out, n = _runs(masks, start)
-        if n >= len(keys) or not start:
-            return out
-        patched = False
-        for table, _, found, bucket in looked:
-            if not found[n]:
-                row = table.resolve(int(keys[n]), int(bucket[n]))
-                found[n] = True  # resolved either way
-                if row is not None:
-                    masks[n, : len(row)] |= row
-                    patched = True
-        if not patched:
-            return out
-
-
-def _or(a: U64Array, b: U64Array) -> U64Array:
-    """Row-wise OR of two mask arrays that may differ in width."""
-    if a.shape[1] < b.shape[1]:
-        a, b = b, a
-    out = a.copy()
-    out[:, : b.shape[1]] |= b
     return out
 
 
@@ -392,12 +327,12 @@ class PrefixIndex:
         assert mirror is not None
         mirror.sync(self.holders, self._pending)
         tables = [mirror.stored, mirror.pending] if with_pending else [mirror.stored]
-        if any(t.words > 1 for t in tables):  # more than 64 instance ids: numpy
-            looked = self._look(keys, with_pending)
-            if not with_pending:
-                return _exact_runs(keys, looked[0][1], start, looked)
-            return _runs(_complete_or(keys, looked), start)[0]
-        return self._walk(keys, start, tables)
+        words = max(t.words for t in tables)
+        if words == 1:
+            return self._walk(keys, start, tables)
+        for t in tables:  # both walked with masks of the same width
+            t.ensure_words(words)
+        return self._walk_wide(keys, start, tables, words)
 
     def _walk(self, keys: U64Array, start: int, tables: list[KeyMaskTable]) -> dict[int, int]:
         """Longest prefixes by the compiled walk (:mod:`.kernels`)."""
@@ -406,21 +341,19 @@ class PrefixIndex:
             self._drops = np.empty((n + 1, 3), dtype=np.uint64)
         _, acc, dropped = walk_keys([t.kernel_view() for t in tables], keys,
                                     start & _LOW_WORD, self._drops)
-        out: dict[int, int] = {}
-        for at, before, after in self._drops[:dropped].tolist():
-            if at:  # dropping at the first key: no match at all
-                for inst in _bits(before & ~after):
-                    out[inst] = at
-        for inst in _bits(acc):
-            out[inst] = n
-        return out
+        return _matches(self._drops[:dropped].tolist(), acc, n)
 
-    def _look(self, keys: U64Array, with_pending: bool) -> list[_Looked]:
-        mirror = self._mirror
-        assert mirror is not None
-        mirror.sync(self.holders, self._pending)
-        tables = [mirror.stored, mirror.pending] if with_pending else [mirror.stored]
-        return [(t, *t.lookup_home(keys)) for t in tables]
+    def _walk_wide(
+        self, keys: U64Array, start: int, tables: list[KeyMaskTable], words: int
+    ) -> dict[int, int]:
+        """:meth:`_walk` for masks of several words (more than 64 instance ids)."""
+        n = len(keys)
+        drops = np.empty((n + 1, 1 + 2 * words), dtype=np.uint64)
+        acc = mask_to_words(start, words)
+        _, dropped = walk_keys_wide([t.kernel_view() for t in tables], keys, acc, drops)
+        rows = [(int(r[0]), words_to_mask(r[1 : 1 + words]), words_to_mask(r[1 + words :]))
+                for r in drops[:dropped]]
+        return _matches(rows, words_to_mask(acc), n)
 
     def sync(self) -> None:
         """Bring the vectorised mirror up to date now (else the next match does it):

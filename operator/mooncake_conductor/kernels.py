@@ -19,8 +19,8 @@ bucket does not hold is looked for in its overflow bucket and the (sorted)
 stash only when the home has sent keys away, so the walk never returns to
 Python. ~20 µs for a cold 8k-token prompt against a million-block index, where
 a numpy formulation pays ~30 array operations (~60 µs) and a Python dict walk a
-dependent cache miss per key (~110 µs). Masks are one 64-bit word here (up to 64
-instance ids); wider tables use the numpy path.
+dependent cache miss per key (~110 µs). Masks of one 64-bit word (up to 64
+instance ids) take the lean walk; wider ones :func:`walk_keys_wide`.
 
 **Upsert** (:func:`upsert_keys`): set, replace or delete each key's mask in one
 pass (home bucket, else overflow bucket with the home's count kept exact); the
@@ -124,6 +124,92 @@ def walk_keys(
     end, left, dropped = _kernel(*tables[0], *second, len(tables) > 1, keys,
                                  np.uint64(acc), drops)
     return int(end), int(left), int(dropped)
+
+
+_wide: Callable[..., tuple[int, int]] | None = None
+
+
+def _compile_wide() -> Callable[..., tuple[int, int]]:
+    """The walk for masks of several words (more than 64 instance ids)."""
+    from numba import njit
+
+    from .keytable import _H1, _H2, SLOTS
+
+    h1, h2 = np.uint64(_H1), np.uint64(_H2)
+    slots = SLOTS
+
+    @njit(cache=True, nogil=True)
+    def probe_wide(rows: Any, over: Any, meta: Any, stash: Any, key: Any, out: Any) -> None:
+        """OR the key's mask words into ``out`` (same search as the one-word walk)."""
+        w = out.shape[0]
+        if key == 0:
+            for k in range(w):
+                out[k] |= meta[1 + k]
+            return
+        for b in ((key * h1) >> meta[0], (key * h2) >> meta[0]):
+            for j in range(slots):
+                if rows[b, j] == key:
+                    for k in range(w):
+                        out[k] |= rows[b, slots + j * w + k]
+                    return
+            if over[(key * h1) >> meta[0]] == 0:
+                return
+        if stash.shape[0]:
+            at = np.searchsorted(stash[:, 0], key)
+            if at < stash.shape[0] and stash[at, 0] == key:
+                for k in range(w):
+                    out[k] |= stash[at, 1 + k]
+
+    @njit(cache=True, nogil=True)
+    def walk_wide(
+        rows1: Any, over1: Any, meta1: Any, stash1: Any,
+        rows2: Any, over2: Any, meta2: Any, stash2: Any,
+        two: bool, keys: Any, acc: Any, drops: Any, mask: Any,
+    ) -> tuple[int, int]:
+        w = acc.shape[0]
+        n = keys.shape[0]
+        dropped = 0
+        for i in range(n):
+            key = keys[i]
+            mask[:] = 0
+            probe_wide(rows1, over1, meta1, stash1, key, mask)
+            if two:
+                probe_wide(rows2, over2, meta2, stash2, key, mask)
+            changed = False
+            left = False
+            for k in range(w):
+                new = acc[k] & mask[k]
+                if new != acc[k]:
+                    changed = True
+                if new != 0:
+                    left = True
+            if changed:
+                drops[dropped, 0] = i
+                for k in range(w):
+                    drops[dropped, 1 + k] = acc[k]
+                    acc[k] &= mask[k]
+                    drops[dropped, 1 + w + k] = acc[k]
+                dropped += 1
+                if not left:
+                    return i, dropped
+        return n, dropped
+
+    return walk_wide
+
+
+def walk_keys_wide(
+    tables: list[TableView], keys: U64Array, acc: U64Array, drops: U64Array
+) -> tuple[int, int]:
+    """:func:`walk_keys` for masks of ``len(acc)`` words (every table that wide):
+    ``acc`` is updated in place; each drop is a row ``(position, words before, words
+    after)`` of ``drops``; returns ``(position reached, drops)``."""
+    global _wide
+    if _wide is None:
+        _wide = _compile_wide()
+    second = tables[1] if len(tables) > 1 else tables[0]
+    mask = np.empty(len(acc), dtype=np.uint64)
+    end, dropped = _wide(*tables[0], *second, len(tables) > 1, keys, acc, drops, mask)
+    return int(end), int(dropped)
 
 
 _upsert: Callable[..., int] | None = None

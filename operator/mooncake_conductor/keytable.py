@@ -11,12 +11,10 @@ at most ``capacity >> STASH_SHIFT`` of them), and the table doubles when the
 stash is full or it passes :data:`MAX_LOAD`. A miss at home is final unless the
 home's count is non-zero. Deleting a key just empties its slot.
 
-Queries: the compiled walk of :mod:`mooncake_conductor.kernels` reads the rows
-directly (one-word masks); the numpy batch lookup (:meth:`KeyMaskTable.lookup`:
-one gather of home rows, a second only for misses whose home sent keys away)
-serves wider masks. Either way there is no per-key Python work: a Python
-``dict`` pays a dependent cache miss per key, one after another. Batches of
-changes are applied by a compiled upsert (one-word masks, from
+Queries: the compiled walks of :mod:`mooncake_conductor.kernels` read the rows
+directly, with no per-key Python work (a Python ``dict`` pays a dependent cache
+miss per key, one after another); :meth:`KeyMaskTable.mask_of` answers one key.
+Batches of changes are applied by a compiled upsert (one-word masks, from
 :data:`COMPILED_MIN_BATCH` keys) or vectorised numpy.
 
 Masks are ``words`` unsigned 64-bit words (bit ``i`` of the mask is bit
@@ -49,13 +47,8 @@ _H1_INT = int(_H1)
 _H2_INT = int(_H2)
 #: batches from this many keys (one-word masks) are assigned by a compiled loop
 COMPILED_MIN_BATCH = 64
-SCALAR_RETRY_MAX = 16  #: fewer overflow lookups than this run as plain Python
 _MASK64 = (1 << WORD_BITS) - 1
 _CACHE_LINE = 64
-_FLAGS = np.uint32  # SLOTS one-byte booleans read as one integer
-_ONE = np.uint32(1)
-_BYTE_SHIFT = np.uint8(3)
-assert np.dtype(_FLAGS).itemsize == SLOTS
 
 U64Array = npt.NDArray[np.uint64]
 IntpArray = npt.NDArray[np.intp]
@@ -85,13 +78,13 @@ def words_to_mask(row: U64Array) -> int:
 
 
 class KeyMaskTable:
-    """uint64 key → bitmask table with batch assignment and batch lookup."""
+    """uint64 key → bitmask table: batch assignment here, queries by the compiled walks
+    of :mod:`mooncake_conductor.kernels` (and :meth:`mask_of` for one key)."""
 
     def __init__(self, words: int = 1, buckets_log2: int = MIN_BUCKETS_LOG2) -> None:
         self.words = max(1, words)
         self.count = 0  # keys stored in the rows (key 0 excluded)
         self._zero = np.zeros(self.words, dtype=np.uint64)  # mask of key 0
-        self._base: IntpArray = np.arange(0, dtype=np.intp)  # row offsets, grown on demand
         self._alloc(max(MIN_BUCKETS_LOG2, buckets_log2))
 
     def _alloc(self, log2: int) -> None:
@@ -175,76 +168,6 @@ class KeyMaskTable:
             bucket[found], j[found], hit[found] = away[hit2], j2[hit2], True
         return bucket, j, hit
 
-    def _select(self, keys: U64Array, rows: U64Array) -> tuple[U64Array, BoolArray]:
-        """Each key's mask from its gathered bucket row (zeros when absent) and whether
-        it was there. The whole row is compared with the key (contiguous: fast); the
-        first ``SLOTS`` one-byte results, read as one uint32, say whether the key is
-        there, and their argmax at which slot."""
-        n, w = len(keys), self.words
-        width = rows.shape[1]
-        eq = rows == keys[:, None]
-        hit = eq.view(_FLAGS)[:, 0] != 0
-        slot = eq[:, :SLOTS].argmax(axis=1)
-        if len(self._base) < n * width:
-            self._base = np.arange(n * width, dtype=np.intp) + SLOTS
-        start = self._base[: n * width : width] + (slot if w == 1 else slot * w)
-        flat = rows.reshape(-1)
-        if w == 1:
-            out = flat.take(start) * hit
-            return out[:, None], hit
-        words = flat.take(start[:, None] + np.arange(w))
-        return words * hit[:, None], hit
-
-    def lookup_home(self, keys: U64Array) -> tuple[U64Array, BoolArray, IntpArray]:
-        """Masks of ``keys`` found in their home buckets, whether each was found there,
-        and the home buckets. A miss is final unless :meth:`resolve` finds the key in
-        its overflow bucket or the stash (rare: only when its home has overflowed)."""
-        if not len(keys):
-            return (np.zeros((0, self.words), dtype=np.uint64), np.zeros(0, dtype=bool),
-                    np.zeros(0, dtype=np.intp))
-        bucket = self._home(keys)
-        out, hit = self._select(keys, np.take(self._rows, bucket, axis=0))
-        if self._zero.any():
-            zero = keys == 0
-            if zero.any():
-                out[zero] = self._zero
-                hit = hit | zero
-        return out, hit, bucket
-
-    def resolve(self, key: int, bucket: int) -> U64Array | None:
-        """The mask of a key its home bucket ``bucket`` did not hold (``None``: absent)."""
-        if not self._overflowed[bucket]:
-            return None
-        return self._scalar_away(key)
-
-    def lookup(self, keys: U64Array) -> U64Array:
-        """Masks of ``keys``, shape ``(len(keys), words)``; zeros for absent keys."""
-        out, hit, bucket = self.lookup_home(keys)
-        self.complete(keys, out, hit, bucket)
-        return out
-
-    def complete(
-        self, keys: U64Array, out: U64Array, hit: BoolArray, bucket: IntpArray
-    ) -> None:
-        """Finish a :meth:`lookup_home` in place: every miss whose home overflowed is
-        looked up in its overflow bucket and the stash (``hit`` marks them done)."""
-        retry = np.flatnonzero((self._overflowed[bucket] != 0) & ~hit)
-        hit[retry] = True
-        if len(retry) > SCALAR_RETRY_MAX:
-            sub = keys[retry]
-            away, found = self._select(sub, np.take(self._rows, self._away(sub), axis=0))
-            out[retry, : self.words] = away
-            if self._stash:
-                for i in retry[~found].tolist():
-                    row = self._stash.get(int(keys[i]))
-                    if row is not None:
-                        out[i, : self.words] = row
-        else:
-            for i in retry.tolist():
-                row = self._scalar_away(int(keys[i]))
-                if row is not None:
-                    out[i, : self.words] = row
-
     def _scalar_away(self, key: int) -> U64Array | None:
         """One key's mask from its overflow bucket or the stash (``None``: absent)."""
         bucket = ((key * _H2_INT) & _MASK64) >> (WORD_BITS - self._log2)
@@ -257,14 +180,15 @@ class KeyMaskTable:
         return self._stash.get(key)
 
     def kernel_view(self) -> tuple[U64Array, npt.NDArray[np.uint32], U64Array, U64Array]:
-        """What :func:`mooncake_conductor.kernels.walk_keys` reads (one-word masks):
-        rows, overflow counts, ``[hash shift, mask of key 0]``, and the stash as a
-        key-sorted ``(n, 2)`` array."""
+        """What the compiled walks of :mod:`mooncake_conductor.kernels` read: rows,
+        overflow counts, ``[hash shift, words of key 0's mask]``, and the stash as a
+        key-sorted ``(n, 1 + words)`` array."""
         if self._stash_view is None:
             self._build_stash_view()
         assert self._stash_view is not None
         if self._meta is None:
-            self._meta = np.array([int(self._shift), int(self._zero[0])], dtype=np.uint64)
+            self._meta = np.concatenate([np.array([int(self._shift)], dtype=np.uint64),
+                                         self._zero])
         return self._rows, self._overflowed, self._meta, self._stash_view
 
     def mask_of(self, key: int) -> int:
@@ -313,7 +237,7 @@ class KeyMaskTable:
             room = left == 1
             if room.any():
                 self._insert(keys[room], masks[room])
-            if self._stash_view is None and self.words == 1:
+            if self._stash_view is None:
                 self._build_stash_view()  # here, not in the next (timed) match
             return
         if self._stash:
@@ -335,9 +259,10 @@ class KeyMaskTable:
 
     def _build_stash_view(self) -> None:
         keys = sorted(self._stash)
-        view = np.empty((len(keys), 2), dtype=np.uint64)
+        view = np.empty((len(keys), 1 + self.words), dtype=np.uint64)
         view[:, 0] = keys
-        view[:, 1] = [int(self._stash[k][0]) for k in keys]
+        if keys:
+            view[:, 1:] = np.stack([self._stash[k] for k in keys])
         self._stash_view = view
 
     def _assign_stashed(self, keys: U64Array, masks: U64Array) -> None:
