@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from mooncake_worker.settings import VOCAB_SIZE
-from mooncake_worker.tokenizer import CHAT_ROLES
+from mooncake_worker.tokenizer import chat_messages_problem
 
 from .errors import ApiError
 
@@ -109,24 +109,15 @@ def _token_ids(prompt: list[Any]) -> npt.NDArray[np.int64] | None:
     return arr
 
 
+def _text_part(part: Any) -> bool:
+    """An OpenAI content part the gateway can tokenize: text (or no) ``text``."""
+    return (isinstance(part, dict) and isinstance(part.get("type", "text"), str)
+            and (part.get("text") is None or isinstance(part.get("text"), str)))
+
+
 def _messages(messages: Any) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty list", "messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}] must be an object", "messages")
-        role = m.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:
-            raise ApiError(400, f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}",
-                           "messages")
-        c = m.get("content")
-        if c is None or isinstance(c, str):
-            continue
-        if not isinstance(c, list) or not all(
-            isinstance(part, dict) and isinstance(part.get("type", "text"), str)
-            and (part.get("text") is None or isinstance(part.get("text"), str))
-            for part in c
-        ):
-            raise ApiError(400, f"messages[{i}].content must be a string or text parts",
-                           "messages")
+    problem = chat_messages_problem(messages, _text_part, "a string or text parts")
+    if problem is not None:
+        raise ApiError(400, problem, "messages")
+    assert isinstance(messages, list)
     return messages

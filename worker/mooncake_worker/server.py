@@ -22,11 +22,16 @@ from .kvevents.publisher import KVEventPublisher
 from .metrics import WorkerMetrics
 from .settings import VOCAB_SIZE, WorkerSettings
 from .store import BlockStore
-from .tokenizer import CHAT_ROLES, Tokenizer
+from .tokenizer import Tokenizer, chat_messages_problem
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _dumps = json.dumps
+
+
+def _is_part(part: Any) -> bool:
+    """A chat content part the engine accepts (its text, if any, is tokenized)."""
+    return isinstance(part, dict)
 
 
 class ApiError(Exception):
@@ -248,22 +253,9 @@ class Worker:
         return tokens
 
     def _messages_tokens(self, messages: Any) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", "messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                raise ApiError(400, f"messages[{i}] must be an object", "messages")
-            role = m.get("role")
-            if not isinstance(role, str) or role not in CHAT_ROLES:
-                raise ApiError(400, f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}",
-                               "messages")
-            c = m.get("content")
-            ok = c is None or isinstance(c, str) or (
-                isinstance(c, list) and all(isinstance(p, dict) for p in c)
-            )
-            if not ok:
-                raise ApiError(400, f"messages[{i}].content must be a string or a list of parts",
-                               "messages")
+        problem = chat_messages_problem(messages, _is_part, "a string or a list of parts")
+        if problem is not None:
+            raise ApiError(400, problem, "messages")
         return self.tokenizer.encode_chat(messages)
 
     def _common(self, data: dict[str, Any], chat: bool) -> tuple[int | None, bool, bool]:

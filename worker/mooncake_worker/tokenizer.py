@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mooncake_conductor.blockkeys import MASK64, P, mix64
@@ -104,6 +104,28 @@ def _word(tid: int) -> str:
         if not x:
             break
     return " " + "".join(out)
+
+
+def chat_messages_problem(
+    messages: Any, part_ok: Callable[[Any], bool], parts_rule: str
+) -> str | None:
+    """The first thing wrong with a chat request's ``messages``, as a sentence for a 400
+    answer (``None``: nothing): a non-empty list of objects with a known ``role`` and
+    a ``content`` that is absent, a string, or a list of parts each passing
+    ``part_ok`` (``parts_rule`` says what that means)."""
+    if not isinstance(messages, list) or not messages:
+        return "'messages' must be a non-empty list"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            return f"messages[{i}] must be an object"
+        role = m.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            return f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}"
+        c = m.get("content")
+        if not (c is None or isinstance(c, str)
+                or (isinstance(c, list) and all(part_ok(part) for part in c))):
+            return f"messages[{i}].content must be {parts_rule}"
+    return None
 
 
 def message_text(content: Any) -> str:
