@@ -46,11 +46,9 @@ def register(subparsers: Any) -> None:
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    import asyncio
-    import contextlib
     import logging
-    import signal
 
+    from mooncake_worker.lifecycle import run_until_stopped
     from pydantic import ValidationError
 
     from .server import loop_factory, serve
@@ -67,18 +65,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     def ready(port: int) -> None:
         print(f"gateway ready on http://{settings.host}:{port}", flush=True)
 
-    async def main() -> None:
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            if task is not None:
-                loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await serve(settings, ready)
-
     try:
-        with asyncio.Runner(loop_factory=loop_factory(settings)) as runner:
-            runner.run(main())
+        run_until_stopped(lambda: serve(settings, ready), loop_factory(settings))
     except OSError as exc:
         print(f"gateway failed to start: {exc}", file=sys.stderr)
         return 1

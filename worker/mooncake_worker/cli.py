@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
-import signal
 import socket
 import sys
 from typing import Any
@@ -91,19 +88,11 @@ def run(args: argparse.Namespace) -> int:
     def ready(port: int) -> None:
         print(f"worker ready on http://{settings.host}:{port}", flush=True)
 
-    async def main() -> None:
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            if task is not None:
-                loop.add_signal_handler(sig, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await serve(settings, ready)
-
+    from .lifecycle import run_until_stopped
     from .store import StoreError
 
     try:
-        asyncio.run(main())
+        run_until_stopped(lambda: serve(settings, ready))
     except (StoreError, OSError) as exc:  # store unreachable, port taken, ...
         print(f"worker failed to start: {exc}", file=sys.stderr)
         return 1
