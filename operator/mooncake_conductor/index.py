@@ -290,37 +290,34 @@ class PrefixIndex:
         return len(keys)
 
     def match_all(
-        self, keys: Keys, mask: int = -1, include_pending: bool = False
+        self, keys: Keys, mask: int = -1, include_pending: bool = False,
+        key_array: U64Array | None = None,
     ) -> dict[int, int]:
         """Longest held prefix (in blocks) for every instance in ``mask`` that holds at
-        least the first block; instances not in the result match nothing."""
+        least the first block; instances not in the result match nothing. ``key_array``
+        (the same keys as uint64, when the caller has them) spares the large-index path a
+        conversion; the small-index path walks ``keys``."""
         start = self.live_mask & mask
         if not start or not len(keys):
             return {}
         with_pending = include_pending and bool(self._pending)
         if self._vectorised():
-            return self._match_vec(as_key_array(keys), start, with_pending)
+            arr = as_key_array(keys) if key_array is None else key_array
+            return self._match_vec(arr, start, with_pending)
         keys_seq: Sequence[int] = keys.tolist() if isinstance(keys, np.ndarray) else keys
         return self._match_dict(keys_seq, start, with_pending)
 
     def match_views(
-        self, keys: Keys, mask: int, pending_mask: int
+        self, keys: Keys, mask: int, pending_mask: int, key_array: U64Array | None = None
     ) -> tuple[dict[int, int], dict[int, int]]:
         """``match_all(keys, mask)`` and ``match_all(keys, pending_mask,
-        include_pending=True)`` from one lookup of the keys (the second is the first
-        object when nothing is pending)."""
-        if not self._pending or not self._vectorised():
-            stored = self.match_all(keys, mask)
-            if not self._pending:
-                return stored, stored
-            return stored, self.match_all(keys, pending_mask, include_pending=True)
-        if not len(keys):
-            return {}, {}
-        arr = as_key_array(keys)
-        start = self.live_mask & mask
-        local_start = self.live_mask & pending_mask
-        return (self._match_vec(arr, start, False) if start else {},
-                self._match_vec(arr, local_start, True) if local_start else {})
+        include_pending=True)`` (the second is the first object when nothing is
+        pending)."""
+        stored = self.match_all(keys, mask, key_array=key_array)
+        if not self._pending:
+            return stored, stored
+        return stored, self.match_all(keys, pending_mask, include_pending=True,
+                                      key_array=key_array)
 
     def _match_vec(self, keys: U64Array, start: int, with_pending: bool) -> dict[int, int]:
         mirror = self._mirror

@@ -8,7 +8,6 @@ KV events); policies only read them.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,13 +26,9 @@ class RequestInfo:
     output_tokens: int
     keys: list[int]
     block_tokens: int
-    #: the same keys as a uint64 array, when the caller has one (matching uses it as is)
+    #: the same keys as a uint64 array, when the caller has one (large-index matching
+    #: uses it as is)
     key_array: npt.NDArray[np.uint64] | None = None
-
-    @property
-    def match_keys(self) -> Sequence[int] | npt.NDArray[np.uint64]:
-        """The keys in the form the index matches fastest."""
-        return self.key_array if self.key_array is not None else self.keys
 
     def tokens_of(self, blocks: int) -> int:
         """Prompt tokens covered by the first ``blocks`` blocks (the last may be partial)."""

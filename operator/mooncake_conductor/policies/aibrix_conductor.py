@@ -37,7 +37,8 @@ class AIBrixConductorPolicy(PrefillPolicy):
     ) -> Placement:
         assert isinstance(self.params, AIBrixParams)
         prm = self.params
-        matches = cluster.index.match_all(req.match_keys, cluster.prefill_mask)
+        matches = cluster.index.match_all(req.keys, cluster.prefill_mask,
+                                          key_array=req.key_array)
         est: list[tuple[float, int]] = []
         for p in live:
             matched = req.tokens_of(matches.get(p.iid, 0))

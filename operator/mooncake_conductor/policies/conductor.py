@@ -115,9 +115,10 @@ class ConductorPolicy(PrefillPolicy):
         if cluster.store_id is not None:
             search |= 1 << cluster.store_id
         if prm.include_pending:
-            stored, local_view = index.match_views(req.match_keys, search, live_mask)
+            stored, local_view = index.match_views(req.keys, search, live_mask,
+                                                       key_array=req.key_array)
         else:
-            stored = local_view = index.match_all(req.match_keys, search)
+            stored = local_view = index.match_all(req.keys, search, key_array=req.key_array)
         best_src, best_len = longest(stored)
         n = req.input_tokens
         weight = prm.priority_weight

@@ -42,7 +42,8 @@ class DynamoKVPolicy(PrefillPolicy):
         assert isinstance(self.params, DynamoParams)
         prm = self.params
         weights = {HBM: prm.device_weight, DRAM: prm.host_weight, STORE: prm.disk_weight}
-        matches = cluster.index.match_all(req.match_keys, cluster.prefill_mask)
+        matches = cluster.index.match_all(req.keys, cluster.prefill_mask,
+                                          key_array=req.key_array)
         new_blocks = len(req.keys)
         costs: list[tuple[float, int]] = []
         for p in live:

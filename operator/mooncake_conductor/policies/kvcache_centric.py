@@ -45,7 +45,7 @@ class KVCacheCentricPolicy(PrefillPolicy):
         search = cluster.prefill_mask
         if cluster.store_id is not None:
             search |= 1 << cluster.store_id
-        matches = cluster.index.match_all(req.match_keys, search)
+        matches = cluster.index.match_all(req.keys, search, key_array=req.key_array)
         best_src, best_len = longest(matches)
         n = req.input_tokens
         options: dict[int, Placement] = {}

@@ -35,7 +35,8 @@ class LLMDPolicy(PrefillPolicy):
     ) -> Placement:
         assert isinstance(self.params, LLMDParams)
         prm = self.params
-        matches = cluster.index.match_all(req.match_keys, cluster.prefill_mask)
+        matches = cluster.index.match_all(req.keys, cluster.prefill_mask,
+                                          key_array=req.key_array)
         queues = {p.iid: len(p.queue) for p in live}
         qmax, qmin = max(queues.values()), min(queues.values())
         kv_cap = max(1, self.ctx.cost.kv_capacity_tokens)

@@ -36,7 +36,8 @@ class LocalCacheAwarePolicy(PrefillPolicy):
         limit = min(waits.values()) + self.params.slack * self.ctx.cost.prefill_time(
             req.input_tokens
         )
-        matches = cluster.index.match_all(req.match_keys, cluster.prefill_mask)
+        matches = cluster.index.match_all(req.keys, cluster.prefill_mask,
+                                          key_array=req.key_array)
         eligible = [p.iid for p in live if waits[p.iid] <= limit]
         best = max(matches.get(i, 0) for i in eligible)
         ties = [(waits[i], i) for i in eligible if matches.get(i, 0) == best]

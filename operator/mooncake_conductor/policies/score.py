@@ -41,7 +41,8 @@ class ScorePolicy(PrefillPolicy):
             iid = least([(w, i) for i, w in waits.items()], self.ctx.rng)
             inst = cluster.prefill[iid]
             return self.local_placement(req, inst, cluster.index.match(iid, req.keys), now)
-        matches = cluster.index.match_all(req.match_keys, cluster.prefill_mask)
+        matches = cluster.index.match_all(req.keys, cluster.prefill_mask,
+                                          key_array=req.key_array)
         scored = []
         for p in eligible:
             cached = req.tokens_of(matches.get(p.iid, 0)) / max(1, req.input_tokens)
