@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .cost import CostModel
-from .policies.base import least
+from .policies.base import least, least_item
 from .state import DecodeState, RequestInfo
 
 _TIE_EPS = 1e-12  # absolute tie slack of :func:`~.policies.base.least`
@@ -115,7 +115,7 @@ class TBTSLODecode(DecodeSelector):
         if loads.count(loads[0]) == len(loads):  # all alike (an idle pool): all tie
             if not first_ok:
                 return DecodeChoice(live[0].iid, first, reject_reason="tbt-slo")
-            ties = [(first, d.iid) for d in live]
+            options = [(first, d.iid) for d in live]
         else:
             states = [(*load, d.iid) for load, d in zip(loads, live, strict=True)]
             if first_ok:  # past ``bound`` context even the floor is outside the tie band
@@ -131,11 +131,7 @@ class TBTSLODecode(DecodeSelector):
                 best = min(states, key=lambda s: steps[(s[0], s[1])])  # first of the fastest
                 return DecodeChoice(best[4], steps[(best[0], best[1])],
                                     reject_reason="tbt-slo")
-            # as :func:`least` (same ties in the same order, same draw), keeping the step
-            best_step = min(options)[0]
-            band = best_step + abs(best_step) * self.tie_tolerance + _TIE_EPS
-            ties = [o for o in options if o[0] <= band]
-        step, iid = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        step, iid = least_item(options, self.rng, rel_tol=self.tie_tolerance)
         return DecodeChoice(iid, step)
 
 
