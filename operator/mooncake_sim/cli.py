@@ -222,13 +222,14 @@ def format_table(results: list[dict[str, Any]]) -> str:
             "SLO ok", "hit", "GPU s", "TTFT/cond"]
     rows = []
     for r in results:
-        ratio = (r["ttft_mean_s"] / ref["ttft_mean_s"]) if ref and ref["ttft_mean_s"] else math.nan
+        ratio = (f"{r['ttft_mean_s'] / ref['ttft_mean_s']:.2f}x"
+                 if ref and ref["ttft_mean_s"] else "–")  # no conductor run to compare
         rows.append([
             r["policy"], str(r["completed"]), str(r["rejected"]),
             f"{r['ttft_mean_s']:.2f} s", f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p90_s']:.2f}",
             f"{r['ttft_p99_s']:.2f}", f"{r['tbt_p90_ms']:.1f} ms",
             f"{100 * r['slo_attainment']:.2f}%", f"{100 * r['token_hit_ratio']:.1f}%",
-            f"{r['prefill_gpu_seconds']:,.0f}", f"{ratio:.2f}x",
+            f"{r['prefill_gpu_seconds']:,.0f}", ratio,
         ])
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     line = "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
