@@ -67,14 +67,17 @@ class HotPrefixTracker:
         self._tracked: OrderedDict[int, _Tracked] = OrderedDict()
         self._decay = math.log(2.0) / self.config.half_life_s
 
-    def record(self, keys: list[int] | tuple[int, ...], now: float) -> None:
-        """One access to the prefix ``keys`` (the blocks the cluster already holds)."""
-        if len(keys) < self.config.min_blocks:
+    def record(self, keys: list[int] | tuple[int, ...], now: float,
+               blocks: int | None = None) -> None:
+        """One access to the prefix ``keys[:blocks]`` (default all: the blocks the
+        cluster already holds); the keys are copied only for a new prefix."""
+        blocks = len(keys) if blocks is None else min(blocks, len(keys))
+        if blocks < self.config.min_blocks:
             return
-        prefix = keys[-1]
+        prefix = keys[blocks - 1]
         t = self._tracked.get(prefix)
         if t is None:
-            t = _Tracked(tuple(keys), 0.0, now)
+            t = _Tracked(tuple(keys[:blocks]), 0.0, now)
             self._tracked[prefix] = t
             if len(self._tracked) > self.config.max_tracked:
                 self._tracked.popitem(last=False)

@@ -47,3 +47,13 @@ def test_max_replicas_and_tracking_bound() -> None:
     for i in range(20):
         tr.record([1000 + i, 2000 + i], 31.0)
     assert len(tr._tracked) == 5
+
+
+def test_record_counts_the_leading_blocks_asked_for() -> None:
+    tr = HotPrefixTracker(ReplicationConfig(min_rate_per_s=1e-9))
+    tr.record(KEYS, 1.0, blocks=4)
+    tr.record(KEYS[:4], 1.5)
+    tr.record(KEYS, 2.0, blocks=1)  # shorter than min_blocks: not tracked
+    [(prefix, rate, keys)] = tr.hot(2.0)
+    assert (prefix, keys) == (KEYS[3], tuple(KEYS[:4]))
+    assert rate > 0
