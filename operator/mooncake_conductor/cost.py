@@ -173,6 +173,13 @@ class CostModel:
         load = max(0, cached - cached_in_hbm) * self.kv_bytes_per_token / self._h2d
         return compute if compute >= load else load
 
+    def prefill_constants(self) -> list[float]:
+        """The constants :func:`~mooncake_conductor.kernels.rank_fifo` prices prefills and
+        transfers with, in the order of :data:`~mooncake_conductor.kernels.COST_FIELDS`."""
+        return [self._flops_l_a_d, self._flops_l_b_d2, self._prefill_overhead, self._mfu_max,
+                self._mfu_half, self._peak, float(self.kv_bytes_per_token), self._h2d,
+                self._link]
+
     def reuse_breakeven_bandwidth(self, prefix_tokens: int) -> float:
         """Bytes/s above which loading a cached prefix beats recomputing it (paper §3:
         reuse pays when ``B/G > 2*d*s / (gqa*(a*p*d + b*d^2))``)."""
@@ -207,19 +214,12 @@ class CostModel:
         ) / self._decode_peak
         return self._decode_overhead + max(mem, compute)
 
-    def decode_step_floor(self, context_tokens: int) -> float:
-        """A lower bound of :meth:`decode_step_time` over every batch size: the fixed
-        overhead plus reading the weights and ``context_tokens`` of KV (same float
-        expression, so ``decode_step_time(b, c) >= decode_step_floor(c)`` exactly)."""
-        return self._decode_overhead + (
-            (self._weight_bytes + context_tokens * self.kv_bytes_per_token) / self._hbm
-        )
-
-    def decode_context_within(self, step_s: float) -> float:
-        """The most context tokens whose :meth:`decode_step_floor` stays within
-        ``step_s`` (rounded up a little: a bound for pruning, never too small)."""
-        room = (step_s - self._decode_overhead) * self._hbm - self._weight_bytes
-        return room / self.kv_bytes_per_token * (1.0 + _PRUNE_SLACK) + _PRUNE_SLACK
+    def decode_constants(self) -> list[float]:
+        """The constants :func:`~mooncake_conductor.kernels.rank_decode` prices decode
+        steps with, in the order of :data:`~mooncake_conductor.kernels.DECODE_FIELDS`."""
+        return [float(self._weight_bytes), float(self.kv_bytes_per_token), self._hbm,
+                self._decode_flops_per_seq, self._decode_attn_flops_per_ctx,
+                self._decode_peak, self._decode_overhead]
 
     # -- queue -------------------------------------------------------------------------------
     @staticmethod
@@ -231,9 +231,6 @@ class CostModel:
 # -- the paper's prefill-time predictor -------------------------------------------------------
 
 FEATURE_NAMES: tuple[str, ...] = ("1", "n", "p", "n^2", "p^2", "n*p")
-
-
-_PRUNE_SLACK = 1e-9  # relative slack of pruning bounds (float rounding)
 
 
 def _features(n: float, p: float) -> list[float]:

@@ -5,8 +5,8 @@
 - ``tbt-slo`` (paper §4, decode side of Algorithm 1): predict each instance's
   step time with this request added (cost model, continuous batching); keep
   those under the TBT SLO with KV room for the whole request; take the one
-  with the smallest predicted step. None left means the request would break
-  its TBT SLO: the Conductor rejects it (429).
+  with the smallest predicted step (within 1 %: a tie, drawn at random). None
+  left means the request would break its TBT SLO: the Conductor rejects it (429).
 - ``aibrix``: AIBrix's estimate ``(1000/throughput) * (1 + 1/max(running,1))``
   ms, x1.5 past 90% KV use; smallest wins.
 """
@@ -18,8 +18,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
+
 from .cost import CostModel
-from .policies.base import least, least_item
+from .kernels import rank_decode
+from .policies.base import least
 from .state import DecodeState, RequestInfo
 
 _TIE_EPS = 1e-12  # absolute tie slack of :func:`~.policies.base.least`
@@ -88,51 +91,44 @@ class LeastLoadDecode(DecodeSelector):
 
 
 class TBTSLODecode(DecodeSelector):
-    """Smallest predicted step among instances within the TBT SLO with KV room.
+    """Smallest predicted step among instances within the TBT SLO with KV room; steps
+    within ``tie_tolerance`` of the best tie (one drawn at random).
 
-    Instances are priced lazily: a step is never below
-    :meth:`~mooncake_conductor.cost.CostModel.decode_step_floor` of the instance's
-    context, so after pricing the least-loaded one only those whose floor reaches
-    into its tie band can win or tie (the same answer as pricing all of them)."""
+    Every live instance is priced in one compiled pass
+    (:func:`~mooncake_conductor.kernels.rank_decode`, the cost model's
+    :meth:`~mooncake_conductor.cost.CostModel.decode_step_time` operation for
+    operation)."""
 
     name = "tbt-slo"
     tie_tolerance: ClassVar[float] = 0.01
 
+    def __init__(self, cost: CostModel, tbt_slo_s: float, rng: random.Random) -> None:
+        super().__init__(cost, tbt_slo_s, rng)
+        self._consts = np.array(cost.decode_constants())
+        self._step = np.empty(0)
+        self._ties = np.empty(0, dtype=np.int64)
+
     def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
-        inp = req.input_tokens
-        need = inp + req.output_tokens
         live = [d for d in decode if d.up]
         if not live:
             return DecodeChoice(None, reject_reason="no-decode-instance")
-        step_time = self.cost.decode_step_time
-        slo = self.tbt_slo_s
-        # (context, batch, reserved, capacity) of every live instance, in list order
-        loads = [(d.context_tokens, d.batch, d.reserved_tokens, d.capacity_tokens)
-                 for d in live]
-        ctx, batch, reserved, capacity = min(loads)
-        first = step_time(batch + 1, ctx + inp)
-        first_ok = first <= slo and (capacity <= 0 or ctx + reserved + need <= capacity)
-        if loads.count(loads[0]) == len(loads):  # all alike (an idle pool): all tie
-            if not first_ok:
-                return DecodeChoice(live[0].iid, first, reject_reason="tbt-slo")
-            options = [(first, d.iid) for d in live]
-        else:
-            states = [(*load, d.iid) for load, d in zip(loads, live, strict=True)]
-            if first_ok:  # past ``bound`` context even the floor is outside the tie band
-                bound = self.cost.decode_context_within(
-                    first + abs(first) * self.tie_tolerance + _TIE_EPS) - inp
-                states = [s for s in states if s[0] <= bound]
-            # equal loads share one prediction
-            steps = {load: step_time(load[1] + 1, load[0] + inp)
-                     for load in {(s[0], s[1]) for s in states}}
-            options = [(steps[(c, b)], iid) for c, b, r, cap, iid in states
-                       if steps[(c, b)] <= slo and (cap <= 0 or c + r + need <= cap)]
-            if not options:
-                best = min(states, key=lambda s: steps[(s[0], s[1])])  # first of the fastest
-                return DecodeChoice(best[4], steps[(best[0], best[1])],
-                                    reject_reason="tbt-slo")
-        step, iid = least_item(options, self.rng, rel_tol=self.tie_tolerance)
-        return DecodeChoice(iid, step)
+        m = len(live)
+        if len(self._step) != m:
+            self._step, self._ties = np.empty(m), np.empty(m, dtype=np.int64)
+        step, ties = self._step, self._ties
+        count, fastest = rank_decode(
+            self._consts, req.input_tokens, req.input_tokens + req.output_tokens,
+            self.tbt_slo_s, self.tie_tolerance, _TIE_EPS,
+            np.fromiter([d.context_tokens for d in live], np.int64, m),
+            np.fromiter([d.batch for d in live], np.int64, m),
+            np.fromiter([d.reserved_tokens for d in live], np.int64, m),
+            np.fromiter([d.capacity_tokens for d in live], np.int64, m), step, ties,
+        )
+        if not count:  # nothing meets the SLO with room: the first of the fastest
+            return DecodeChoice(live[fastest].iid, float(step[fastest]),
+                                reject_reason="tbt-slo")
+        pos = int(ties[0] if count == 1 else ties[self.rng.choice(range(count))])
+        return DecodeChoice(live[pos].iid, float(step[pos]))
 
 
 class AIBrixDecode(DecodeSelector):

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .kernels import walk_keys, walk_keys_wide
+from .kernels import walk_keys, walk_keys_wide, walk_views
 from .keytable import (
     WORD_BITS,
     KeyMaskTable,
@@ -120,6 +120,7 @@ class PrefixIndex:
         self.vector_min_keys = vector_min_keys
         self._mirror: _Mirror | None = None
         self._drops = np.empty((0, 3), dtype=np.uint64)  # the compiled walk's drop rows
+        self._drops_p = np.empty((0, 3), dtype=np.uint64)  # the same for the pending view
         self.default_capacity = capacity_blocks
         self.holders: dict[int, int] = {}
         self._lru: list[OrderedDict[int, int] | None] = []
@@ -313,11 +314,34 @@ class PrefixIndex:
         """``match_all(keys, mask)`` and ``match_all(keys, pending_mask,
         include_pending=True)`` (the second is the first object when nothing is
         pending)."""
-        stored = self.match_all(keys, mask, key_array=key_array)
         if not self._pending:
+            stored = self.match_all(keys, mask, key_array=key_array)
             return stored, stored
-        return stored, self.match_all(keys, pending_mask, include_pending=True,
-                                      key_array=key_array)
+        start, start_p = self.live_mask & mask, self.live_mask & pending_mask
+        if start and start_p and len(keys) and self._vectorised():
+            mirror = self._mirror
+            assert mirror is not None
+            mirror.sync(self.holders, self._pending)
+            if mirror.stored.words == 1 and mirror.pending.words == 1:  # one pass, both
+                return self._walk_views(as_key_array(keys) if key_array is None else key_array,
+                                        start, start_p, mirror)
+        return (self.match_all(keys, mask, key_array=key_array),
+                self.match_all(keys, pending_mask, include_pending=True, key_array=key_array))
+
+    def _walk_views(
+        self, keys: U64Array, start: int, start_p: int, mirror: _Mirror
+    ) -> tuple[dict[int, int], dict[int, int]]:
+        """Both views of :meth:`match_views` by one compiled pass (:func:`.kernels.walk_views`)."""
+        n = len(keys)
+        if len(self._drops) <= n:
+            self._drops = np.empty((n + 1, 3), dtype=np.uint64)
+        if len(self._drops_p) <= n:
+            self._drops_p = np.empty((n + 1, 3), dtype=np.uint64)
+        dropped, left, dropped_p, left_p = walk_views(
+            mirror.stored.kernel_view(), mirror.pending.kernel_view(), keys, start & _LOW_WORD,
+            start_p & _LOW_WORD, self._drops, self._drops_p)
+        return (_matches(self._drops[:dropped].tolist(), left, n),
+                _matches(self._drops_p[:dropped_p].tolist(), left_p, n))
 
     def _match_vec(self, keys: U64Array, start: int, with_pending: bool) -> dict[int, int]:
         mirror = self._mirror

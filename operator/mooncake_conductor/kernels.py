@@ -41,13 +41,15 @@ import numpy.typing as npt
 U64Array = npt.NDArray[np.uint64]
 
 _kernel: Callable[..., tuple[int, int, int]] | None = None
+_views: Callable[..., tuple[int, Any, int, Any]] | None = None
 
 #: one table as the walk reads it: rows, per-bucket overflow counts, ``[hash shift,
 #: mask of key 0]`` and the stash as a key-sorted ``(n, 2)`` array of (key, mask)
 TableView = tuple[U64Array, Any, U64Array, U64Array]
 
 
-def _compile() -> Callable[..., tuple[int, int, int]]:
+def _compile() -> tuple[Callable[..., tuple[int, int, int]],
+                        Callable[..., tuple[int, Any, int, Any]]]:
     from numba import njit  # heavy import, deferred to the first large index
 
     from .keytable import _H1, _H2, SLOTS
@@ -107,7 +109,42 @@ def _compile() -> Callable[..., tuple[int, int, int]]:
                     return i, acc, dropped
         return n, acc, dropped
 
-    return walk
+    @njit(cache=True, nogil=True)
+    def views(
+        rows1: Any, over1: Any, meta1: Any, stash1: Any,
+        rows2: Any, over2: Any, meta2: Any, stash2: Any,
+        keys: Any, acc: Any, acc_p: Any, drops: Any, drops_p: Any,
+    ) -> tuple[int, Any, int, Any]:
+        n = keys.shape[0]
+        sink = np.uint64(0)
+        for i in range(n):
+            sink ^= rows1[(keys[i] * h1) >> meta1[0], 0]
+        drops[n, 0] = sink
+        dropped = 0
+        dropped_p = 0
+        for i in range(n):
+            key = keys[i]
+            mask = probe(rows1, over1, meta1, stash1, key)
+            new = acc & mask
+            if new != acc:
+                drops[dropped, 0] = i
+                drops[dropped, 1] = acc
+                drops[dropped, 2] = new
+                dropped += 1
+                acc = new
+            if acc_p & ~mask:  # else every instance left holds the key: nothing drops
+                new = acc_p & (mask | probe(rows2, over2, meta2, stash2, key))
+                if new != acc_p:
+                    drops_p[dropped_p, 0] = i
+                    drops_p[dropped_p, 1] = acc_p
+                    drops_p[dropped_p, 2] = new
+                    dropped_p += 1
+                    acc_p = new
+            if acc == 0 and acc_p == 0:
+                break
+        return dropped, acc, dropped_p, acc_p
+
+    return walk, views
 
 
 def walk_keys(
@@ -117,13 +154,29 @@ def walk_keys(
     ``(position reached, set left, drops)`` with each drop written as a row
     ``(position, set before, set after)`` of ``drops`` (at least ``len(keys) + 1``
     rows; the last is scratch)."""
-    global _kernel
+    global _kernel, _views
     if _kernel is None:
-        _kernel = _compile()
+        _kernel, _views = _compile()
     second = tables[1] if len(tables) > 1 else tables[0]
     end, left, dropped = _kernel(*tables[0], *second, len(tables) > 1, keys,
                                  np.uint64(acc), drops)
     return int(end), int(left), int(dropped)
+
+
+def walk_views(
+    stored: TableView, pending: TableView, keys: U64Array, acc: int, acc_pending: int,
+    drops: U64Array, drops_pending: U64Array,
+) -> tuple[int, int, int, int]:
+    """Two walks in one pass over ``keys``: ``acc`` through ``stored`` alone and
+    ``acc_pending`` through ``stored`` or ``pending`` (each key's stored mask is
+    probed once); returns ``(drops, set left, pending-view drops, its set left)``,
+    the drops written as in :func:`walk_keys`. Stops when both sets are empty."""
+    global _kernel, _views
+    if _views is None:
+        _kernel, _views = _compile()
+    dropped, left, dropped_p, left_p = _views(*stored, *pending, keys, np.uint64(acc),
+                                              np.uint64(acc_pending), drops, drops_pending)
+    return int(dropped), int(left), int(dropped_p), int(left_p)
 
 
 _wide: Callable[..., tuple[int, int]] | None = None
@@ -359,3 +412,181 @@ def warm_up() -> None:
     table.assign(keys, np.ones((len(keys), 1), dtype=np.uint64))
     drops = np.empty((len(keys) + 1, 3), dtype=np.uint64)
     walk_keys([table.kernel_view()], keys, 1, drops)
+    walk_views(table.kernel_view(), table.kernel_view(), keys, 1, 1, drops, drops.copy())
+    one_f, one_i = np.zeros(1), np.zeros(1, dtype=np.int64)
+    rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, True, 0.0, 0.0, one_f,
+              one_f, one_i, one_i, np.zeros(1), np.zeros(1, dtype=np.bool_), one_i.copy())
+    rank_decode(np.ones(len(DECODE_FIELDS)), 1, 1, 1.0, 0.0, 0.0, one_i, one_i, one_i, one_i,
+                np.zeros(1), one_i.copy())
+
+
+_rank: Callable[..., tuple[int, float]] | None = None
+
+#: order of the cost model's constants in the array :func:`rank_fifo` reads
+#: (:meth:`~mooncake_conductor.cost.CostModel.prefill_constants`)
+COST_FIELDS = ("flops_a", "flops_b", "overhead", "mfu_max", "mfu_half", "peak",
+               "kv_bytes_per_token", "h2d", "link")
+
+
+def _compile_rank() -> Callable[..., tuple[int, float]]:
+    from numba import njit
+
+    @njit(cache=True, nogil=True, inline="always")
+    def prefill_time(c: Any, n: int, cached: int) -> float:
+        # CostModel.prefill_time(n, cached), operation for operation (tests hold the two
+        # equal bit for bit)
+        reused = min(max(cached, 0), n)
+        new = n - reused
+        if new <= 0:
+            compute: float = c[2]
+        else:
+            a, b = c[0], c[1]
+            fn, fr = float(n), float(reused)
+            work = (a * fn * fn + b * fn) - (a * fr * fr + b * fr)
+            mfu = c[3] * float(new) / (float(new) + c[4])
+            compute = c[2] + work / (c[5] * mfu)
+        load = float(max(0, cached) * np.int64(c[6])) / c[7]
+        return compute if compute >= load else load
+
+    @njit(cache=True, nogil=True)
+    def rank(
+        c: Any, now: float, n: int, block: int, best_len: int, best_pos: int,
+        work_weight: float, overlap: bool, tol: float, tol_s: float,
+        busy_until: Any, qwork: Any, qlen: Any, local: Any, score: Any, fetch: Any,
+        ties: Any,
+    ) -> tuple[int, float]:
+        m = busy_until.shape[0]
+        fifo = np.empty(m)
+        busy = 0
+        waiting = 0
+        for i in range(m):
+            run = busy_until[i] > now
+            fifo[i] = (busy_until[i] - now if run else 0.0) + qwork[i]
+            waiting += qlen[i]
+            if qlen[i] > 0 or run:
+                busy += 1
+        kappa = work_weight * float(busy + waiting) / float(m)
+        best_tokens = min(best_len * block, n)
+        fetch_prefill = prefill_time(c, n, best_tokens)
+        best = np.inf
+        for i in range(m):
+            held = local[i]
+            held_tokens = min(held * block, n)
+            recompute = prefill_time(c, n, held_tokens)
+            ttft = fifo[i] + recompute
+            used = recompute
+            fetch[i] = False
+            if best_len > held and i != best_pos:
+                tokens = best_tokens - held_tokens
+                transfer = float(tokens * np.int64(c[6])) / c[8] if tokens > 0 else 0.0
+                if overlap:
+                    transfer = max(0.0, transfer - fifo[i])
+                f_ttft = fifo[i] + transfer + fetch_prefill
+                if f_ttft < ttft:
+                    ttft = f_ttft
+                    used = fetch_prefill
+                    fetch[i] = True
+            score[i] = ttft + kappa * used
+            if score[i] < best:
+                best = score[i]
+        band = best * (1.0 + tol) + tol_s
+        count = 0
+        for i in range(m):  # a tie never pays a new copy when one that does not ties
+            if score[i] <= band and not fetch[i]:
+                ties[count] = i
+                count += 1
+        if count == 0:
+            for i in range(m):
+                if score[i] <= band:
+                    ties[count] = i
+                    count += 1
+        return count, kappa
+
+    return rank
+
+
+def rank_fifo(
+    consts: npt.NDArray[np.float64], now: float, n: int, block: int, best_len: int,
+    best_pos: int, work_weight: float, overlap: bool, tol: float, tol_s: float,
+    busy_until: npt.NDArray[np.float64], qwork: npt.NDArray[np.float64],
+    qlen: npt.NDArray[np.int64], local: npt.NDArray[np.int64],
+    score: npt.NDArray[np.float64], fetch: npt.NDArray[np.bool_], ties: npt.NDArray[np.int64],
+) -> tuple[int, float]:
+    """The conductor's FIFO ranking (:mod:`.policies.conductor`) over every live
+    instance at once: per position its queue (``busy_until`` past ``now`` plus
+    ``qwork``), recompute-or-fetch TTFT, score ``TTFT + kappa * prefill`` into
+    ``score`` (``fetch`` set where fetching wins), then the positions inside the tie
+    band into ``ties`` (the ones that need no copy, if any do); returns their count
+    and ``kappa``, the price of a GPU second. ``best_pos`` is the position of the
+    longest prefix's holder (-1: none, or not a live instance), which cannot fetch
+    from itself."""
+    global _rank
+    if _rank is None:
+        _rank = _compile_rank()
+    count, kappa = _rank(consts, now, n, block, best_len, best_pos, work_weight, overlap,
+                         tol, tol_s, busy_until, qwork, qlen, local, score, fetch, ties)
+    return int(count), float(kappa)
+
+
+_decode: Callable[..., tuple[int, int, float]] | None = None
+
+#: order of the cost model's constants in the array :func:`rank_decode` reads
+#: (:meth:`~mooncake_conductor.cost.CostModel.decode_constants`)
+DECODE_FIELDS = ("weight_bytes", "kv_bytes_per_token", "hbm", "flops_per_seq",
+                 "attn_flops_per_ctx", "peak", "overhead")
+
+
+def _compile_decode() -> Callable[..., tuple[int, int, float]]:
+    from numba import njit
+
+    @njit(cache=True, nogil=True)
+    def rank(
+        c: Any, tokens: int, need: int, slo: float, tol: float, eps: float,
+        context: Any, batch: Any, reserved: Any, capacity: Any, step: Any, ties: Any,
+    ) -> tuple[int, int, float]:
+        m = context.shape[0]
+        kvb = np.int64(c[1])
+        best = np.inf
+        fastest = 0
+        for i in range(m):
+            # CostModel.decode_step_time(batch + 1, context + tokens), operation for
+            # operation (batch + 1 >= 1)
+            ctx = context[i] + tokens
+            mem = (c[0] + float(ctx * kvb)) / c[2]
+            compute = (float(batch[i] + 1) * c[3] + float(ctx) * c[4]) / c[5]
+            step[i] = c[6] + (mem if mem >= compute else compute)
+            if step[i] < step[fastest]:
+                fastest = i
+            fits = capacity[i] <= 0 or context[i] + reserved[i] + need <= capacity[i]
+            if step[i] <= slo and fits and step[i] < best:
+                best = step[i]
+        count = 0
+        if best < np.inf:
+            band = best + (abs(best) * tol + eps)
+            for i in range(m):
+                if step[i] <= band and step[i] <= slo and (
+                        capacity[i] <= 0 or context[i] + reserved[i] + need <= capacity[i]):
+                    ties[count] = i
+                    count += 1
+        return count, fastest, best
+
+    return rank
+
+
+def rank_decode(
+    consts: npt.NDArray[np.float64], tokens: int, need: int, slo: float, tol: float,
+    eps: float, context: npt.NDArray[np.int64], batch: npt.NDArray[np.int64],
+    reserved: npt.NDArray[np.int64], capacity: npt.NDArray[np.int64],
+    step: npt.NDArray[np.float64], ties: npt.NDArray[np.int64],
+) -> tuple[int, int]:
+    """The ``tbt-slo`` decode rule (:mod:`.decode`) over every live instance at once:
+    each one's predicted step with a request of ``tokens`` context added into ``step``;
+    the positions within the SLO with ``need`` tokens of KV room whose step is inside
+    the tie band (``best + (|best| * tol + eps)``) into ``ties``, in order. Returns their
+    count and the first position of the fastest instance (the answer when none fits)."""
+    global _decode
+    if _decode is None:
+        _decode = _compile_decode()
+    count, fastest, _ = _decode(consts, tokens, need, slo, tol, eps, context, batch, reserved,
+                                capacity, step, ties)
+    return int(count), int(fastest)

@@ -60,7 +60,8 @@ def test_down_and_unknown() -> None:
 
 
 def _tbt_slo_by_pricing_all(req, decode, rng, slo_s):  # type: ignore[no-untyped-def]
-    """The rule priced for every instance (what the pruned selector must equal)."""
+    """The rule in plain Python over the cost model (what the compiled selector must
+    equal): ``(instance, reject reason, predicted step)``."""
     from mooncake_conductor.policies.base import least
 
     need = req.input_tokens + req.output_tokens
@@ -75,13 +76,15 @@ def _tbt_slo_by_pricing_all(req, decode, rng, slo_s):  # type: ignore[no-untyped
                               d.context_tokens + d.reserved_tokens + need <= d.capacity_tokens):
             options.append((step, d.iid))
     if fallback is None:
-        return None, None
+        return None, "no-decode-instance", 0.0
     if not options:
-        return fallback[1], "tbt-slo"
-    return least(options, rng, rel_tol=0.01), None
+        return fallback[1], "tbt-slo", fallback[0]
+    iid = least(options, rng, rel_tol=0.01)
+    return iid, None, next(s for s, i in options if i == iid)
 
 
-def test_tbt_slo_pruning_equals_pricing_every_instance() -> None:
+def test_tbt_slo_compiled_pricing_equals_the_cost_model() -> None:
+    """Same choices, same random draws and the same predicted step, bit for bit."""
     r = random.Random(3)
     for trial in range(300):
         n = r.choice([1, 4, 64])
@@ -101,6 +104,14 @@ def test_tbt_slo_pruning_equals_pricing_every_instance() -> None:
         sel = create_decode_selector("tbt-slo", COST, slo, random.Random(trial))
         got = sel.choose(req, decode)
         want = _tbt_slo_by_pricing_all(req, decode, random.Random(trial), slo)
-        assert (got.decode, got.reject_reason) == (
-            want if want[0] is not None else (None, "no-decode-instance")
-        )
+        assert (got.decode, got.reject_reason, got.predicted_tbt_s) == want
+
+
+def test_tbt_slo_rejection_names_the_first_of_the_fastest() -> None:
+    decode = [DecodeState(iid=i, batch=b, context_tokens=1000) for i, b in
+              enumerate([3, 1, 1, 2])]
+    decode[0].up = False
+    got = create_decode_selector("tbt-slo", COST, 1e-6, random.Random(0)).choose(
+        request([1, 2]), decode)
+    assert (got.decode, got.reject_reason) == (1, "tbt-slo")
+    assert got.predicted_tbt_s == COST.decode_step_time(2, 1000 + request([1, 2]).input_tokens)

@@ -165,7 +165,11 @@ def test_vectorised_matching_equals_the_dict_walk(
                     a = walk.match_all(chain, mask, pending)
                     b = vec.match_all(chain, mask, pending)
                     assert a == b and list(a) == list(b)
-                assert walk.match_views(chain, mask, -1) == vec.match_views(chain, mask, -1)
+                # both views at once (one compiled pass when masks fit one word)
+                p_mask = r.choice([-1, mask, r.getrandbits(n_inst)])
+                va, vb = walk.match_views(chain, mask, p_mask), vec.match_views(chain, mask, p_mask)
+                assert va == vb and [list(v) for v in va] == [list(v) for v in vb]
+                assert va == (walk.match_all(chain, mask), walk.match_all(chain, p_mask, True))
         assert vec._mirror is not None and walk._mirror is None
 
 

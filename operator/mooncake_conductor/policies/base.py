@@ -183,14 +183,7 @@ def least(
 ) -> int:
     """Id with the smallest value; ties (within ``rel_tol``) broken at random so equal
     instances share the load instead of the first one always winning."""
-    return least_item(items, rng, rel_tol)[1]
-
-
-def least_item(
-    items: list[tuple[float, int]], rng: random.Random, rel_tol: float = 1e-9
-) -> tuple[float, int]:
-    """:func:`least`, returning the chosen ``(value, id)``."""
     best = min(items)[0]
     tol = abs(best) * rel_tol + 1e-12
     ties = [it for it in items if it[0] <= best + tol]
-    return ties[0] if len(ties) == 1 else rng.choice(ties)
+    return (ties[0] if len(ties) == 1 else rng.choice(ties))[1]

@@ -50,11 +50,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..cpp import CPPConfig, plan_cpp
+from ..kernels import rank_fifo
 from ..state import ClusterState, PrefillState, RequestInfo
-from .base import Placement, PrefillPolicy, longest, register
+from .base import Placement, PolicyContext, PrefillPolicy, longest, register
 
 
 class ConductorParams(BaseModel):
@@ -83,9 +86,18 @@ class ConductorParams(BaseModel):
 
 _AFTER = 1e-6  # priority step that orders a request right after another
 _ONE = 1
-_SLACK = 1e-9  # relative float slack when pruning by a lower bound
 # (ttft, instance, local blocks, fetched blocks, queue s, transfer s, prefill s, priority)
 _Row = tuple[float, int, int, int, float, float, float, float]
+
+
+def _position(iids: list[int], iid: int) -> int:
+    """Where ``iid`` is in ``iids`` (-1: not there); ids are usually their positions."""
+    if iid < len(iids) and iids[iid] == iid:
+        return iid
+    try:
+        return iids.index(iid)
+    except ValueError:
+        return -1
 
 
 @register
@@ -96,6 +108,15 @@ class ConductorPolicy(PrefillPolicy):
     admission = True
     replication = True
 
+    def __init__(self, params: BaseModel, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._consts = np.array(ctx.cost.prefill_constants())
+        # scratch for the ranking: score, fetch wins, local match, tie positions
+        self._buf: tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_],
+                         npt.NDArray[np.int64], npt.NDArray[np.int64]] = (
+            np.empty(0), np.empty(0, dtype=np.bool_), np.empty(0, dtype=np.int64),
+            np.empty(0, dtype=np.int64))
+
     def pick(
         self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
     ) -> Placement:
@@ -105,12 +126,6 @@ class ConductorPolicy(PrefillPolicy):
         index = cluster.index
         iids = [p.iid for p in live]
         live_mask = sum(map(_ONE.__lshift__, iids))  # ids are distinct: sum = OR
-        # FIFO wait per live instance: what runs plus what is queued
-        fifo_queue = [(p.busy_until - now if p.busy_until > now else 0.0) + p.queued_work_s
-                      for p in live]
-        queued = [len(p.queue) for p in live]
-        waiting = sum(queued)
-        busy = sum([bool(q) or p.busy_until > now for q, p in zip(queued, live, strict=True)])
         search = live_mask
         if cluster.store_id is not None:
             search |= 1 << cluster.store_id
@@ -125,10 +140,6 @@ class ConductorPolicy(PrefillPolicy):
         best_tokens = req.tokens_of(best_len)
         fetch_prefill = cost.prefill_time(n, best_tokens)
         f_prio = req.arrival + weight * fetch_prefill
-        # score = TTFT + kappa x GPU seconds. Work a choice adds delays the requests that
-        # would have used that time: on average the busy share of the pool plus the
-        # requests already waiting per instance (0 when idle: pure TTFT).
-        kappa = prm.work_weight * (busy + waiting) / len(live)
         # instances with the same local match share their prefill and transfer times
         by_local: dict[int, tuple[float, float]] = {}
 
@@ -150,7 +161,10 @@ class ConductorPolicy(PrefillPolicy):
             if local > stored.get(iid, 0) and p.queue:
                 # reusing blocks a queued prefill will write: never jump ahead of it
                 prio = max(prio, max(q.priority for q in p.queue) + _AFTER)
-            queue = p.wait_time(now, prio) if weight else fifo_queue[pos]
+            if weight:
+                queue = p.wait_time(now, prio)
+            else:  # FIFO: what runs plus what is queued
+                queue = (p.busy_until - now if p.busy_until > now else 0.0) + p.queued_work_s
             row: _Row = (queue + recompute, iid, local, 0, queue, 0.0, recompute, prio)
             if best_len > local and best_src != iid:
                 f_queue = p.wait_time(now, f_prio) if weight else queue
@@ -161,57 +175,33 @@ class ConductorPolicy(PrefillPolicy):
                            fetch_prefill, f_prio)
             return row
 
-        def band_of(best: float) -> float:
-            return best * (1.0 + prm.tie_tolerance) + prm.tie_tolerance_s
-
-        # Exact pruning (FIFO): an instance that holds nothing of the prompt, is not the
-        # fetch source and has nothing pending scores at least its queue plus the
-        # cheapest way to compute the prompt; the ones whose bound is past the tie band
-        # of a score already seen can neither win nor tie, so they are never priced.
         rows: list[tuple[int, _Row, float]] = []  # (live position, row, score)
         if weight or prm.explain:
+            # every instance priced here, one at a time (the reference for the ranking
+            # below, and the only way with priority queues)
+            queued = [len(p.queue) for p in live]
+            busy = sum([bool(q) or p.busy_until > now for q, p in zip(queued, live, strict=True)])
+            # score = TTFT + kappa x GPU seconds. Work a choice adds delays the requests
+            # that would have used that time: on average the busy share of the pool plus
+            # the requests already waiting per instance (0 when idle: pure TTFT).
+            kappa = prm.work_weight * (busy + sum(queued)) / len(live)
             for pos in range(len(live)):
                 row = row_of(pos)
                 rows.append((pos, row, row[0] + kappa * row[6]))
+            best = min(r[2] for r in rows)
+            band = best * (1.0 + prm.tie_tolerance) + prm.tie_tolerance_s
+            ties = [r for r in rows if r[2] <= band]  # in live order
+            no_copy = [r for r in ties if not r[1][3]]  # a tie never pays a new copy
+            ties = no_copy or ties
+            chosen_pos = ties[0][0] if len(ties) == 1 else self.ctx.rng.choice(ties)[0]
         else:
-            held = local_view.keys() | stored.keys()
-            if best_src is not None:
-                held.add(best_src)
-            done = {iids.index(iid) for iid in held if live_mask >> iid & 1}
-            for pos in sorted(done):
-                row = row_of(pos)
-                rows.append((pos, row, row[0] + kappa * row[6]))
-            # a plain instance's row depends on its queue only: equal queues share it
-            # (the row keeps the id of the first one; the chosen one gets its own)
-            same: dict[float, tuple[_Row, float]] = {}
-            first = min(range(len(live)), key=fifo_queue.__getitem__)
-            if first not in done:
-                row = row_of(first)
-                rows.append((first, row, row[0] + kappa * row[6]))
-                same[fifo_queue[first]] = rows[-1][1:]
-                done.add(first)
-            if len(done) < len(live):
-                recompute0 = times_of(0)[0]
-                floor = (1.0 + kappa) * (min(recompute0, fetch_prefill) if best_len
-                                         else recompute0)
-                reach = band_of(min(r[2] for r in rows)) * (1.0 + _SLACK) - floor
-                for pos in [pos for pos, q in enumerate(fifo_queue) if q <= reach]:
-                    if pos not in done:
-                        queue = fifo_queue[pos]
-                        like = same.get(queue)
-                        if like is None:
-                            row = row_of(pos)
-                            like = same[queue] = (row, row[0] + kappa * row[6])
-                        rows.append((pos, *like))
-        best = min(r[2] for r in rows)
-        band = band_of(best)
-        ties = [r for r in rows if r[2] <= band]
-        ties.sort()  # live order (positions are distinct: rows are never compared)
-        no_copy = [r for r in ties if not r[1][3]]  # a tie never pays a new copy
-        ties = no_copy or ties
-        pos, chosen, _ = ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties)
-        if chosen[1] != iids[pos]:  # a shared plain row
-            chosen = (chosen[0], iids[pos], *chosen[2:])
+            # FIFO: the same ranking (kappa, scores, tie band, no-copy preference) over
+            # every live instance in one compiled pass (:func:`..kernels.rank_fifo`)
+            count, kappa = self._rank(req, live, iids, local_view, best_src, best_len, now)
+            ties_at = self._buf[3]
+            chosen_pos = int(ties_at[0] if count == 1
+                             else ties_at[self.ctx.rng.choice(range(count))])
+        chosen = row_of(chosen_pos)
         choice = self._placement(chosen, best_src)
         cpp = self._cpp(req, live, stored, best_src, best_len, choice, now)
         if cpp is not None:
@@ -231,6 +221,33 @@ class ConductorPolicy(PrefillPolicy):
                 for o in sorted(options, key=lambda o: o.ttft_s)[:5]
             ]
         return choice
+
+    def _rank(
+        self, req: RequestInfo, live: list[PrefillState], iids: list[int],
+        local_view: dict[int, int], best_src: int | None, best_len: int, now: float,
+    ) -> tuple[int, float]:
+        """Score every live instance at once (FIFO queues); the positions in the tie band
+        land in ``self._buf[3]``. Returns their count and ``kappa``."""
+        assert isinstance(self.params, ConductorParams)
+        prm = self.params
+        m = len(live)
+        if len(self._buf[0]) != m:
+            self._buf = (np.empty(m), np.empty(m, dtype=np.bool_),
+                         np.empty(m, dtype=np.int64), np.empty(m, dtype=np.int64))
+        score, fetch, local, ties = self._buf
+        local.fill(0)
+        for iid, held in local_view.items():
+            pos = _position(iids, iid)
+            if pos >= 0:
+                local[pos] = held
+        return rank_fifo(
+            self._consts, now, req.input_tokens, req.block_tokens, best_len,
+            -1 if best_src is None else _position(iids, best_src), prm.work_weight,
+            prm.overlap_transfer, prm.tie_tolerance, prm.tie_tolerance_s,
+            np.fromiter([p.busy_until for p in live], np.float64, m),
+            np.fromiter([p.queued_work_s for p in live], np.float64, m),
+            np.fromiter([len(p.queue) for p in live], np.int64, m), local, score, fetch, ties,
+        )
 
     def _placement(self, row: _Row, source: int | None) -> Placement:
         assert isinstance(self.params, ConductorParams)

@@ -1,0 +1,66 @@
+"""The compiled rankings price exactly as the cost model does (bit for bit)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from mooncake_conductor.cost import CostModel, CostModelConfig, EfficiencySpec
+from mooncake_conductor.kernels import rank_fifo
+
+from .helpers import COST
+
+
+def _reference(cost, now, n, block, best_len, best_pos, weight, overlap, tol, tol_s,
+               busy_until, qwork, qlen, local):  # type: ignore[no-untyped-def]
+    """The conductor's FIFO ranking in plain Python over :class:`CostModel`."""
+    m = len(busy_until)
+    fifo = [(b - now if b > now else 0.0) + w for b, w in zip(busy_until, qwork, strict=True)]
+    busy = sum(1 for q, b in zip(qlen, busy_until, strict=True) if q > 0 or b > now)
+    kappa = weight * (busy + sum(qlen)) / m
+    best_tokens = min(best_len * block, n)
+    fetch_prefill = cost.prefill_time(n, best_tokens)
+    scores, fetches = [], []
+    for i in range(m):
+        held_tokens = min(local[i] * block, n)
+        recompute = cost.prefill_time(n, held_tokens)
+        ttft, used, fetch = fifo[i] + recompute, recompute, False
+        if best_len > local[i] and i != best_pos:
+            transfer = cost.transfer_time(best_tokens - held_tokens)
+            f_transfer = max(0.0, transfer - fifo[i]) if overlap else transfer
+            f_ttft = fifo[i] + f_transfer + fetch_prefill
+            if f_ttft < ttft:
+                ttft, used, fetch = f_ttft, fetch_prefill, True
+        scores.append(ttft + kappa * used)
+        fetches.append(fetch)
+    band = min(scores) * (1.0 + tol) + tol_s
+    ties = [i for i in range(m) if scores[i] <= band and not fetches[i]] or [
+        i for i in range(m) if scores[i] <= band]
+    return scores, fetches, ties, kappa
+
+
+def test_rank_fifo_equals_the_cost_model_bit_for_bit() -> None:
+    r = random.Random(5)
+    models = [COST, CostModel(CostModelConfig(efficiency=EfficiencySpec(mfu_half_tokens=1)))]
+    for _ in range(400):
+        cost = r.choice(models)
+        m = r.choice([1, 2, 7, 64])
+        block = r.choice([16, 512])
+        n = r.randint(1, 40_000)
+        local = [r.choice([0, 0, r.randint(0, n // block + 2)]) for _ in range(m)]
+        best_len = max([*local, r.choice([0, r.randint(0, n // block + 2)])])
+        best_pos = r.choice([-1, *[i for i in range(m) if local[i] == best_len]])
+        now = r.random() * 10
+        busy_until = [r.choice([0.0, now, now + r.random() * 5]) for _ in range(m)]
+        qwork = [r.choice([0.0, 0.0, r.random() * 8]) for _ in range(m)]
+        qlen = [r.choice([0, 0, r.randint(1, 5)]) for _ in range(m)]
+        args = (now, n, block, best_len, best_pos, r.choice([0.0, 1.0, 2.5]),
+                r.random() < 0.8, r.choice([0.0, 0.02]), r.choice([0.0, 0.005]))
+        score, fetch = np.empty(m), np.empty(m, dtype=np.bool_)
+        ties = np.empty(m, dtype=np.int64)
+        count, kappa = rank_fifo(
+            np.array(cost.prefill_constants()), *args, np.array(busy_until),
+            np.array(qwork), np.array(qlen, dtype=np.int64), np.array(local, dtype=np.int64),
+            score, fetch, ties)
+        want = _reference(cost, *args, busy_until, qwork, qlen, local)
+        assert (score.tolist(), fetch.tolist(), ties[:count].tolist(), kappa) == want
