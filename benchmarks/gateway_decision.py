@@ -1,12 +1,15 @@
 """Decision latency: token ids → block keys (block size 16) → Conductor decision.
 
     python benchmarks/gateway_decision.py [--instances 64] [--blocks 1000000]
-        [--tokens 8192] [--rounds 10000] [--policy conductor] [--no-churn]
+        [--tokens 8192] [--rounds 10000] [--policy conductor] [--no-churn] [--no-pending]
 
 The index holds ``--blocks`` keys spread over ``--instances`` prefill instances (chained
 prefixes of 512 blocks, every tenth one shared by several instances), queues are non-empty,
 and each request shares a random-length prefix with an indexed chain (made just
-before its decision: fresh token ids, as from a tokenizer). Timed per request:
+before its decision: fresh token ids, as from a tokenizer); decode instances run
+batches of 0-32 sequences. Every queued prefill's prompt (8k tokens, a random part of
+it shared with a chain) is pending on its instance (``--pending``, default on), so
+matching reads both the stored and the in-flight view. Timed per request:
 ``block_keys`` over the token ids (numpy) + ``Conductor.schedule`` (prefill policy,
 decode selector, admission, hot-prefix record) — what the gateway does between
 tokenizing and dispatching. Target: p99 < 200 µs for 8k-token prompts. A fixed
@@ -30,6 +33,7 @@ import numpy as np
 from mooncake_conductor.blockkeys import block_keys, block_keys_array, namespace_seed
 from mooncake_conductor.engine import Conductor, ConductorConfig
 from mooncake_conductor.index import PrefixIndex
+from mooncake_conductor.kernels import warm_up
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
 from mooncake_gateway.validate import _token_ids
 
@@ -62,6 +66,8 @@ def main() -> int:
     ap.add_argument("--churn", action=argparse.BooleanOptionalAction, default=True,
                     help="store each decided prompt on its instance (KV events) between "
                     "decisions")
+    ap.add_argument("--pending", action=argparse.BooleanOptionalAction, default=True,
+                    help="the blocks of every queued prefill are pending on its instance")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     prng = random.Random(0)
@@ -86,14 +92,25 @@ def main() -> int:
     params = {"cpp": {"enabled": False}, "priority_weight": 0.0} if a.policy == "conductor" \
         else {}
     cond = Conductor(ConductorConfig(policy=a.policy, params=params))
+    warm_up()  # as the gateway does before serving (setting warm_kernels)
     cluster = ClusterState(
         prefill=[PrefillState(iid=i) for i in range(n_inst)],
         decode=[DecodeState(iid=i, capacity_tokens=1_000_000) for i in range(a.decode)],
         index=index,
     )
-    for p in cluster.prefill:  # some queued work everywhere
+    for d in cluster.decode:  # running batches of different sizes
+        d.batch = prng.randint(0, 32)
+        d.context_tokens = d.batch * prng.randint(500, 4000)
+    for p in cluster.prefill:  # some queued work everywhere, its blocks pending
         for j in range(prng.randint(0, 4)):
             p.enqueue(10**9 + j, 0.0, prng.random(), 100, 1600)
+            if a.pending:  # as the gateway marks a dispatched prefill's blocks
+                base = chains[prng.randrange(len(chains))]
+                shared = prng.randrange(0, len(base) + 1)
+                toks = np.concatenate([base[:shared],
+                                       rng.integers(256, VOCAB, size=a.tokens - shared)])
+                index.add_pending(p.iid, block_keys(toks, BLOCK, seed))
+    index.sync()
 
     def prompts() -> Iterator[np.ndarray]:
         """Each prompt is made just before its decision, as a tokenizer hands it over."""
