@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .kernels import walk_keys, walk_keys_wide, walk_views
+from .kernels import walk_keys, walk_keys_wide, walk_lengths
 from .keytable import (
     WORD_BITS,
     KeyMaskTable,
@@ -56,6 +56,7 @@ VECTOR_DROP_SHARE = 0.25
 _LOW_WORD = (1 << WORD_BITS) - 1
 
 Keys = Sequence[int] | npt.NDArray[Any]
+I64Array = npt.NDArray[np.int64]
 
 
 def _bits(mask: int) -> Iterable[int]:
@@ -120,7 +121,6 @@ class PrefixIndex:
         self.vector_min_keys = vector_min_keys
         self._mirror: _Mirror | None = None
         self._drops = np.empty((0, 3), dtype=np.uint64)  # the compiled walk's drop rows
-        self._drops_p = np.empty((0, 3), dtype=np.uint64)  # the same for the pending view
         self.default_capacity = capacity_blocks
         self.holders: dict[int, int] = {}
         self._lru: list[OrderedDict[int, int] | None] = []
@@ -308,40 +308,45 @@ class PrefixIndex:
         keys_seq: Sequence[int] = keys.tolist() if isinstance(keys, np.ndarray) else keys
         return self._match_dict(keys_seq, start, with_pending)
 
-    def match_views(
-        self, keys: Keys, mask: int, pending_mask: int, key_array: U64Array | None = None
-    ) -> tuple[dict[int, int], dict[int, int]]:
-        """``match_all(keys, mask)`` and ``match_all(keys, pending_mask,
-        include_pending=True)`` (the second is the first object when nothing is
-        pending)."""
-        if not self._pending:
-            stored = self.match_all(keys, mask, key_array=key_array)
-            return stored, stored
-        start, start_p = self.live_mask & mask, self.live_mask & pending_mask
-        if start and start_p and len(keys) and self._vectorised():
+    def match_lengths(
+        self, keys: Keys, mask: int, pending_mask: int | None = None,
+        key_array: U64Array | None = None,
+    ) -> tuple[I64Array, I64Array, int | None, int]:
+        """Longest held prefix (blocks) of every instance, as arrays indexed by instance
+        id (0: nothing): stored blocks for the ids in ``mask``, and stored or pending
+        blocks for the ids in ``pending_mask`` (the second array is the first when
+        ``pending_mask`` is ``None`` or nothing is pending); then the holder of the
+        longest stored prefix (the lowest id on ties, ``None`` when nothing matches) and
+        its length. Same answers as :meth:`match_all`; on a large index of at most 64
+        instance ids, one compiled pass (:func:`.kernels.walk_lengths`)."""
+        start = self.live_mask & mask
+        with_view = pending_mask is not None and bool(self._pending)
+        start_p = self.live_mask & pending_mask if pending_mask is not None and with_view else 0
+        size = max(WORD_BITS, start.bit_length(), start_p.bit_length())
+        if start | start_p and len(keys) and self._vectorised():
             mirror = self._mirror
             assert mirror is not None
             mirror.sync(self.holders, self._pending)
-            if mirror.stored.words == 1 and mirror.pending.words == 1:  # one pass, both
-                return self._walk_views(as_key_array(keys) if key_array is None else key_array,
-                                        start, start_p, mirror)
-        return (self.match_all(keys, mask, key_array=key_array),
-                self.match_all(keys, pending_mask, include_pending=True, key_array=key_array))
-
-    def _walk_views(
-        self, keys: U64Array, start: int, start_p: int, mirror: _Mirror
-    ) -> tuple[dict[int, int], dict[int, int]]:
-        """Both views of :meth:`match_views` by one compiled pass (:func:`.kernels.walk_views`)."""
-        n = len(keys)
-        if len(self._drops) <= n:
-            self._drops = np.empty((n + 1, 3), dtype=np.uint64)
-        if len(self._drops_p) <= n:
-            self._drops_p = np.empty((n + 1, 3), dtype=np.uint64)
-        dropped, left, dropped_p, left_p = walk_views(
-            mirror.stored.kernel_view(), mirror.pending.kernel_view(), keys, start & _LOW_WORD,
-            start_p & _LOW_WORD, self._drops, self._drops_p)
-        return (_matches(self._drops[:dropped].tolist(), left, n),
-                _matches(self._drops_p[:dropped_p].tolist(), left_p, n))
+            if size == WORD_BITS and mirror.stored.words == 1 and mirror.pending.words == 1:
+                out, out_p = np.empty(size, dtype=np.int64), np.empty(size, dtype=np.int64)
+                best, length = walk_lengths(
+                    mirror.stored.kernel_view(), mirror.pending.kernel_view(),
+                    as_key_array(keys) if key_array is None else key_array, start, start_p,
+                    out, out_p)
+                return out, out_p if with_view else out, best if length else None, length
+        stored = self.match_all(keys, mask, key_array=key_array)
+        out = np.zeros(size, dtype=np.int64)
+        for iid, length in stored.items():
+            out[iid] = length
+        top = max(stored.items(), key=lambda item: (item[1], -item[0]), default=None)
+        best_src, best_len = top if top is not None else (None, 0)
+        if pending_mask is None or not with_view:
+            return out, out, best_src, best_len
+        view = np.zeros(size, dtype=np.int64)
+        for iid, length in self.match_all(keys, pending_mask, include_pending=True,
+                                          key_array=key_array).items():
+            view[iid] = length
+        return out, view, best_src, best_len
 
     def _match_vec(self, keys: U64Array, start: int, with_pending: bool) -> dict[int, int]:
         mirror = self._mirror

@@ -41,7 +41,7 @@ import numpy.typing as npt
 U64Array = npt.NDArray[np.uint64]
 
 _kernel: Callable[..., tuple[int, int, int]] | None = None
-_views: Callable[..., tuple[int, Any, int, Any]] | None = None
+_views: Callable[..., tuple[int, int, Any]] | None = None
 
 #: one table as the walk reads it: rows, per-bucket overflow counts, ``[hash shift,
 #: mask of key 0]`` and the stash as a key-sorted ``(n, 2)`` array of (key, mask)
@@ -49,7 +49,7 @@ TableView = tuple[U64Array, Any, U64Array, U64Array]
 
 
 def _compile() -> tuple[Callable[..., tuple[int, int, int]],
-                        Callable[..., tuple[int, Any, int, Any]]]:
+                        Callable[..., tuple[int, int, Any]]]:
     from numba import njit  # heavy import, deferred to the first large index
 
     from .keytable import _H1, _H2, SLOTS
@@ -109,42 +109,53 @@ def _compile() -> tuple[Callable[..., tuple[int, int, int]],
                     return i, acc, dropped
         return n, acc, dropped
 
+    one, zero = np.uint64(1), np.uint64(0)
+
+    @njit(cache=True, nogil=True, inline="always")
+    def settle(gone: Any, at: int, out: Any) -> None:
+        """``out[b] = at`` for every bit ``b`` of ``gone``."""
+        b = 0
+        while gone != zero:
+            if gone & one:
+                out[b] = at
+            gone >>= one
+            b += 1
+
     @njit(cache=True, nogil=True)
-    def views(
+    def lengths(
         rows1: Any, over1: Any, meta1: Any, stash1: Any,
         rows2: Any, over2: Any, meta2: Any, stash2: Any,
-        keys: Any, acc: Any, acc_p: Any, drops: Any, drops_p: Any,
-    ) -> tuple[int, Any, int, Any]:
+        keys: Any, acc: Any, acc_p: Any, out: Any, out_p: Any,
+    ) -> tuple[int, int, Any]:
+        out[:] = 0
+        out_p[:] = 0
         n = keys.shape[0]
-        sink = np.uint64(0)
+        sink = zero
         for i in range(n):
             sink ^= rows1[(keys[i] * h1) >> meta1[0], 0]
-        drops[n, 0] = sink
-        dropped = 0
-        dropped_p = 0
         for i in range(n):
             key = keys[i]
             mask = probe(rows1, over1, meta1, stash1, key)
             new = acc & mask
             if new != acc:
-                drops[dropped, 0] = i
-                drops[dropped, 1] = acc
-                drops[dropped, 2] = new
-                dropped += 1
+                settle(acc & ~new, i, out)
                 acc = new
             if acc_p & ~mask:  # else every instance left holds the key: nothing drops
                 new = acc_p & (mask | probe(rows2, over2, meta2, stash2, key))
                 if new != acc_p:
-                    drops_p[dropped_p, 0] = i
-                    drops_p[dropped_p, 1] = acc_p
-                    drops_p[dropped_p, 2] = new
-                    dropped_p += 1
+                    settle(acc_p & ~new, i, out_p)
                     acc_p = new
-            if acc == 0 and acc_p == 0:
+            if acc == zero and acc_p == zero:
                 break
-        return dropped, acc, dropped_p, acc_p
+        settle(acc, n, out)
+        settle(acc_p, n, out_p)
+        best = 0
+        for b in range(out.shape[0]):
+            if out[b] > out[best]:
+                best = b
+        return best, out[best], sink  # returning the loads' sum keeps them
 
-    return walk, views
+    return walk, lengths
 
 
 def walk_keys(
@@ -163,20 +174,21 @@ def walk_keys(
     return int(end), int(left), int(dropped)
 
 
-def walk_views(
+def walk_lengths(
     stored: TableView, pending: TableView, keys: U64Array, acc: int, acc_pending: int,
-    drops: U64Array, drops_pending: U64Array,
-) -> tuple[int, int, int, int]:
+    out: npt.NDArray[np.int64], out_pending: npt.NDArray[np.int64],
+) -> tuple[int, int]:
     """Two walks in one pass over ``keys``: ``acc`` through ``stored`` alone and
-    ``acc_pending`` through ``stored`` or ``pending`` (each key's stored mask is
-    probed once); returns ``(drops, set left, pending-view drops, its set left)``,
-    the drops written as in :func:`walk_keys`. Stops when both sets are empty."""
+    ``acc_pending`` (0: none) through ``stored`` or ``pending``, each key's stored
+    mask probed once. Writes every instance's longest prefix (blocks) into ``out`` /
+    ``out_pending`` by id (at least 64 long; 0 for the rest) and returns the first
+    instance with the longest stored prefix and its length."""
     global _kernel, _views
     if _views is None:
         _kernel, _views = _compile()
-    dropped, left, dropped_p, left_p = _views(*stored, *pending, keys, np.uint64(acc),
-                                              np.uint64(acc_pending), drops, drops_pending)
-    return int(dropped), int(left), int(dropped_p), int(left_p)
+    best, length, _ = _views(*stored, *pending, keys, np.uint64(acc), np.uint64(acc_pending),
+                             out, out_pending)
+    return int(best), int(length)
 
 
 _wide: Callable[..., tuple[int, int]] | None = None
@@ -412,10 +424,12 @@ def warm_up() -> None:
     table.assign(keys, np.ones((len(keys), 1), dtype=np.uint64))
     drops = np.empty((len(keys) + 1, 3), dtype=np.uint64)
     walk_keys([table.kernel_view()], keys, 1, drops)
-    walk_views(table.kernel_view(), table.kernel_view(), keys, 1, 1, drops, drops.copy())
+    walk_lengths(table.kernel_view(), table.kernel_view(), keys, 1, 1,
+                 np.zeros(64, dtype=np.int64), np.zeros(64, dtype=np.int64))
     one_f, one_i = np.zeros(1), np.zeros(1, dtype=np.int64)
     rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, True, 0.0, 0.0, one_f,
-              one_f, one_i, one_i, np.zeros(1), np.zeros(1, dtype=np.bool_), one_i.copy())
+              one_f, one_i, one_i, one_i, np.zeros(1), np.zeros(1, dtype=np.bool_),
+              one_i.copy())
     rank_decode(np.ones(len(DECODE_FIELDS)), 1, 1, 1.0, 0.0, 0.0, one_i, one_i, one_i, one_i,
                 np.zeros(1), one_i.copy())
 
@@ -452,8 +466,8 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
     def rank(
         c: Any, now: float, n: int, block: int, best_len: int, best_pos: int,
         work_weight: float, overlap: bool, tol: float, tol_s: float,
-        busy_until: Any, qwork: Any, qlen: Any, local: Any, score: Any, fetch: Any,
-        ties: Any,
+        busy_until: Any, qwork: Any, qlen: Any, iid: Any, local: Any, score: Any,
+        fetch: Any, ties: Any,
     ) -> tuple[int, float]:
         m = busy_until.shape[0]
         fifo = np.empty(m)
@@ -470,7 +484,7 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
         fetch_prefill = prefill_time(c, n, best_tokens)
         best = np.inf
         for i in range(m):
-            held = local[i]
+            held = local[iid[i]]
             held_tokens = min(held * block, n)
             recompute = prefill_time(c, n, held_tokens)
             ttft = fifo[i] + recompute
@@ -509,12 +523,13 @@ def rank_fifo(
     consts: npt.NDArray[np.float64], now: float, n: int, block: int, best_len: int,
     best_pos: int, work_weight: float, overlap: bool, tol: float, tol_s: float,
     busy_until: npt.NDArray[np.float64], qwork: npt.NDArray[np.float64],
-    qlen: npt.NDArray[np.int64], local: npt.NDArray[np.int64],
+    qlen: npt.NDArray[np.int64], iid: npt.NDArray[np.int64], local: npt.NDArray[np.int64],
     score: npt.NDArray[np.float64], fetch: npt.NDArray[np.bool_], ties: npt.NDArray[np.int64],
 ) -> tuple[int, float]:
     """The conductor's FIFO ranking (:mod:`.policies.conductor`) over every live
     instance at once: per position its queue (``busy_until`` past ``now`` plus
-    ``qwork``), recompute-or-fetch TTFT, score ``TTFT + kappa * prefill`` into
+    ``qwork``; ``iid`` its instance id, ``local`` the local prefix by id),
+    recompute-or-fetch TTFT, score ``TTFT + kappa * prefill`` into
     ``score`` (``fetch`` set where fetching wins), then the positions inside the tie
     band into ``ties`` (the ones that need no copy, if any do); returns their count
     and ``kappa``, the price of a GPU second. ``best_pos`` is the position of the
@@ -524,7 +539,8 @@ def rank_fifo(
     if _rank is None:
         _rank = _compile_rank()
     count, kappa = _rank(consts, now, n, block, best_len, best_pos, work_weight, overlap,
-                         tol, tol_s, busy_until, qwork, qlen, local, score, fetch, ties)
+                         tol, tol_s, busy_until, qwork, qlen, iid, local, score, fetch,
+                         ties)
     return int(count), float(kappa)
 
 

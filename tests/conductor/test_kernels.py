@@ -58,9 +58,12 @@ def test_rank_fifo_equals_the_cost_model_bit_for_bit() -> None:
                 r.random() < 0.8, r.choice([0.0, 0.02]), r.choice([0.0, 0.005]))
         score, fetch = np.empty(m), np.empty(m, dtype=np.bool_)
         ties = np.empty(m, dtype=np.int64)
+        ids = r.sample(range(m + 3), m)  # position -> instance id; local is kept by id
+        by_id = np.zeros(m + 3, dtype=np.int64)
+        by_id[ids] = local
         count, kappa = rank_fifo(
             np.array(cost.prefill_constants()), *args, np.array(busy_until),
-            np.array(qwork), np.array(qlen, dtype=np.int64), np.array(local, dtype=np.int64),
-            score, fetch, ties)
+            np.array(qwork), np.array(qlen, dtype=np.int64), np.array(ids, dtype=np.int64),
+            by_id, score, fetch, ties)
         want = _reference(cost, *args, busy_until, qwork, qlen, local)
         assert (score.tolist(), fetch.tolist(), ties[:count].tolist(), kappa) == want

@@ -278,6 +278,9 @@ def test_conductor_compiled_ranking_equals_pricing_in_python() -> None:
     for trial in range(150):
         n = r.choice([2, 8, 64])
         pruned, full = cluster(n=n), cluster(n=n)
+        if trial % 2:  # matching on the compiled mirror of a large index
+            for c in (pruned, full):
+                c.index.vector_min_keys = 1
         chains = [list(range(1000 * c, 1000 * c + 40)) for c in range(6)]
         for inst in range(n):
             for _ in range(r.randint(0, 2)):
@@ -294,6 +297,14 @@ def test_conductor_compiled_ranking_equals_pricing_in_python() -> None:
                 if wait:
                     queue(c.prefill[inst], wait)
                 c.prefill[inst].busy_until = running_until
+        if trial % 3 == 0:  # a store pool holds a prefix too
+            held = r.choice(chains)[: r.randint(1, 40)]
+            for c in (pruned, full):
+                c.store_id = n
+                c.index.store(n, held)
+        for inst in r.sample(range(n), r.randint(0, n - 1)):  # some instances down
+            for c in (pruned, full):
+                c.prefill[inst].up = False
         keys = [*r.choice(chains)[: r.randint(1, 40)], 10**6 + trial]
         req = request(keys)
         for cpp in (False, True):

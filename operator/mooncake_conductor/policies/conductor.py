@@ -57,7 +57,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..cpp import CPPConfig, plan_cpp
 from ..kernels import rank_fifo
 from ..state import ClusterState, PrefillState, RequestInfo
-from .base import Placement, PolicyContext, PrefillPolicy, longest, register
+from .base import Placement, PolicyContext, PrefillPolicy, register
 
 
 class ConductorParams(BaseModel):
@@ -111,11 +111,10 @@ class ConductorPolicy(PrefillPolicy):
     def __init__(self, params: BaseModel, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
         self._consts = np.array(ctx.cost.prefill_constants())
-        # scratch for the ranking: score, fetch wins, local match, tie positions
-        self._buf: tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_],
-                         npt.NDArray[np.int64], npt.NDArray[np.int64]] = (
-            np.empty(0), np.empty(0, dtype=np.bool_), np.empty(0, dtype=np.int64),
-            np.empty(0, dtype=np.int64))
+        # scratch for the ranking: scores, where fetching wins, tie positions
+        self._score = np.empty(0)
+        self._fetch = np.empty(0, dtype=np.bool_)
+        self._ties = np.empty(0, dtype=np.int64)
 
     def pick(
         self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
@@ -129,12 +128,11 @@ class ConductorPolicy(PrefillPolicy):
         search = live_mask
         if cluster.store_id is not None:
             search |= 1 << cluster.store_id
-        if prm.include_pending:
-            stored, local_view = index.match_views(req.keys, search, live_mask,
-                                                       key_array=req.key_array)
-        else:
-            stored = local_view = index.match_all(req.keys, search, key_array=req.key_array)
-        best_src, best_len = longest(stored)
+        # longest prefix per instance id: stored (any holder, the store pool too) and,
+        # for live instances, stored or pending (what queued prefills will have written)
+        stored, local_view, best_src, best_len = index.match_lengths(
+            req.keys, search, live_mask if prm.include_pending else None,
+            key_array=req.key_array)
         n = req.input_tokens
         weight = prm.priority_weight
         best_tokens = req.tokens_of(best_len)
@@ -155,10 +153,10 @@ class ConductorPolicy(PrefillPolicy):
         def row_of(pos: int) -> _Row:
             p = live[pos]
             iid = p.iid
-            local = local_view.get(iid, 0)
+            local = int(local_view[iid])
             recompute, transfer = times_of(local)
             prio = req.arrival + weight * recompute
-            if local > stored.get(iid, 0) and p.queue:
+            if local > stored[iid] and p.queue:
                 # reusing blocks a queued prefill will write: never jump ahead of it
                 prio = max(prio, max(q.priority for q in p.queue) + _AFTER)
             if weight:
@@ -198,7 +196,7 @@ class ConductorPolicy(PrefillPolicy):
             # FIFO: the same ranking (kappa, scores, tie band, no-copy preference) over
             # every live instance in one compiled pass (:func:`..kernels.rank_fifo`)
             count, kappa = self._rank(req, live, iids, local_view, best_src, best_len, now)
-            ties_at = self._buf[3]
+            ties_at = self._ties
             chosen_pos = int(ties_at[0] if count == 1
                              else ties_at[self.ctx.rng.choice(range(count))])
         chosen = row_of(chosen_pos)
@@ -224,29 +222,24 @@ class ConductorPolicy(PrefillPolicy):
 
     def _rank(
         self, req: RequestInfo, live: list[PrefillState], iids: list[int],
-        local_view: dict[int, int], best_src: int | None, best_len: int, now: float,
+        local_view: npt.NDArray[np.int64], best_src: int | None, best_len: int, now: float,
     ) -> tuple[int, float]:
         """Score every live instance at once (FIFO queues); the positions in the tie band
-        land in ``self._buf[3]``. Returns their count and ``kappa``."""
+        land in ``self._ties``. Returns their count and ``kappa``."""
         assert isinstance(self.params, ConductorParams)
         prm = self.params
         m = len(live)
-        if len(self._buf[0]) != m:
-            self._buf = (np.empty(m), np.empty(m, dtype=np.bool_),
-                         np.empty(m, dtype=np.int64), np.empty(m, dtype=np.int64))
-        score, fetch, local, ties = self._buf
-        local.fill(0)
-        for iid, held in local_view.items():
-            pos = _position(iids, iid)
-            if pos >= 0:
-                local[pos] = held
+        if len(self._score) != m:
+            self._score, self._fetch = np.empty(m), np.empty(m, dtype=np.bool_)
+            self._ties = np.empty(m, dtype=np.int64)
         return rank_fifo(
             self._consts, now, req.input_tokens, req.block_tokens, best_len,
             -1 if best_src is None else _position(iids, best_src), prm.work_weight,
             prm.overlap_transfer, prm.tie_tolerance, prm.tie_tolerance_s,
             np.fromiter([p.busy_until for p in live], np.float64, m),
             np.fromiter([p.queued_work_s for p in live], np.float64, m),
-            np.fromiter([len(p.queue) for p in live], np.int64, m), local, score, fetch, ties,
+            np.fromiter([len(p.queue) for p in live], np.int64, m),
+            np.fromiter(iids, np.int64, m), local_view, self._score, self._fetch, self._ties,
         )
 
     def _placement(self, row: _Row, source: int | None) -> Placement:
@@ -262,7 +255,7 @@ class ConductorPolicy(PrefillPolicy):
         self,
         req: RequestInfo,
         live: list[PrefillState],
-        stored: dict[int, int],
+        stored: npt.NDArray[np.int64],
         best_src: int | None,
         best_len: int,
         single: Placement,
@@ -291,8 +284,8 @@ class ConductorPolicy(PrefillPolicy):
         best: Placement | None = None
         for size in range(2, min(limit, len(by_wait)) + 1):
             members = by_wait[:size]
-            leader = max(members, key=lambda p: (stored.get(p.iid, 0), -order[p.iid][1]))
-            local = stored.get(leader.iid, 0)
+            leader = max(members, key=lambda p: (stored[p.iid], -order[p.iid][1]))
+            local = int(stored[leader.iid])
             fetch = best_len - local if best_src is not None and best_len > local else 0
             reuse = local + fetch
             transfer = self.ctx.cost.transfer_time(req.tokens_of(reuse) - req.tokens_of(local))
