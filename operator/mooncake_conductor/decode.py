@@ -23,7 +23,7 @@ import numpy as np
 from .cost import CostModel
 from .kernels import rank_decode
 from .policies.base import least
-from .state import DecodeState, RequestInfo
+from .state import DecodeState, RequestInfo, board_of
 
 _TIE_EPS = 1e-12  # absolute tie slack of :func:`~.policies.base.least`
 
@@ -109,26 +109,25 @@ class TBTSLODecode(DecodeSelector):
         self._ties = np.empty(0, dtype=np.int64)
 
     def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
-        live = [d for d in decode if d.up]
-        if not live:
+        if not decode:
             return DecodeChoice(None, reject_reason="no-decode-instance")
-        m = len(live)
+        board = board_of(decode)  # every instance's load, kept current by the states
+        m = len(decode)
         if len(self._step) != m:
             self._step, self._ties = np.empty(m), np.empty(m, dtype=np.int64)
         step, ties = self._step, self._ties
         count, fastest = rank_decode(
             self._consts, req.input_tokens, req.input_tokens + req.output_tokens,
-            self.tbt_slo_s, self.tie_tolerance, _TIE_EPS,
-            np.fromiter([d.context_tokens for d in live], np.int64, m),
-            np.fromiter([d.batch for d in live], np.int64, m),
-            np.fromiter([d.reserved_tokens for d in live], np.int64, m),
-            np.fromiter([d.capacity_tokens for d in live], np.int64, m), step, ties,
+            self.tbt_slo_s, self.tie_tolerance, _TIE_EPS, board["up"], board["context_tokens"],
+            board["batch"], board["reserved_tokens"], board["capacity_tokens"], step, ties,
         )
+        if fastest < 0:
+            return DecodeChoice(None, reject_reason="no-decode-instance")
         if not count:  # nothing meets the SLO with room: the first of the fastest
-            return DecodeChoice(live[fastest].iid, float(step[fastest]),
+            return DecodeChoice(decode[fastest].iid, float(step[fastest]),
                                 reject_reason="tbt-slo")
-        pos = int(ties[0] if count == 1 else ties[self.rng.choice(range(count))])
-        return DecodeChoice(live[pos].iid, float(step[pos]))
+        row = int(ties[0] if count == 1 else ties[self.rng.choice(range(count))])
+        return DecodeChoice(decode[row].iid, float(step[row]))
 
 
 class AIBrixDecode(DecodeSelector):

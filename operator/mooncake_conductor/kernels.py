@@ -427,11 +427,11 @@ def warm_up() -> None:
     walk_lengths(table.kernel_view(), table.kernel_view(), keys, 1, 1,
                  np.zeros(64, dtype=np.int64), np.zeros(64, dtype=np.int64))
     one_f, one_i = np.zeros(1), np.zeros(1, dtype=np.int64)
-    rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, True, 0.0, 0.0, one_f,
-              one_f, one_i, one_i, one_i, np.zeros(1), np.zeros(1, dtype=np.bool_),
-              one_i.copy())
-    rank_decode(np.ones(len(DECODE_FIELDS)), 1, 1, 1.0, 0.0, 0.0, one_i, one_i, one_i, one_i,
-                np.zeros(1), one_i.copy())
+    rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, True, 0.0, 0.0,
+              np.ones(1, dtype=np.bool_), one_f, one_f, one_i, one_i, one_i, np.zeros(1),
+              np.zeros(1, dtype=np.bool_), one_i.copy())
+    rank_decode(np.ones(len(DECODE_FIELDS)), 1, 1, 1.0, 0.0, 0.0, np.ones(1, dtype=np.bool_),
+                one_i, one_i, one_i, one_i, np.zeros(1), one_i.copy())
 
 
 _rank: Callable[..., tuple[int, float]] | None = None
@@ -466,30 +466,37 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
     def rank(
         c: Any, now: float, n: int, block: int, best_len: int, best_pos: int,
         work_weight: float, overlap: bool, tol: float, tol_s: float,
-        busy_until: Any, qwork: Any, qlen: Any, iid: Any, local: Any, score: Any,
+        up: Any, busy_until: Any, qwork: Any, qlen: Any, iid: Any, local: Any, score: Any,
         fetch: Any, ties: Any,
     ) -> tuple[int, float]:
         m = busy_until.shape[0]
         fifo = np.empty(m)
         busy = 0
         waiting = 0
+        live = 0
         for i in range(m):
+            if not up[i]:
+                continue
+            live += 1
             run = busy_until[i] > now
             fifo[i] = (busy_until[i] - now if run else 0.0) + qwork[i]
             waiting += qlen[i]
             if qlen[i] > 0 or run:
                 busy += 1
-        kappa = work_weight * float(busy + waiting) / float(m)
+        kappa = work_weight * float(busy + waiting) / float(max(live, 1))
         best_tokens = min(best_len * block, n)
         fetch_prefill = prefill_time(c, n, best_tokens)
         best = np.inf
         for i in range(m):
+            fetch[i] = False
+            if not up[i]:
+                score[i] = np.inf
+                continue
             held = local[iid[i]]
             held_tokens = min(held * block, n)
             recompute = prefill_time(c, n, held_tokens)
             ttft = fifo[i] + recompute
             used = recompute
-            fetch[i] = False
             if best_len > held and i != best_pos:
                 tokens = best_tokens - held_tokens
                 transfer = float(tokens * np.int64(c[6])) / c[8] if tokens > 0 else 0.0
@@ -506,12 +513,12 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
         band = best * (1.0 + tol) + tol_s
         count = 0
         for i in range(m):  # a tie never pays a new copy when one that does not ties
-            if score[i] <= band and not fetch[i]:
+            if up[i] and score[i] <= band and not fetch[i]:
                 ties[count] = i
                 count += 1
         if count == 0:
             for i in range(m):
-                if score[i] <= band:
+                if up[i] and score[i] <= band:
                     ties[count] = i
                     count += 1
         return count, kappa
@@ -522,24 +529,25 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
 def rank_fifo(
     consts: npt.NDArray[np.float64], now: float, n: int, block: int, best_len: int,
     best_pos: int, work_weight: float, overlap: bool, tol: float, tol_s: float,
-    busy_until: npt.NDArray[np.float64], qwork: npt.NDArray[np.float64],
+    up: npt.NDArray[np.bool_], busy_until: npt.NDArray[np.float64],
+    qwork: npt.NDArray[np.float64],
     qlen: npt.NDArray[np.int64], iid: npt.NDArray[np.int64], local: npt.NDArray[np.int64],
     score: npt.NDArray[np.float64], fetch: npt.NDArray[np.bool_], ties: npt.NDArray[np.int64],
 ) -> tuple[int, float]:
     """The conductor's FIFO ranking (:mod:`.policies.conductor`) over every live
-    instance at once: per position its queue (``busy_until`` past ``now`` plus
-    ``qwork``; ``iid`` its instance id, ``local`` the local prefix by id),
-    recompute-or-fetch TTFT, score ``TTFT + kappa * prefill`` into
-    ``score`` (``fetch`` set where fetching wins), then the positions inside the tie
-    band into ``ties`` (the ones that need no copy, if any do); returns their count
-    and ``kappa``, the price of a GPU second. ``best_pos`` is the position of the
-    longest prefix's holder (-1: none, or not a live instance), which cannot fetch
-    from itself."""
+    instance at once (the rows of a :class:`~mooncake_conductor.state.Board` that are
+    ``up``): per row its queue (``busy_until`` past ``now`` plus ``qwork``; ``iid`` its
+    instance id, ``local`` the local prefix by id), recompute-or-fetch TTFT, score
+    ``TTFT + kappa * prefill`` into ``score`` (``fetch`` set where fetching wins), then
+    the rows inside the tie band into ``ties`` (the ones that need no copy, if any do);
+    returns their count and ``kappa``, the price of a GPU second. ``best_pos`` is the
+    row of the longest prefix's holder (-1: none, or not a live instance), which cannot
+    fetch from itself."""
     global _rank
     if _rank is None:
         _rank = _compile_rank()
     count, kappa = _rank(consts, now, n, block, best_len, best_pos, work_weight, overlap,
-                         tol, tol_s, busy_until, qwork, qlen, iid, local, score, fetch,
+                         tol, tol_s, up, busy_until, qwork, qlen, iid, local, score, fetch,
                          ties)
     return int(count), float(kappa)
 
@@ -557,21 +565,24 @@ def _compile_decode() -> Callable[..., tuple[int, int, float]]:
 
     @njit(cache=True, nogil=True)
     def rank(
-        c: Any, tokens: int, need: int, slo: float, tol: float, eps: float,
+        c: Any, tokens: int, need: int, slo: float, tol: float, eps: float, up: Any,
         context: Any, batch: Any, reserved: Any, capacity: Any, step: Any, ties: Any,
     ) -> tuple[int, int, float]:
         m = context.shape[0]
         kvb = np.int64(c[1])
         best = np.inf
-        fastest = 0
+        fastest = -1
         for i in range(m):
+            if not up[i]:
+                step[i] = np.inf
+                continue
             # CostModel.decode_step_time(batch + 1, context + tokens), operation for
             # operation (batch + 1 >= 1)
             ctx = context[i] + tokens
             mem = (c[0] + float(ctx * kvb)) / c[2]
             compute = (float(batch[i] + 1) * c[3] + float(ctx) * c[4]) / c[5]
             step[i] = c[6] + (mem if mem >= compute else compute)
-            if step[i] < step[fastest]:
+            if fastest < 0 or step[i] < step[fastest]:
                 fastest = i
             fits = capacity[i] <= 0 or context[i] + reserved[i] + need <= capacity[i]
             if step[i] <= slo and fits and step[i] < best:
@@ -580,7 +591,7 @@ def _compile_decode() -> Callable[..., tuple[int, int, float]]:
         if best < np.inf:
             band = best + (abs(best) * tol + eps)
             for i in range(m):
-                if step[i] <= band and step[i] <= slo and (
+                if up[i] and step[i] <= band and step[i] <= slo and (
                         capacity[i] <= 0 or context[i] + reserved[i] + need <= capacity[i]):
                     ties[count] = i
                     count += 1
@@ -591,18 +602,21 @@ def _compile_decode() -> Callable[..., tuple[int, int, float]]:
 
 def rank_decode(
     consts: npt.NDArray[np.float64], tokens: int, need: int, slo: float, tol: float,
-    eps: float, context: npt.NDArray[np.int64], batch: npt.NDArray[np.int64],
+    eps: float, up: npt.NDArray[np.bool_], context: npt.NDArray[np.int64],
+    batch: npt.NDArray[np.int64],
     reserved: npt.NDArray[np.int64], capacity: npt.NDArray[np.int64],
     step: npt.NDArray[np.float64], ties: npt.NDArray[np.int64],
 ) -> tuple[int, int]:
-    """The ``tbt-slo`` decode rule (:mod:`.decode`) over every live instance at once:
-    each one's predicted step with a request of ``tokens`` context added into ``step``;
-    the positions within the SLO with ``need`` tokens of KV room whose step is inside
-    the tie band (``best + (|best| * tol + eps)``) into ``ties``, in order. Returns their
-    count and the first position of the fastest instance (the answer when none fits)."""
+    """The ``tbt-slo`` decode rule (:mod:`.decode`) over every live instance at once
+    (the rows of a :class:`~mooncake_conductor.state.Board` that are ``up``): each
+    one's predicted step with a request of ``tokens`` context added into ``step``; the
+    rows within the SLO with ``need`` tokens of KV room whose step is inside the tie
+    band (``best + (|best| * tol + eps)``) into ``ties``, in order. Returns their count
+    and the first row of the fastest instance (the answer when none fits; -1 when no
+    row is up)."""
     global _decode
     if _decode is None:
         _decode = _compile_decode()
-    count, fastest, _ = _decode(consts, tokens, need, slo, tol, eps, context, batch, reserved,
-                                capacity, step, ties)
+    count, fastest, _ = _decode(consts, tokens, need, slo, tol, eps, up, context, batch,
+                                reserved, capacity, step, ties)
     return int(count), int(fastest)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -47,24 +49,139 @@ class QueuedWork:
     tokens: int = field(compare=False, default=0)
 
 
-@dataclass(slots=True)
+class Board:
+    """Numpy columns of a list of instance states, one row per state in list order,
+    that compiled rankings read instead of visiting every object. The states write
+    through to it (see :func:`_column`), so it is always current; a state bound to
+    another board invalidates this one. Get one with :func:`board_of`."""
+
+    __slots__ = ("columns", "iids", "states", "valid")
+
+    def __init__(self, states: list[PrefillState] | list[DecodeState]) -> None:
+        self.states: list[Any] = list(states)
+        self.valid = True
+        kinds: dict[str, type] = type(states[0]).COLUMNS
+        self.columns: dict[str, npt.NDArray[Any]] = {
+            name: np.fromiter([getattr(st, name) for st in states], kind, len(states))
+            for name, kind in kinds.items()
+        }
+        self.iids: list[int] = [st.iid for st in self.states]
+        self.columns["iid"] = np.array(self.iids, dtype=np.int64)  # ids never change
+        for row, st in enumerate(self.states):
+            if st._board is not None and st._board is not self:
+                st._board.valid = False
+            st._board, st._row = self, row
+
+    def __getitem__(self, name: str) -> npt.NDArray[Any]:
+        return self.columns[name]
+
+    def row_of(self, iid: int) -> int:
+        """The row of instance ``iid`` (-1: not on this board); ids are usually rows."""
+        iids = self.iids
+        if iid < len(iids) and iids[iid] == iid:
+            return iid
+        try:
+            return iids.index(iid)
+        except ValueError:
+            return -1
+
+
+def board_of(states: list[PrefillState] | list[DecodeState]) -> Board:
+    """The board of ``states`` (a non-empty list of one kind), made on first use and
+    again whenever the list or a state's binding changed."""
+    board = states[0]._board
+    if board is None or not board.valid or board.states != states:  # identity, element-wise
+        board = Board(states)
+    return board
+
+
+if TYPE_CHECKING:
+    _T = TypeVar("_T")
+
+    class _Column(Generic[_T]):
+        """How type checkers see a :func:`_column` field: an attribute of type ``_T``."""
+
+        @overload
+        def __get__(self, obj: None, owner: Any) -> _Column[_T]: ...
+        @overload
+        def __get__(self, obj: object, owner: Any) -> _T: ...
+        def __get__(self, obj: object, owner: Any) -> _T | _Column[_T]: ...
+        def __set__(self, obj: object, value: _T) -> None: ...
+
+
+def _column(name: str) -> Any:
+    """A field read from the object (C speed) and written to it and to its board."""
+    slot = "_" + name
+
+    def write(self: PrefillState | DecodeState, value: Any) -> None:
+        setattr(self, slot, value)
+        board = self._board
+        if board is not None:
+            board.columns[name][self._row] = value
+
+    return property(attrgetter(slot), write)
+
+
 class PrefillState:
     """A prefill instance: what it is running and what waits for it."""
 
-    iid: int
-    name: str = ""
-    up: bool = True
-    busy_until: float = 0.0
-    running_blocks: int = 0
-    running_tokens: int = 0
-    queue: list[QueuedWork] = field(default_factory=list)
-    queued_work_s: float = 0.0
-    queued_blocks: int = 0
-    queued_tokens: int = 0
-    cache_capacity_tokens: int = 0
-    avg_prefill_s: float = 0.0
-    completed: int = 0
-    _seq: int = 0
+    #: fields mirrored in a :class:`Board` (name -> numpy type)
+    COLUMNS: ClassVar[dict[str, type]] = {"up": np.bool_, "busy_until": np.float64,
+                                          "queued_work_s": np.float64, "queue_len": np.int64}
+    __slots__ = (
+        "_board",
+        "_busy_until",
+        "_queue_len",
+        "_queued_work_s",
+        "_row",
+        "_seq",
+        "_up",
+        "avg_prefill_s",
+        "cache_capacity_tokens",
+        "completed",
+        "iid",
+        "name",
+        "queue",
+        "queued_blocks",
+        "queued_tokens",
+        "running_blocks",
+        "running_tokens",
+    )
+    up: _Column[bool] = _column("up")
+    busy_until: _Column[float] = _column("busy_until")
+    queued_work_s: _Column[float] = _column("queued_work_s")
+    queue_len: _Column[int] = _column("queue_len")
+
+    def __init__(
+        self, iid: int, name: str = "", up: bool = True, busy_until: float = 0.0,
+        running_blocks: int = 0, running_tokens: int = 0,
+        queue: list[QueuedWork] | None = None, queued_work_s: float = 0.0,
+        queued_blocks: int = 0, queued_tokens: int = 0, cache_capacity_tokens: int = 0,
+        avg_prefill_s: float = 0.0, completed: int = 0,
+    ) -> None:
+        self._board: Board | None = None
+        self._row = 0
+        self.iid = iid
+        self.name = name
+        self.up = up
+        self.busy_until = busy_until
+        self.running_blocks = running_blocks
+        self.running_tokens = running_tokens
+        self.queue: list[QueuedWork] = [] if queue is None else queue
+        heapq.heapify(self.queue)
+        self.queue_len = len(self.queue)
+        self.queued_work_s = queued_work_s
+        self.queued_blocks = queued_blocks
+        self.queued_tokens = queued_tokens
+        self.cache_capacity_tokens = cache_capacity_tokens
+        self.avg_prefill_s = avg_prefill_s
+        self.completed = completed
+        self._seq = 0
+
+    def __repr__(self) -> str:
+        return (f"PrefillState(iid={self.iid}, name={self.name!r}, up={self.up}, "
+                f"busy_until={self.busy_until}, queued={len(self.queue)}, "
+                f"queued_work_s={self.queued_work_s})")
 
     @property
     def outstanding(self) -> int:
@@ -94,6 +211,7 @@ class PrefillState:
     def enqueue(self, rid: int, priority: float, work_s: float, blocks: int, tokens: int) -> None:
         self._seq += 1
         heapq.heappush(self.queue, QueuedWork(priority, self._seq, rid, work_s, blocks, tokens))
+        self.queue_len = len(self.queue)
         self.queued_work_s += work_s
         self.queued_blocks += blocks
         self.queued_tokens += tokens
@@ -108,25 +226,60 @@ class PrefillState:
             self.queue[pos] = self.queue[-1]
             self.queue.pop()
             heapq.heapify(self.queue)
+        self.queue_len = len(self.queue)
         self.queued_work_s = max(0.0, self.queued_work_s - item.work_s) if self.queue else 0.0
         self.queued_blocks -= item.blocks
         self.queued_tokens -= item.tokens
         return item
 
 
-@dataclass(slots=True)
 class DecodeState:
     """A decode instance running a continuous batch."""
 
-    iid: int
-    name: str = ""
-    up: bool = True
-    batch: int = 0
-    context_tokens: int = 0
-    capacity_tokens: int = 0
-    waiting: int = 0
-    reserved_tokens: int = 0
-    tokens_per_s: float = 0.0  # tokens per second of one running sequence (1 / step time)
+    #: fields mirrored in a :class:`Board` (name -> numpy type)
+    COLUMNS: ClassVar[dict[str, type]] = {
+        "up": np.bool_, "batch": np.int64, "context_tokens": np.int64,
+        "reserved_tokens": np.int64, "capacity_tokens": np.int64}
+    __slots__ = (
+        "_batch",
+        "_board",
+        "_capacity_tokens",
+        "_context_tokens",
+        "_reserved_tokens",
+        "_row",
+        "_up",
+        "iid",
+        "name",
+        "tokens_per_s",
+        "waiting",
+    )
+    up: _Column[bool] = _column("up")
+    batch: _Column[int] = _column("batch")
+    context_tokens: _Column[int] = _column("context_tokens")
+    reserved_tokens: _Column[int] = _column("reserved_tokens")
+    capacity_tokens: _Column[int] = _column("capacity_tokens")
+
+    def __init__(
+        self, iid: int, name: str = "", up: bool = True, batch: int = 0,
+        context_tokens: int = 0, capacity_tokens: int = 0, waiting: int = 0,
+        reserved_tokens: int = 0, tokens_per_s: float = 0.0,
+    ) -> None:
+        self._board: Board | None = None
+        self._row = 0
+        self.iid = iid
+        self.name = name
+        self.up = up
+        self.batch = batch
+        self.context_tokens = context_tokens
+        self.capacity_tokens = capacity_tokens
+        self.waiting = waiting
+        self.reserved_tokens = reserved_tokens
+        #: tokens per second of one running sequence (1 / step time)
+        self.tokens_per_s = tokens_per_s
+
+    def __repr__(self) -> str:
+        return (f"DecodeState(iid={self.iid}, name={self.name!r}, up={self.up}, "
+                f"batch={self.batch}, context_tokens={self.context_tokens})")
 
     @property
     def kv_usage(self) -> float:

@@ -12,16 +12,22 @@ from .helpers import COST
 
 
 def _reference(cost, now, n, block, best_len, best_pos, weight, overlap, tol, tol_s,
-               busy_until, qwork, qlen, local):  # type: ignore[no-untyped-def]
-    """The conductor's FIFO ranking in plain Python over :class:`CostModel`."""
+               up, busy_until, qwork, qlen, local):  # type: ignore[no-untyped-def]
+    """The conductor's FIFO ranking in plain Python over :class:`CostModel` (rows that
+    are not up score infinity and never tie)."""
     m = len(busy_until)
+    live = [i for i in range(m) if up[i]]
     fifo = [(b - now if b > now else 0.0) + w for b, w in zip(busy_until, qwork, strict=True)]
-    busy = sum(1 for q, b in zip(qlen, busy_until, strict=True) if q > 0 or b > now)
-    kappa = weight * (busy + sum(qlen)) / m
+    busy = sum(1 for i in live if qlen[i] > 0 or busy_until[i] > now)
+    kappa = weight * (busy + sum(qlen[i] for i in live)) / len(live)
     best_tokens = min(best_len * block, n)
     fetch_prefill = cost.prefill_time(n, best_tokens)
     scores, fetches = [], []
     for i in range(m):
+        if not up[i]:
+            scores.append(float("inf"))
+            fetches.append(False)
+            continue
         held_tokens = min(local[i] * block, n)
         recompute = cost.prefill_time(n, held_tokens)
         ttft, used, fetch = fifo[i] + recompute, recompute, False
@@ -34,8 +40,8 @@ def _reference(cost, now, n, block, best_len, best_pos, weight, overlap, tol, to
         scores.append(ttft + kappa * used)
         fetches.append(fetch)
     band = min(scores) * (1.0 + tol) + tol_s
-    ties = [i for i in range(m) if scores[i] <= band and not fetches[i]] or [
-        i for i in range(m) if scores[i] <= band]
+    ties = [i for i in live if scores[i] <= band and not fetches[i]] or [
+        i for i in live if scores[i] <= band]
     return scores, fetches, ties, kappa
 
 
@@ -54,6 +60,8 @@ def test_rank_fifo_equals_the_cost_model_bit_for_bit() -> None:
         busy_until = [r.choice([0.0, now, now + r.random() * 5]) for _ in range(m)]
         qwork = [r.choice([0.0, 0.0, r.random() * 8]) for _ in range(m)]
         qlen = [r.choice([0, 0, r.randint(1, 5)]) for _ in range(m)]
+        up = [r.random() < 0.9 for _ in range(m)]
+        up[r.randrange(m)] = True
         args = (now, n, block, best_len, best_pos, r.choice([0.0, 1.0, 2.5]),
                 r.random() < 0.8, r.choice([0.0, 0.02]), r.choice([0.0, 0.005]))
         score, fetch = np.empty(m), np.empty(m, dtype=np.bool_)
@@ -62,8 +70,8 @@ def test_rank_fifo_equals_the_cost_model_bit_for_bit() -> None:
         by_id = np.zeros(m + 3, dtype=np.int64)
         by_id[ids] = local
         count, kappa = rank_fifo(
-            np.array(cost.prefill_constants()), *args, np.array(busy_until),
+            np.array(cost.prefill_constants()), *args, np.array(up), np.array(busy_until),
             np.array(qwork), np.array(qlen, dtype=np.int64), np.array(ids, dtype=np.int64),
             by_id, score, fetch, ties)
-        want = _reference(cost, *args, busy_until, qwork, qlen, local)
+        want = _reference(cost, *args, up, busy_until, qwork, qlen, local)
         assert (score.tolist(), fetch.tolist(), ties[:count].tolist(), kappa) == want

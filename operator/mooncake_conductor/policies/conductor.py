@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..cpp import CPPConfig, plan_cpp
 from ..kernels import rank_fifo
-from ..state import ClusterState, PrefillState, RequestInfo
+from ..state import ClusterState, PrefillState, RequestInfo, board_of
 from .base import Placement, PolicyContext, PrefillPolicy, register
 
 
@@ -88,16 +88,6 @@ _AFTER = 1e-6  # priority step that orders a request right after another
 _ONE = 1
 # (ttft, instance, local blocks, fetched blocks, queue s, transfer s, prefill s, priority)
 _Row = tuple[float, int, int, int, float, float, float, float]
-
-
-def _position(iids: list[int], iid: int) -> int:
-    """Where ``iid`` is in ``iids`` (-1: not there); ids are usually their positions."""
-    if iid < len(iids) and iids[iid] == iid:
-        return iid
-    try:
-        return iids.index(iid)
-    except ValueError:
-        return -1
 
 
 @register
@@ -150,8 +140,7 @@ class ConductorPolicy(PrefillPolicy):
                 by_local[local] = times
             return times
 
-        def row_of(pos: int) -> _Row:
-            p = live[pos]
+        def row_of(p: PrefillState) -> _Row:
             iid = p.iid
             local = int(local_view[iid])
             recompute, transfer = times_of(local)
@@ -183,24 +172,24 @@ class ConductorPolicy(PrefillPolicy):
             # that would have used that time: on average the busy share of the pool plus
             # the requests already waiting per instance (0 when idle: pure TTFT).
             kappa = prm.work_weight * (busy + sum(queued)) / len(live)
-            for pos in range(len(live)):
-                row = row_of(pos)
+            for pos, p in enumerate(live):
+                row = row_of(p)
                 rows.append((pos, row, row[0] + kappa * row[6]))
             best = min(r[2] for r in rows)
             band = best * (1.0 + prm.tie_tolerance) + prm.tie_tolerance_s
             ties = [r for r in rows if r[2] <= band]  # in live order
             no_copy = [r for r in ties if not r[1][3]]  # a tie never pays a new copy
             ties = no_copy or ties
-            chosen_pos = ties[0][0] if len(ties) == 1 else self.ctx.rng.choice(ties)[0]
+            chosen = live[ties[0][0] if len(ties) == 1 else self.ctx.rng.choice(ties)[0]]
         else:
             # FIFO: the same ranking (kappa, scores, tie band, no-copy preference) over
             # every live instance in one compiled pass (:func:`..kernels.rank_fifo`)
-            count, kappa = self._rank(req, live, iids, local_view, best_src, best_len, now)
+            # over the pool's board (rows in pool order: live rows in live order)
+            count, kappa = self._rank(req, cluster.prefill, local_view, best_src, best_len, now)
             ties_at = self._ties
-            chosen_pos = int(ties_at[0] if count == 1
-                             else ties_at[self.ctx.rng.choice(range(count))])
-        chosen = row_of(chosen_pos)
-        choice = self._placement(chosen, best_src)
+            chosen = cluster.prefill[int(ties_at[0] if count == 1
+                                         else ties_at[self.ctx.rng.choice(range(count))])]
+        choice = self._placement(row_of(chosen), best_src)
         cpp = self._cpp(req, live, stored, best_src, best_len, choice, now)
         if cpp is not None:
             rescue = choice.ttft_s > prm.cpp.trigger_share * self.ctx.slo.ttft_s
@@ -221,25 +210,24 @@ class ConductorPolicy(PrefillPolicy):
         return choice
 
     def _rank(
-        self, req: RequestInfo, live: list[PrefillState], iids: list[int],
-        local_view: npt.NDArray[np.int64], best_src: int | None, best_len: int, now: float,
+        self, req: RequestInfo, pool: list[PrefillState], local_view: npt.NDArray[np.int64],
+        best_src: int | None, best_len: int, now: float,
     ) -> tuple[int, float]:
-        """Score every live instance at once (FIFO queues); the positions in the tie band
-        land in ``self._ties``. Returns their count and ``kappa``."""
+        """Score every live instance of ``pool`` at once (FIFO queues); the rows in the
+        tie band land in ``self._ties``. Returns their count and ``kappa``."""
         assert isinstance(self.params, ConductorParams)
         prm = self.params
-        m = len(live)
+        board = board_of(pool)
+        m = len(pool)
         if len(self._score) != m:
             self._score, self._fetch = np.empty(m), np.empty(m, dtype=np.bool_)
             self._ties = np.empty(m, dtype=np.int64)
         return rank_fifo(
             self._consts, now, req.input_tokens, req.block_tokens, best_len,
-            -1 if best_src is None else _position(iids, best_src), prm.work_weight,
-            prm.overlap_transfer, prm.tie_tolerance, prm.tie_tolerance_s,
-            np.fromiter([p.busy_until for p in live], np.float64, m),
-            np.fromiter([p.queued_work_s for p in live], np.float64, m),
-            np.fromiter([len(p.queue) for p in live], np.int64, m),
-            np.fromiter(iids, np.int64, m), local_view, self._score, self._fetch, self._ties,
+            -1 if best_src is None else board.row_of(best_src), prm.work_weight,
+            prm.overlap_transfer, prm.tie_tolerance, prm.tie_tolerance_s, board["up"],
+            board["busy_until"], board["queued_work_s"], board["queue_len"], board["iid"],
+            local_view, self._score, self._fetch, self._ties,
         )
 
     def _placement(self, row: _Row, source: int | None) -> Placement:
