@@ -96,7 +96,7 @@ class Conductor:
         decision = Decision(placement, decode)
         if not decision.rejected:
             self.policy.on_placed(req, placement, cluster)
-            self.hot.record(req.keys, now, placement.reused_blocks)
+            self.hot.record(req.keys, now, placement.reused_blocks, req.key_array)
         return decision
 
     def plan_replication(self, cluster: ClusterState, now: float) -> list[ReplicationAction]:

@@ -22,6 +22,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
 from .state import ClusterState
@@ -54,9 +56,14 @@ class ReplicationAction:
 
 @dataclass(slots=True)
 class _Tracked:
-    keys: tuple[int, ...]
+    #: a uint64 array when the caller had one: never traversed by the garbage collector
+    #: (a tuple of ~500 ints is, once; a few hundred new ones add up to milliseconds)
+    keys: tuple[int, ...] | npt.NDArray[np.uint64]
     rate: float
     at: float
+
+    def key_tuple(self) -> tuple[int, ...]:
+        return self.keys if isinstance(self.keys, tuple) else tuple(self.keys.tolist())
 
 
 class HotPrefixTracker:
@@ -68,16 +75,19 @@ class HotPrefixTracker:
         self._decay = math.log(2.0) / self.config.half_life_s
 
     def record(self, keys: list[int] | tuple[int, ...], now: float,
-               blocks: int | None = None) -> None:
+               blocks: int | None = None,
+               key_array: npt.NDArray[np.uint64] | None = None) -> None:
         """One access to the prefix ``keys[:blocks]`` (default all: the blocks the
-        cluster already holds); the keys are copied only for a new prefix."""
+        cluster already holds); the keys are copied only for a new prefix, from
+        ``key_array`` (the same keys as uint64) when there is one."""
         blocks = len(keys) if blocks is None else min(blocks, len(keys))
         if blocks < self.config.min_blocks:
             return
         prefix = keys[blocks - 1]
         t = self._tracked.get(prefix)
         if t is None:
-            t = _Tracked(tuple(keys[:blocks]), 0.0, now)
+            t = _Tracked(tuple(keys[:blocks]) if key_array is None
+                         else key_array[:blocks].copy(), 0.0, now)
             self._tracked[prefix] = t
             if len(self._tracked) > self.config.max_tracked:
                 self._tracked.popitem(last=False)
@@ -92,7 +102,7 @@ class HotPrefixTracker:
     def hot(self, now: float) -> list[tuple[int, float, tuple[int, ...]]]:
         """Hot prefixes ``(prefix, accesses per second, keys)``, hottest first."""
         out = [
-            (p, r, t.keys)
+            (p, r, t.key_tuple())
             for p, t in self._tracked.items()
             if (r := self._rate(t, now)) >= self.config.min_rate_per_s
         ]

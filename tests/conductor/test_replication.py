@@ -57,3 +57,14 @@ def test_record_counts_the_leading_blocks_asked_for() -> None:
     [(prefix, rate, keys)] = tr.hot(2.0)
     assert (prefix, keys) == (KEYS[3], tuple(KEYS[:4]))
     assert rate > 0
+
+
+def test_record_from_a_key_array_tracks_the_same_keys() -> None:
+    import numpy as np
+
+    a, b = (HotPrefixTracker(ReplicationConfig(min_rate_per_s=1e-9)) for _ in range(2))
+    for t in range(3):
+        a.record(KEYS, float(t), blocks=6)
+        b.record(KEYS, float(t), blocks=6, key_array=np.array(KEYS, dtype=np.uint64))
+    assert a.hot(3.0) == b.hot(3.0)
+    assert a.hot(3.0)[0][2] == tuple(KEYS[:6])
