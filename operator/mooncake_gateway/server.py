@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -116,6 +117,9 @@ class Gateway:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._health_loop()),
                        loop.create_task(self._scrape_loop())]
+        if s.gc_freeze:  # what lives now lives for good: full collections skip it
+            gc.collect()
+            gc.freeze()
         self._started = True
 
     async def _on_cleanup(self, _app: web.Application) -> None:
@@ -132,6 +136,8 @@ class Gateway:
             await self.session.close()
         if self.upstream is not None:
             self.upstream.close()
+        if self.settings.gc_freeze:
+            gc.unfreeze()  # back to the collector (several gateways in one process)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:

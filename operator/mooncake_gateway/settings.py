@@ -155,6 +155,12 @@ class GatewaySettings(BaseSettings):
     uvloop: bool = Field(
         True, description="run on uvloop's event loop when it is installed (false: asyncio's)"
     )
+    gc_freeze: bool = Field(
+        True, description="once started (imports, compiled kernels, indexes and endpoints "
+        "in place), move every object alive to the garbage collector's permanent "
+        "generation (gc.freeze): full collections then skip the ~200k start-up objects and "
+        "the index's tables instead of pausing the loop for tens of milliseconds",
+    )
     warm_kernels: bool = Field(
         True, description="compile (or load from numba's cache) the core's compiled loops "
         "at startup, so the first long prompt or large index does not pay for it "

@@ -192,3 +192,29 @@ def test_subscriber_drops_duplicates_resets_on_restart_and_resyncs_on_loss() -> 
         assert calls == ["reset", "lost"] and got[-1] == 5 and sub.lost == 4
 
     asyncio.run(run())
+
+
+def test_gc_freeze_at_startup_and_unfreeze_at_cleanup() -> None:
+    """Start-up objects go to the collector's permanent generation once serving, and
+    come back when the gateway stops."""
+    import gc
+
+    from aiohttp.test_utils import TestServer
+    from mooncake_gateway.server import Gateway
+    from mooncake_gateway.settings import GatewaySettings
+
+    async def run(freeze: bool) -> tuple[int, int]:
+        gw = Gateway(GatewaySettings(
+            models=[{"name": "m", "prefill": [{"url": "http://127.0.0.1:9"}],
+                     "decode": [{"url": "http://127.0.0.1:9"}]}],
+            warm_kernels=False, gc_freeze=freeze))
+        server = TestServer(gw.app, host="127.0.0.1")
+        await server.start_server()
+        frozen = gc.get_freeze_count()
+        await server.close()
+        return frozen, gc.get_freeze_count()
+
+    gc.unfreeze()
+    assert asyncio.run(run(False)) == (0, 0)
+    frozen, after = asyncio.run(run(True))
+    assert frozen > 10_000 and after == 0
