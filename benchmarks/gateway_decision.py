@@ -23,6 +23,7 @@ batch; that update is timed and reported apart.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import sys
@@ -66,6 +67,8 @@ def main() -> int:
     ap.add_argument("--churn", action=argparse.BooleanOptionalAction, default=True,
                     help="store each decided prompt on its instance (KV events) between "
                     "decisions")
+    ap.add_argument("--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+                    help="gc.freeze() once set up, as the gateway does (setting gc_freeze)")
     ap.add_argument("--pending", action=argparse.BooleanOptionalAction, default=True,
                     help="the blocks of every queued prefill are pending on its instance")
     a = ap.parse_args()
@@ -127,8 +130,24 @@ def main() -> int:
     lat_decode: list[float] = []
     lat_update: list[float] = []
     lat_fixed: list[float] = []
+    gc_hits: set[int] = set()
+    if a.gc_freeze:  # as the gateway does once started (setting gc_freeze)
+        gc.collect()
+        gc.freeze()
+    in_decision = [False]  # a collection starting then lands in the decision's time
+
+    gc_runs = [0]
+
+    def on_gc(phase: str, _info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_runs[0] += 1
+            if in_decision[0]:
+                gc_hits.add(len(lat_all))
+
+    gc.callbacks.append(on_gc)
     now = 1000.0
     for i, toks in enumerate(prompts()):
+        in_decision[0] = True
         t = time.perf_counter()
         key_array = block_keys_array(toks, BLOCK, seed)
         keys = key_array.tolist()
@@ -137,6 +156,7 @@ def main() -> int:
                           keys=keys, block_tokens=BLOCK, key_array=key_array)
         decision = cond.schedule(req, cluster, now)
         te = time.perf_counter()
+        in_decision[0] = False
         lat_keys.append(tk - t)
         lat_all.append(te - t)
         if a.churn and decision.placement.prefill is not None:
@@ -183,6 +203,10 @@ def main() -> int:
         print(f"index update      : p50 {pct(lat_update, 0.5):7.1f} µs  p99 "
               f"{pct(lat_update, 0.99):7.1f} µs  (store the new blocks of a decided prompt "
               f"+ LRU evictions + mirror sync; not in the decision)")
+    top = sorted(range(len(lat_all)), key=lat_all.__getitem__)[-max(1, len(lat_all) // 100):]
+    print(f"garbage collector: ran {gc_runs[0]} times, during {len(gc_hits)} decisions "
+          f"({100 * len(gc_hits) / len(lat_all):.2f} %), {len(gc_hits & set(top))} of them "
+          f"in the slowest 1 %")
     fixed50, fixed99 = pct(lat_fixed, 0.5), pct(lat_fixed, 0.99)
     print(f"fixed CPU task    : p50 {fixed50:7.1f} µs  p99 {fixed99:7.1f} µs  (the same "
           f"work every time: p99/p50 {fixed99 / fixed50:.2f} is this machine's noise)")
