@@ -21,6 +21,18 @@ Python. ~20 µs for a cold 8k-token prompt against a million-block index, where
 a numpy formulation pays ~30 array operations (~60 µs) and a Python dict walk a
 dependent cache miss per key (~110 µs). Masks of one 64-bit word (up to 64
 instance ids) take the lean walk; wider ones :func:`walk_keys_wide`.
+:func:`walk_lengths` runs the conductor's two walks (stored blocks; stored or
+pending blocks) in the same pass, probes the pending table only while an
+instance left could hold a key there alone, and writes each instance's match
+length straight into an array by id. Touching the home rows ahead of the walk
+in one pass beats touching them a fixed distance ahead of it (measured: the
+walk's branches keep the rolling loads from overlapping).
+
+**Rankings** (:func:`rank_fifo`, :func:`rank_decode`): the conductor's prefill
+pricing and the ``tbt-slo`` decode pricing over every instance of a pool at
+once, reading the pool's :class:`~mooncake_conductor.state.Board` columns; the
+cost model's formulas operation for operation (tests hold them equal bit for
+bit, and the choices and random draws equal the Python pricing's).
 
 **Upsert** (:func:`upsert_keys`): set, replace or delete each key's mask in one
 pass (home bucket, else overflow bucket with the home's count kept exact); the
@@ -131,8 +143,13 @@ def _compile() -> tuple[Callable[..., tuple[int, int, int]],
         out_p[:] = 0
         n = keys.shape[0]
         sink = zero
-        for i in range(n):
-            sink ^= rows1[(keys[i] * h1) >> meta1[0], 0]
+        if acc_p:  # both tables' home rows
+            for i in range(n):
+                sink ^= rows1[(keys[i] * h1) >> meta1[0], 0]
+                sink ^= rows2[(keys[i] * h1) >> meta2[0], 0]
+        else:
+            for i in range(n):
+                sink ^= rows1[(keys[i] * h1) >> meta1[0], 0]
         for i in range(n):
             key = keys[i]
             mask = probe(rows1, over1, meta1, stash1, key)
