@@ -317,12 +317,15 @@ class PrefixIndex:
         blocks for the ids in ``pending_mask`` (the second array is the first when
         ``pending_mask`` is ``None`` or nothing is pending); then the holder of the
         longest stored prefix (the lowest id on ties, ``None`` when nothing matches) and
-        its length. Same answers as :meth:`match_all`; on a large index of at most 64
-        instance ids, one compiled pass (:func:`.kernels.walk_lengths`)."""
+        its length. The arrays cover every id of a non-negative mask. Same answers as
+        :meth:`match_all`; on a large index of at most 64 instance ids, one compiled pass
+        (:func:`.kernels.walk_lengths`)."""
         start = self.live_mask & mask
         with_view = pending_mask is not None and bool(self._pending)
         start_p = self.live_mask & pending_mask if pending_mask is not None and with_view else 0
-        size = max(WORD_BITS, start.bit_length(), start_p.bit_length())
+        # long enough for every id asked about, held or not
+        size = max(WORD_BITS, max(mask, 0).bit_length(), max(pending_mask or 0, 0).bit_length(),
+                   start.bit_length(), start_p.bit_length())
         if start | start_p and len(keys) and self._vectorised():
             mirror = self._mirror
             assert mirror is not None

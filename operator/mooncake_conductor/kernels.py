@@ -509,7 +509,7 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
             if not up[i]:
                 score[i] = np.inf
                 continue
-            held = local[iid[i]]
+            held = local[iid[i]] if iid[i] < local.shape[0] else 0  # past the array: none
             held_tokens = min(held * block, n)
             recompute = prefill_time(c, n, held_tokens)
             ttft = fifo[i] + recompute

@@ -150,7 +150,7 @@ class PrefillState:
     up: _Column[bool] = _column("up")
     busy_until: _Column[float] = _column("busy_until")
     queued_work_s: _Column[float] = _column("queued_work_s")
-    queue_len: _Column[int] = _column("queue_len")
+    queue_len: _Column[int] = _column("queue_len")  # len(queue), kept by enqueue / pop
 
     def __init__(
         self, iid: int, name: str = "", up: bool = True, busy_until: float = 0.0,

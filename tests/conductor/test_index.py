@@ -190,3 +190,13 @@ def test_vectorised_mirror_is_dropped_when_the_index_shrinks() -> None:
     ix.store(1, [1, 2])
     assert ix.match_all([1, 2, 3]) == {1: 2}
     assert ix._mirror is None
+
+
+def test_match_lengths_covers_every_id_asked_about() -> None:
+    for vector_min_keys in (1, 10**9):
+        ix = PrefixIndex(100, instances=2, vector_min_keys=vector_min_keys)
+        ix.store(0, [1, 2, 3])
+        ix.add_pending(1, [1, 2])
+        stored, view, best, length = ix.match_lengths([1, 2, 3], (1 << 100) | 3, 1 << 70 | 3)
+        assert len(stored) > 100 and len(view) > 100
+        assert (stored[0], stored[1], stored[100], view[1], best, length) == (3, 0, 0, 2, 0, 3)

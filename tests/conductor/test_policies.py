@@ -4,6 +4,7 @@ import pytest
 from mooncake_conductor.index import DRAM, HBM
 from mooncake_conductor.policies import policy_names
 from mooncake_conductor.policies.base import SLOConfig, create_policy
+from mooncake_conductor.state import PrefillState
 from pydantic import ValidationError
 
 from .helpers import BT, COST, cluster, policy, queue, request
@@ -314,3 +315,21 @@ def test_conductor_compiled_ranking_equals_pricing_in_python() -> None:
             assert (a.prefill, a.local_blocks, a.fetch_blocks, a.source, a.cpp_group) == (
                 b.prefill, b.local_blocks, b.fetch_blocks, b.source, b.cpp_group)
             assert (a.ttft_s, a.priority) == (b.ttft_s, b.priority)
+
+
+def test_conductor_ranks_instances_the_index_has_not_seen() -> None:
+    """A live instance whose id the index never stored anything for (and past 64) is
+    priced like any other, on the compiled and the Python path."""
+    for vector_min_keys in (1, 10**9):
+        c = cluster(n=3)
+        c.index.vector_min_keys = vector_min_keys
+        c.prefill.append(PrefillState(iid=90, name="p90"))
+        c.index.store(0, KEYS[:3])
+        queue(c.prefill[0], 30.0)
+        queue(c.prefill[1], 20.0)
+        queue(c.prefill[2], 20.0)
+        req = request(KEYS)
+        a = policy("conductor", seed=1).choose(req, c, 0.0)
+        b = policy("conductor", seed=1, explain=True).choose(req, c, 0.0)
+        assert a.prefill == b.prefill == 90
+        assert (a.ttft_s, a.fetch_blocks) == (b.ttft_s, b.fetch_blocks)
