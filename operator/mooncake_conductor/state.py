@@ -8,6 +8,7 @@ KV events); policies only read them.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
@@ -57,7 +58,7 @@ class Board:
 
     __slots__ = ("columns", "iids", "states", "valid")
 
-    def __init__(self, states: list[PrefillState] | list[DecodeState]) -> None:
+    def __init__(self, states: Sequence[_Instance]) -> None:
         self.states: list[Any] = list(states)
         self.valid = True
         kinds: dict[str, type] = type(states[0]).COLUMNS
@@ -86,7 +87,7 @@ class Board:
             return -1
 
 
-def board_of(states: list[PrefillState] | list[DecodeState]) -> Board:
+def board_of(states: Sequence[_Instance]) -> Board:
     """The board of ``states`` (a non-empty list of one kind), made on first use and
     again whenever the list or a state's binding changed."""
     board = states[0]._board
@@ -113,7 +114,7 @@ def _column(name: str) -> Any:
     """A field read from the object (C speed) and written to it and to its board."""
     slot = "_" + name
 
-    def write(self: PrefillState | DecodeState, value: Any) -> None:
+    def write(self: _Instance, value: Any) -> None:
         setattr(self, slot, value)
         board = self._board
         if board is not None:
@@ -122,32 +123,43 @@ def _column(name: str) -> Any:
     return property(attrgetter(slot), write)
 
 
-class PrefillState:
+class _Instance:
+    """What prefill and decode instances share: id, name, whether they are up, and
+    their binding to a :class:`Board`."""
+
+    COLUMNS: ClassVar[dict[str, type]] = {"up": np.bool_}
+    __slots__ = ("_board", "_row", "_up", "iid", "name")
+    up: _Column[bool] = _column("up")
+
+    def __init__(self, iid: int, name: str, up: bool) -> None:
+        self._board: Board | None = None
+        self._row = 0
+        self.iid = iid
+        self.name = name
+        self.up = up
+
+
+class PrefillState(_Instance):
     """A prefill instance: what it is running and what waits for it."""
 
     #: fields mirrored in a :class:`Board` (name -> numpy type)
-    COLUMNS: ClassVar[dict[str, type]] = {"up": np.bool_, "busy_until": np.float64,
-                                          "queued_work_s": np.float64, "queue_len": np.int64}
+    COLUMNS: ClassVar[dict[str, type]] = {
+        **_Instance.COLUMNS, "busy_until": np.float64, "queued_work_s": np.float64,
+        "queue_len": np.int64}
     __slots__ = (
-        "_board",
         "_busy_until",
         "_queue_len",
         "_queued_work_s",
-        "_row",
         "_seq",
-        "_up",
         "avg_prefill_s",
         "cache_capacity_tokens",
         "completed",
-        "iid",
-        "name",
         "queue",
         "queued_blocks",
         "queued_tokens",
         "running_blocks",
         "running_tokens",
     )
-    up: _Column[bool] = _column("up")
     busy_until: _Column[float] = _column("busy_until")
     queued_work_s: _Column[float] = _column("queued_work_s")
     queue_len: _Column[int] = _column("queue_len")  # len(queue), kept by enqueue / pop
@@ -159,11 +171,7 @@ class PrefillState:
         queued_blocks: int = 0, queued_tokens: int = 0, cache_capacity_tokens: int = 0,
         avg_prefill_s: float = 0.0, completed: int = 0,
     ) -> None:
-        self._board: Board | None = None
-        self._row = 0
-        self.iid = iid
-        self.name = name
-        self.up = up
+        super().__init__(iid, name, up)
         self.busy_until = busy_until
         self.running_blocks = running_blocks
         self.running_tokens = running_tokens
@@ -233,27 +241,21 @@ class PrefillState:
         return item
 
 
-class DecodeState:
+class DecodeState(_Instance):
     """A decode instance running a continuous batch."""
 
     #: fields mirrored in a :class:`Board` (name -> numpy type)
     COLUMNS: ClassVar[dict[str, type]] = {
-        "up": np.bool_, "batch": np.int64, "context_tokens": np.int64,
+        **_Instance.COLUMNS, "batch": np.int64, "context_tokens": np.int64,
         "reserved_tokens": np.int64, "capacity_tokens": np.int64}
     __slots__ = (
         "_batch",
-        "_board",
         "_capacity_tokens",
         "_context_tokens",
         "_reserved_tokens",
-        "_row",
-        "_up",
-        "iid",
-        "name",
         "tokens_per_s",
         "waiting",
     )
-    up: _Column[bool] = _column("up")
     batch: _Column[int] = _column("batch")
     context_tokens: _Column[int] = _column("context_tokens")
     reserved_tokens: _Column[int] = _column("reserved_tokens")
@@ -264,11 +266,7 @@ class DecodeState:
         context_tokens: int = 0, capacity_tokens: int = 0, waiting: int = 0,
         reserved_tokens: int = 0, tokens_per_s: float = 0.0,
     ) -> None:
-        self._board: Board | None = None
-        self._row = 0
-        self.iid = iid
-        self.name = name
-        self.up = up
+        super().__init__(iid, name, up)
         self.batch = batch
         self.context_tokens = context_tokens
         self.capacity_tokens = capacity_tokens
