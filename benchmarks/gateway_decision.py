@@ -2,6 +2,7 @@
 
     python benchmarks/gateway_decision.py [--instances 64] [--blocks 1000000]
         [--tokens 8192] [--rounds 10000] [--policy conductor] [--no-churn] [--no-pending]
+        [--no-gc-freeze]
 
 The index holds ``--blocks`` keys spread over ``--instances`` prefill instances (chained
 prefixes of 512 blocks, every tenth one shared by several instances), queues are non-empty,
@@ -135,7 +136,6 @@ def main() -> int:
         gc.collect()
         gc.freeze()
     in_decision = [False]  # a collection starting then lands in the decision's time
-
     gc_runs = [0]
 
     def on_gc(phase: str, _info: dict[str, int]) -> None:
