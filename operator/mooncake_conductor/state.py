@@ -56,11 +56,12 @@ class Board:
     through to it (see :func:`_column`), so it is always current; a state bound to
     another board invalidates this one. Get one with :func:`board_of`."""
 
-    __slots__ = ("columns", "iids", "states", "valid")
+    __slots__ = ("_live_mask", "columns", "iids", "states", "valid")
 
     def __init__(self, states: Sequence[_Instance]) -> None:
         self.states: list[Any] = list(states)
         self.valid = True
+        self._live_mask: int | None = None
         kinds: dict[str, type] = type(states[0]).COLUMNS
         self.columns: dict[str, npt.NDArray[Any]] = {
             name: np.fromiter([getattr(st, name) for st in states], kind, len(states))
@@ -75,6 +76,15 @@ class Board:
 
     def __getitem__(self, name: str) -> npt.NDArray[Any]:
         return self.columns[name]
+
+    @property
+    def live_mask(self) -> int:
+        """The ids of the states that are up, as a bit mask (kept until one changes)."""
+        if self._live_mask is None:
+            self._live_mask = sum(1 << iid for iid, up in
+                                  zip(self.iids, self.columns["up"].tolist(), strict=True)
+                                  if up)
+        return self._live_mask
 
     def row_of(self, iid: int) -> int:
         """The row of instance ``iid`` (-1: not on this board); ids are usually rows."""
@@ -119,6 +129,8 @@ def _column(name: str) -> Any:
         board = self._board
         if board is not None:
             board.columns[name][self._row] = value
+            if name == "up":
+                board._live_mask = None
 
     return property(attrgetter(slot), write)
 

@@ -333,3 +333,16 @@ def test_conductor_ranks_instances_the_index_has_not_seen() -> None:
         b = policy("conductor", seed=1, explain=True).choose(req, c, 0.0)
         assert a.prefill == b.prefill == 90
         assert (a.ttft_s, a.fetch_blocks) == (b.ttft_s, b.fetch_blocks)
+
+
+def test_conductor_sees_an_instance_go_down_and_come_back() -> None:
+    c = cluster(n=2)
+    c.index.store(0, KEYS)
+    pol = policy("conductor")
+    assert pol.choose(request(KEYS), c, 0.0).prefill == 0
+    c.prefill[0].up = False
+    assert pol.choose(request(KEYS), c, 0.0).prefill == 1
+    c.prefill[1].up = False
+    assert pol.choose(request(KEYS), c, 0.0).reject_reason == "no-prefill-instance"
+    c.prefill[0].up = True
+    assert pol.choose(request(KEYS), c, 0.0).prefill == 0

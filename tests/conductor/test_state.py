@@ -54,3 +54,14 @@ def test_a_changed_list_or_binding_gets_a_new_board() -> None:
     states[0].busy_until = 5.0
     assert third["busy_until"][0] == 5.0
     assert not other.valid  # rebinding took the states back
+
+
+def test_live_mask_follows_up_and_down() -> None:
+    states = [PrefillState(iid=i) for i in (0, 3, 70)]
+    board = board_of(states)
+    assert board.live_mask == 1 | 1 << 3 | 1 << 70
+    states[1].up = False
+    assert board.live_mask == 1 | 1 << 70
+    states[1].up = True
+    states[0].up = False
+    assert board_of(states) is board and board.live_mask == 1 << 3 | 1 << 70

@@ -106,15 +106,33 @@ class ConductorPolicy(PrefillPolicy):
         self._fetch = np.empty(0, dtype=np.bool_)
         self._ties = np.empty(0, dtype=np.int64)
 
+    def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
+        """FIFO queues without ``explain``: the live instances come from the pool's board
+        (no pass over the objects); otherwise :meth:`pick` over the live list."""
+        assert isinstance(self.params, ConductorParams)
+        if self.params.priority_weight or self.params.explain or not cluster.prefill:
+            return super().choose(req, cluster, now)
+        live_mask = board_of(cluster.prefill).live_mask
+        if not live_mask:
+            return Placement(prefill=None, reject_reason="no-prefill-instance")
+        return self._pick(req, cluster, None, live_mask, now)
+
     def pick(
         self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
     ) -> Placement:
+        live_mask = sum(map(_ONE.__lshift__, [p.iid for p in live]))  # distinct: sum = OR
+        return self._pick(req, cluster, live, live_mask, now)
+
+    def _pick(
+        self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState] | None,
+        live_mask: int, now: float,
+    ) -> Placement:
+        """The rule over the live instances (``live``: their list, or ``None`` when the
+        FIFO ranking reads them from the pool's board)."""
         assert isinstance(self.params, ConductorParams)
         prm = self.params
         cost = self.ctx.cost
         index = cluster.index
-        iids = [p.iid for p in live]
-        live_mask = sum(map(_ONE.__lshift__, iids))  # ids are distinct: sum = OR
         search = live_mask
         if cluster.store_id is not None:
             search |= 1 << cluster.store_id
@@ -166,6 +184,7 @@ class ConductorPolicy(PrefillPolicy):
         if weight or prm.explain:
             # every instance priced here, one at a time (the reference for the ranking
             # below, and the only way with priority queues)
+            assert live is not None
             queued = [len(p.queue) for p in live]
             busy = sum([bool(q) or p.busy_until > now for q, p in zip(queued, live, strict=True)])
             # score = TTFT + kappa x GPU seconds. Work a choice adds delays the requests
@@ -190,7 +209,11 @@ class ConductorPolicy(PrefillPolicy):
             chosen = cluster.prefill[int(ties_at[0] if count == 1
                                          else ties_at[self.ctx.rng.choice(range(count))])]
         choice = self._placement(row_of(chosen), best_src)
-        cpp = self._cpp(req, live, stored, best_src, best_len, choice, now)
+        cpp = None
+        if prm.cpp.enabled:
+            if live is None:
+                live = [p for p in cluster.prefill if p.up]
+            cpp = self._cpp(req, live, stored, best_src, best_len, choice, now)
         if cpp is not None:
             rescue = choice.ttft_s > prm.cpp.trigger_share * self.ctx.slo.ttft_s
             if (rescue and cpp.ttft_s < choice.ttft_s) or (
