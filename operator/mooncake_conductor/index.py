@@ -341,8 +341,8 @@ class PrefixIndex:
         out = np.zeros(size, dtype=np.int64)
         for iid, length in stored.items():
             out[iid] = length
-        top = max(stored.items(), key=lambda item: (item[1], -item[0]), default=None)
-        best_src, best_len = top if top is not None else (None, 0)
+        best = int(out.argmax())  # the first (lowest) id on ties, as the compiled walk
+        best_src, best_len = (best, int(out[best])) if out[best] else (None, 0)
         if pending_mask is None or not with_view:
             return out, out, best_src, best_len
         view = np.zeros(size, dtype=np.int64)
