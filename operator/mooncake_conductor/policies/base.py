@@ -183,7 +183,7 @@ def least(
 ) -> int:
     """Id with the smallest value; ties (within ``rel_tol``) broken at random so equal
     instances share the load instead of the first one always winning."""
-    best = min(items)[0]
+    best = min(v for v, _ in items)
     tol = abs(best) * rel_tol + 1e-12
-    ties = [it for it in items if it[0] <= best + tol]
-    return (ties[0] if len(ties) == 1 else rng.choice(ties))[1]
+    ties = [i for v, i in items if v <= best + tol]
+    return ties[0] if len(ties) == 1 else rng.choice(ties)
