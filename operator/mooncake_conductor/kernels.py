@@ -569,7 +569,7 @@ def rank_fifo(
     return int(count), float(kappa)
 
 
-_decode: Callable[..., tuple[int, int, float]] | None = None
+_decode: Callable[..., tuple[int, int]] | None = None
 
 #: order of the cost model's constants in the array :func:`rank_decode` reads
 #: (:meth:`~mooncake_conductor.cost.CostModel.decode_constants`)
@@ -577,18 +577,19 @@ DECODE_FIELDS = ("weight_bytes", "kv_bytes_per_token", "hbm", "flops_per_seq",
                  "attn_flops_per_ctx", "peak", "overhead")
 
 
-def _compile_decode() -> Callable[..., tuple[int, int, float]]:
+def _compile_decode() -> Callable[..., tuple[int, int]]:
     from numba import njit
 
     @njit(cache=True, nogil=True)
     def rank(
         c: Any, tokens: int, need: int, slo: float, tol: float, eps: float, up: Any,
         context: Any, batch: Any, reserved: Any, capacity: Any, step: Any, ties: Any,
-    ) -> tuple[int, int, float]:
+    ) -> tuple[int, int]:
         m = context.shape[0]
         kvb = np.int64(c[1])
         best = np.inf
         fastest = -1
+        fits = 0  # rows within the SLO with KV room, gathered at the front of ``ties``
         for i in range(m):
             if not up[i]:
                 step[i] = np.inf
@@ -601,18 +602,19 @@ def _compile_decode() -> Callable[..., tuple[int, int, float]]:
             step[i] = c[6] + (mem if mem >= compute else compute)
             if fastest < 0 or step[i] < step[fastest]:
                 fastest = i
-            fits = capacity[i] <= 0 or context[i] + reserved[i] + need <= capacity[i]
-            if step[i] <= slo and fits and step[i] < best:
-                best = step[i]
+            room = capacity[i] <= 0 or context[i] + reserved[i] + need <= capacity[i]
+            if step[i] <= slo and room:
+                ties[fits] = i
+                fits += 1
+                if step[i] < best:
+                    best = step[i]
+        band = best + (abs(best) * tol + eps)
         count = 0
-        if best < np.inf:
-            band = best + (abs(best) * tol + eps)
-            for i in range(m):
-                if up[i] and step[i] <= band and step[i] <= slo and (
-                        capacity[i] <= 0 or context[i] + reserved[i] + need <= capacity[i]):
-                    ties[count] = i
-                    count += 1
-        return count, fastest, best
+        for j in range(fits):  # keep those inside the tie band, in order
+            if step[ties[j]] <= band:
+                ties[count] = ties[j]
+                count += 1
+        return count, fastest
 
     return rank
 
@@ -634,6 +636,6 @@ def rank_decode(
     global _decode
     if _decode is None:
         _decode = _compile_decode()
-    count, fastest, _ = _decode(consts, tokens, need, slo, tol, eps, up, context, batch,
-                                reserved, capacity, step, ties)
+    count, fastest = _decode(consts, tokens, need, slo, tol, eps, up, context, batch,
+                             reserved, capacity, step, ties)
     return int(count), int(fastest)
