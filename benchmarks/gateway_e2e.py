@@ -107,7 +107,7 @@ def main() -> int:
                 os.close(fd)
                 t0 = time.time()
                 proc = subprocess.run(
-                    [sys.executable, "-m", "mooncake_operator.cli", "replay", "--url", g.url,
+                    [sys.executable, "-m", "mooncake_cli", "replay", "--url", g.url,
                      "--limit", str(a.requests),
                      "--speed", str((WARMUP_SPEED if warm else a.speed) / a.time_scale),
                      "--time-scale", str(a.time_scale), "--max-output-tokens",

@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Any
 
+from mooncake_contract.tokenizer import Tokenizer
 from mooncake_gateway.tokens import PromptTokenizer
-from mooncake_worker.tokenizer import Tokenizer
 
 MS = 1000.0
 

@@ -25,7 +25,9 @@ mooncake-operator local-cluster build
 
 echo "== lint, types, layering"
 ruff check .
-mypy operator/mooncake_conductor operator/mooncake_sim operator/mooncake_operator operator/mooncake_gateway worker/mooncake_worker
+mypy operator/mooncake_conductor operator/mooncake_contract operator/mooncake_sim \
+  operator/mooncake_operator operator/mooncake_gateway operator/mooncake_localcluster \
+  operator/mooncake_cli worker/mooncake_worker
 lint-imports
 
 echo "== tests"

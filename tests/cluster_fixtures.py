@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_operator.localcluster import cluster, components
-from mooncake_operator.localcluster.kubehttp import KubeHttp
-from mooncake_operator.localcluster.settings import LocalClusterSettings
+from mooncake_localcluster import cluster, components
+from mooncake_localcluster.kubehttp import KubeHttp
+from mooncake_localcluster.settings import LocalClusterSettings
 
 TEST_CLUSTER_NAME = "pytest"
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from mooncake_worker.kvevents import KVEventBatch
-from mooncake_worker.kvevents.codec import to_plain
-from mooncake_worker.kvevents.subscriber import KVEventSubscriber
+from mooncake_contract.kvevents import KVEventBatch
+from mooncake_contract.kvevents.codec import to_plain
+from mooncake_contract.kvevents.subscriber import KVEventSubscriber
 
 
 def show(seq: int, batch: KVEventBatch) -> None:

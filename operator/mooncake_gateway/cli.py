@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
 def run_gateway(args: argparse.Namespace) -> int:
     import logging
 
-    from mooncake_worker.lifecycle import run_until_stopped
+    from mooncake_contract.lifecycle import run_until_stopped
     from pydantic import ValidationError
 
     from .server import loop_factory, serve

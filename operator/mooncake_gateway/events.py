@@ -1,6 +1,6 @@
 """One KV-event subscription per engine, on top of the worker's reusable subscriber.
 
-Adds to :class:`~mooncake_worker.kvevents.subscriber.KVEventSubscriber`:
+Adds to :class:`~mooncake_contract.kvevents.subscriber.KVEventSubscriber`:
 
 - :meth:`EngineSubscriber.sync` asks the replay socket for everything the publisher still
   buffers (a gateway that starts late, or a second replica, builds the same index);
@@ -16,8 +16,8 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable
 
-from mooncake_worker.kvevents.codec import decode_seq
-from mooncake_worker.kvevents.subscriber import BatchHandler, KVEventSubscriber
+from mooncake_contract.kvevents.codec import decode_seq
+from mooncake_contract.kvevents.subscriber import BatchHandler, KVEventSubscriber
 
 #: how many delivered batches are remembered to recognise duplicates
 RECENT_BATCHES = 4096

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mooncake_conductor.blockkeys import MASK64, block_keys
 from mooncake_conductor.index import HBM, TIER_BY_MEDIUM, PrefixIndex
-from mooncake_worker.kvevents.codec import (
+from mooncake_contract.kvevents.codec import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -22,9 +22,9 @@ from typing import Any
 
 import aiohttp
 import numpy as np
+from mooncake_contract.tokenizer import VOCAB_SIZE
 from mooncake_sim.metrics import latency_summary
 from mooncake_sim.trace import TRACE_BLOCK_TOKENS, TraceRecord
-from mooncake_worker.settings import VOCAB_SIZE
 
 #: smallest token id a replayed prompt uses (ids below are the tokenizer's specials)
 FIRST_ID = 256

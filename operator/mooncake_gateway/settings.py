@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 from mooncake_conductor.engine import ConductorConfig
+from mooncake_contract import conventions as c
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -65,13 +66,13 @@ class KubernetesSource(BaseModel):
     namespace: str = "default"
     prefill_selector: str = Field(..., description="label selector of prefill pods")
     decode_selector: str = Field(..., description="label selector of decode pods")
-    http_port: int = Field(8000, gt=0, le=65535, description="default HTTP port")
-    kv_events_port: int | None = Field(5557, gt=0, le=65535)
-    kv_replay_port: int | None = Field(5558, gt=0, le=65535)
-    http_port_annotation: str = "mooncake.io/http-port"
-    kv_events_port_annotation: str = "mooncake.io/kv-events-port"
-    kv_replay_port_annotation: str = "mooncake.io/kv-replay-port"
-    kv_topic_annotation: str = "mooncake.io/kv-topic"
+    http_port: int = Field(c.PORT_HTTP, gt=0, le=65535, description="default HTTP port")
+    kv_events_port: int | None = Field(c.PORT_KV_EVENTS, gt=0, le=65535)
+    kv_replay_port: int | None = Field(c.PORT_KV_REPLAY, gt=0, le=65535)
+    http_port_annotation: str = c.ANNOTATION_HTTP_PORT
+    kv_events_port_annotation: str = c.ANNOTATION_KV_EVENTS_PORT
+    kv_replay_port_annotation: str = c.ANNOTATION_KV_REPLAY_PORT
+    kv_topic_annotation: str = c.ANNOTATION_KV_TOPIC
     watch_timeout_s: int = Field(300, gt=0, description="server-side watch timeout")
 
 

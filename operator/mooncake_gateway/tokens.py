@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from mooncake_worker.tokenizer import Tokenizer, message_text
+from mooncake_contract.tokenizer import Tokenizer, message_text
 
 Tokens = npt.NDArray[np.int64]
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from mooncake_worker.settings import VOCAB_SIZE
-from mooncake_worker.tokenizer import chat_messages_problem
+from mooncake_contract.tokenizer import VOCAB_SIZE, chat_messages_problem
 
 from .errors import ApiError
 

@@ -103,7 +103,7 @@ def run_gateway(models: list[dict[str, Any]], wait_ready: bool = True,
         json.dump(cfg, f)
     fd, log_path = tempfile.mkstemp(prefix="gateway-", suffix=".log")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mooncake_operator.cli", "gateway", "--config", config_path,
+        [sys.executable, "-m", "mooncake_cli", "gateway", "--config", config_path,
          "--log-level", "INFO"], stdout=fd, stderr=fd)
     os.close(fd)
     g = GatewayProc(proc, port, log_path, config_path)

@@ -207,7 +207,7 @@ def test_engine_tokenizer_mode_routes_like_the_local_one() -> None:
             c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1)
             c.completions.create(model=MODEL, prompt=LONG, max_tokens=1)
         chat, prompt = g.get("/conductor/decisions?limit=4")[:2]
-        from mooncake_worker.tokenizer import Tokenizer
+        from mooncake_contract.tokenizer import Tokenizer
 
         assert chat["prompt_tokens"] == len(Tokenizer().encode_chat(msgs))
         assert prompt["prompt_tokens"] == len(Tokenizer().encode(LONG))

@@ -69,7 +69,7 @@ def _replay(url: str, speed: float = SPEED) -> dict[str, Any]:
     os.close(fd)
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "mooncake_operator.cli", "replay", "--url", url,
+            [sys.executable, "-m", "mooncake_cli", "replay", "--url", url,
              "--limit", str(REQUESTS), "--speed", str(speed / TIME_SCALE),
              "--time-scale", str(TIME_SCALE), "--max-output-tokens", str(MAX_OUTPUT),
              "--json", out],

@@ -9,17 +9,17 @@ from typing import Any
 
 from mooncake_conductor.blockkeys import block_keys, mix64, namespace_seed
 from mooncake_conductor.index import PrefixIndex
-from mooncake_gateway.discovery import pod_endpoint
-from mooncake_gateway.kvindex import IndexFeeder, unmix64
-from mooncake_gateway.settings import GatewaySettings, KubernetesSource
-from mooncake_gateway.tokens import PromptTokenizer
-from mooncake_worker.kvevents import (
+from mooncake_contract.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
 )
-from mooncake_worker.tokenizer import Tokenizer
+from mooncake_contract.tokenizer import Tokenizer
+from mooncake_gateway.discovery import pod_endpoint
+from mooncake_gateway.kvindex import IndexFeeder, unmix64
+from mooncake_gateway.settings import GatewaySettings, KubernetesSource
+from mooncake_gateway.tokens import PromptTokenizer
 
 BS = 16
 SEED = namespace_seed("m", BS)
@@ -171,8 +171,8 @@ def test_long_string_prompts_are_tokenized_in_cached_chunks() -> None:
 
 
 def test_subscriber_drops_duplicates_resets_on_restart_and_resyncs_on_loss() -> None:
+    from mooncake_contract.kvevents import encode_batch, encode_seq
     from mooncake_gateway.events import EngineSubscriber
-    from mooncake_worker.kvevents import encode_batch, encode_seq
 
     calls: list[str] = []
     got: list[int] = []

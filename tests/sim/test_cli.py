@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from mooncake_operator.cli import main
+from mooncake_cli.main import main
 from mooncake_sim.synth import generate, write_trace
 
 
@@ -71,7 +71,7 @@ def test_bad_arguments_exit_2(small_trace: Path, args: list[str], message: str,
 
 
 def test_trace_stats_prints_the_ceiling(small_trace: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "mooncake_operator.cli", "trace-stats",
+    r = subprocess.run([sys.executable, "-m", "mooncake_cli", "trace-stats",
                         str(small_trace)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0
     assert "requests         300" in r.stdout

@@ -75,7 +75,7 @@ def test_empty_and_missing(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cmd", ["simulate --trace", "trace-stats"])
 def test_cli_exit_2_without_traceback(tmp_path: Path, cmd: str) -> None:
     bad = write(tmp_path, [json.dumps(GOOD[0]), "{oops"])
-    r = subprocess.run([sys.executable, "-m", "mooncake_operator.cli", *cmd.split(), str(bad)],
+    r = subprocess.run([sys.executable, "-m", "mooncake_cli", *cmd.split(), str(bad)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr

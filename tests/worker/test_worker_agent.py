@@ -12,21 +12,11 @@ from typing import Any
 
 import pytest
 from mooncake_conductor.blockkeys import block_keys, namespace_seed
-from mooncake_worker.agent import (
-    REPLICA_ANNOTATION,
-    go_unquote,
-    parse_annotations,
-    parse_replicas,
-)
+from mooncake_contract.annotations import REPLICA_ANNOTATION, go_quote
 from worker_fixtures import Master, WorkerProc, run_worker
 
 MODEL = "llama3-70b-sim"
 SEED = namespace_seed(MODEL, 16)
-
-
-def go_quote(s: str) -> str:
-    """What kubelet writes (Go's strconv.Quote, enough of it for JSON text)."""
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
 def write_annotations(path: Path, replicas: list[dict[str, Any]] | None) -> None:
@@ -45,27 +35,6 @@ def wait(cond: Callable[[], bool], timeout: float = 10.0) -> None:
             return
         time.sleep(0.05)
     assert cond()
-
-
-def test_go_unquote() -> None:
-    assert go_unquote(r'"a\"b\\c\n\t\u00e9\x41\U0001F600"') == 'a"b\\c\n\té' + "A\U0001f600"
-    assert go_unquote(r'"\xc3\xa9"') == "é"
-    with pytest.raises(ValueError):
-        go_unquote("unquoted")
-
-
-def test_parse_annotations_and_replicas() -> None:
-    value = json.dumps([{"prefix": "p1", "tokens": [1, 2, 3]}, {"prefix": 7, "keys": [9]}])
-    text = f'a="1"\nbroken line\n{REPLICA_ANNOTATION}={go_quote(value)}\n'
-    ann = parse_annotations(text)
-    assert ann["a"] == "1"
-    specs = parse_replicas(ann[REPLICA_ANNOTATION])
-    assert [(s.prefix, s.tokens, s.keys) for s in specs] == [("p1", [1, 2, 3], None),
-                                                             ("7", None, [9])]
-    for bad in ('{"prefix": 1}', '[{"tokens": [1]}]', '[{"prefix": "x"}]',
-                '[{"prefix": "x", "tokens": ["a"]}]', "not json"):
-        with pytest.raises(ValueError):
-            parse_replicas(bad)
 
 
 def held(w: WorkerProc) -> set[int]:

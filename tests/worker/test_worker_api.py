@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from mooncake_worker.tokenizer import Tokenizer
+from mooncake_contract.tokenizer import Tokenizer
 from worker_fixtures import WorkerProc
 
 MODEL = "llama3-70b-sim"

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from mooncake_worker.kvevents.codec import (
+from mooncake_contract.kvevents.codec import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -9,9 +9,9 @@ import time
 
 import pytest
 from mooncake_conductor.cost import CostModel
+from mooncake_contract.kvevents.codec import BlockRemoved, BlockStored, KVEvent
 from mooncake_worker.engine import Engine, EngineObserver, QueueFull, TooLarge
 from mooncake_worker.kvcache import PrefixCache
-from mooncake_worker.kvevents.codec import BlockRemoved, BlockStored, KVEvent
 from mooncake_worker.settings import WorkerSettings
 
 COST = CostModel()

@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 from mooncake_conductor.blockkeys import block_keys, namespace_seed
 from mooncake_conductor.index import PrefixIndex
-from mooncake_worker.kvevents import (
+from mooncake_contract.kvevents import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -24,8 +24,8 @@ from mooncake_worker.kvevents import (
     decode_seq,
     encode_batch,
 )
-from mooncake_worker.kvevents.subscriber import KVEventSubscriber
-from mooncake_worker.tokenizer import Tokenizer
+from mooncake_contract.kvevents.subscriber import KVEventSubscriber
+from mooncake_contract.tokenizer import Tokenizer
 from worker_fixtures import WorkerProc, run_worker
 
 MODEL = "llama3-70b-sim"
@@ -221,7 +221,7 @@ async def _eq(a: Awaitable[set[int]], b: set[int]) -> bool:
 
 
 def test_events_json_decoded_form_is_plain(worker: WorkerProc) -> None:
-    from mooncake_worker.kvevents.codec import to_plain
+    from mooncake_contract.kvevents.codec import to_plain
 
     batch = KVEventBatch(1.0, [BlockRemoved([5], "GPU")], None)
     assert json.loads(json.dumps(to_plain(batch))) == [

@@ -7,10 +7,10 @@ from __future__ import annotations
 import asyncio
 
 from mooncake_conductor.blockkeys import block_keys, namespace_seed
-from mooncake_worker.kvevents import BlockRemoved, BlockStored, KVEventBatch
-from mooncake_worker.kvevents.codec import decode_seq, encode_seq
+from mooncake_contract.kvevents import BlockRemoved, BlockStored, KVEventBatch
+from mooncake_contract.kvevents.codec import decode_seq, encode_seq
+from mooncake_contract.kvevents.subscriber import KVEventSubscriber
 from mooncake_worker.kvevents.publisher import KVEventPublisher
-from mooncake_worker.kvevents.subscriber import KVEventSubscriber
 from mooncake_worker.relay import CacheView
 
 

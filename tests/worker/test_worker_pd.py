@@ -8,7 +8,7 @@ from typing import Any
 import openai
 import pytest
 from mooncake_conductor.blockkeys import block_keys, namespace_seed
-from mooncake_worker.tokenizer import Tokenizer
+from mooncake_contract.tokenizer import Tokenizer
 from worker_fixtures import Master, WorkerProc, run_worker
 
 MODEL = "llama3-70b-sim"

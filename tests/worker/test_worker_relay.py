@@ -14,7 +14,7 @@ import openai
 import zmq
 import zmq.asyncio
 from mooncake_conductor.blockkeys import block_keys, namespace_seed
-from mooncake_worker.agent import REPLICA_ANNOTATION
+from mooncake_contract.annotations import REPLICA_ANNOTATION
 from worker_fixtures import WorkerProc, run_worker
 
 MODEL = "llama3-70b-sim"
@@ -104,8 +104,8 @@ def test_relay_engine_down_is_502() -> None:
 
 
 def test_relay_announces_engine_restart() -> None:
-    from mooncake_worker.kvevents import AllBlocksCleared, KVEventBatch
-    from mooncake_worker.kvevents.subscriber import KVEventSubscriber
+    from mooncake_contract.kvevents import AllBlocksCleared, KVEventBatch
+    from mooncake_contract.kvevents.subscriber import KVEventSubscriber
     from worker_fixtures import free_port
 
     port, kv, replay = free_port(), free_port(), free_port()

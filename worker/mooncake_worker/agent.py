@@ -27,114 +27,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from mooncake_contract.annotations import (
+    REPLICA_ANNOTATION,
+    ReplicaSpec,
+    parse_annotations,
+    parse_replicas,
+)
 
 from .engine import Engine, QueueFull, TooLarge
 from .kvcache import Block
 from .store import BlockStore
 
 log = logging.getLogger(__name__)
-
-#: Pod annotation naming the prefixes a pod should hold.
-REPLICA_ANNOTATION = "mooncake.io/replicas"
-
-_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v",
-            "\\": "\\", '"': '"', "'": "'"}
-
-
-def go_unquote(s: str) -> str:
-    """Inverse of Go's ``strconv.Quote`` for a double-quoted string."""
-    if len(s) < 2 or s[0] != '"' or s[-1] != '"':
-        raise ValueError(f"not a quoted string: {s[:40]!r}")
-    body = s[1:-1]
-    out: list[str] = []
-    raw = bytearray()  # \xNN escapes are bytes of UTF-8
-    i = 0
-    while i < len(body):
-        c = body[i]
-        if c != "\\":
-            if raw:
-                out.append(raw.decode("utf-8", "replace"))
-                raw.clear()
-            out.append(c)
-            i += 1
-            continue
-        if i + 1 >= len(body):
-            raise ValueError("dangling backslash")
-        e = body[i + 1]
-        if e == "x":
-            raw.append(int(body[i + 2 : i + 4], 16))
-            i += 4
-            continue
-        if raw:
-            out.append(raw.decode("utf-8", "replace"))
-            raw.clear()
-        if e in _ESCAPES:
-            out.append(_ESCAPES[e])
-            i += 2
-        elif e == "u":
-            out.append(chr(int(body[i + 2 : i + 6], 16)))
-            i += 6
-        elif e == "U":
-            out.append(chr(int(body[i + 2 : i + 10], 16)))
-            i += 10
-        elif e in "01234567":
-            raw.append(int(body[i + 1 : i + 4], 8))
-            i += 4
-        else:
-            raise ValueError(f"unknown escape \\{e}")
-    if raw:
-        out.append(raw.decode("utf-8", "replace"))
-    return "".join(out)
-
-
-def parse_annotations(text: str) -> dict[str, str]:
-    """Parse a downward-API annotations file (bad lines are skipped)."""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or "=" not in line:
-            continue
-        key, _, value = line.partition("=")
-        try:
-            out[key.strip()] = go_unquote(value.strip())
-        except (ValueError, IndexError):
-            log.warning("skipping malformed annotation line %r", line[:80])
-    return out
-
-
-@dataclass
-class ReplicaSpec:
-    prefix: str
-    tokens: list[int] | None = None
-    keys: list[int] | None = None
-
-
-def parse_replicas(value: str) -> list[ReplicaSpec]:
-    """Parse the annotation value; raises ValueError on a malformed document."""
-    data = json.loads(value)
-    if not isinstance(data, list):
-        raise ValueError("replica annotation must be a JSON array")
-    out: list[ReplicaSpec] = []
-    for item in data:
-        if not isinstance(item, dict) or not isinstance(item.get("prefix"), str | int):
-            raise ValueError("each replica needs a 'prefix' id")
-        tokens, keys = item.get("tokens"), item.get("keys")
-        for name, v in (("tokens", tokens), ("keys", keys)):
-            if v is not None and not (
-                isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                            and t >= 0 for t in v)
-            ):
-                raise ValueError(f"'{name}' must be a list of non-negative ints")
-        if tokens is None and keys is None:
-            raise ValueError("each replica needs 'tokens' or 'keys'")
-        out.append(ReplicaSpec(str(item["prefix"]), tokens, keys))
-    return out
-
 
 @dataclass
 class Replica:

@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     def ready(port: int) -> None:
         print(f"worker ready on http://{settings.host}:{port}", flush=True)
 
-    from .lifecycle import run_until_stopped
+    from mooncake_contract.lifecycle import run_until_stopped
+
     from .store import StoreError
 
     try:

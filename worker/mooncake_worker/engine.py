@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 from mooncake_conductor.blockkeys import block_keys, namespace_seed
 from mooncake_conductor.cost import CostModel
+from mooncake_contract.kvevents.codec import KVEvent
+from mooncake_contract.tokenizer import advance, context_state, next_token
 
 from .kvcache import Block, CacheFull, PrefixCache
-from .kvevents.codec import KVEvent
 from .settings import WorkerSettings
-from .tokenizer import advance, context_state, next_token
 
 _ids = itertools.count()
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from .kvevents.codec import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from mooncake_contract.kvevents.codec import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class Block:

@@ -5,11 +5,11 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Iterable
 
+from mooncake_contract.kvevents.codec import KVEvent
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import HistogramMetricFamily, Metric
 
 from .engine import EngineObserver
-from .kvevents.codec import KVEvent
 from .settings import WorkerSettings
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

@@ -33,12 +33,18 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from mooncake_conductor.blockkeys import MASK64, P, mix64, namespace_seed
+from mooncake_contract.kvevents.codec import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    hash_to_int,
+)
+from mooncake_contract.kvevents.subscriber import KVEventSubscriber
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from .agent import AgentBase, Replica
-from .kvevents.codec import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, hash_to_int
 from .kvevents.publisher import KVEventPublisher
-from .kvevents.subscriber import KVEventSubscriber
 from .server import ApiError
 from .settings import WorkerSettings
 

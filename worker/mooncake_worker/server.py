@@ -13,16 +13,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from mooncake_contract.kvevents.codec import KVEvent
+from mooncake_contract.tokenizer import VOCAB_SIZE, Tokenizer, chat_messages_problem
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .agent import PodAgent
 from .engine import Engine, EngineObserver, EngineSeq, QueueFull, TooLarge
-from .kvevents.codec import KVEvent
 from .kvevents.publisher import KVEventPublisher
 from .metrics import WorkerMetrics
-from .settings import VOCAB_SIZE, WorkerSettings
+from .settings import WorkerSettings
 from .store import BlockStore
-from .tokenizer import Tokenizer, chat_messages_problem
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -11,9 +11,6 @@ from enum import StrEnum
 from mooncake_conductor.cost import CostModelConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-#: Size of the simulated vocabulary (token ids are ``0 .. VOCAB_SIZE-1``).
-VOCAB_SIZE = 131072
-
 
 class Role(StrEnum):
     """What a worker is deployed as (informational for the engine; any role serves any

@@ -1,27 +1,4 @@
-"""KV cache events in vLLM's wire format: codec, publisher (with replay) and subscriber."""
+"""The worker's side of KV cache events: the ZeroMQ publisher with its replay buffer.
 
-from .codec import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-    KVEventBatch,
-    decode_batch,
-    decode_seq,
-    encode_batch,
-    encode_seq,
-    hash_to_int,
-)
-
-__all__ = [
-    "AllBlocksCleared",
-    "BlockRemoved",
-    "BlockStored",
-    "KVEvent",
-    "KVEventBatch",
-    "decode_batch",
-    "decode_seq",
-    "encode_batch",
-    "encode_seq",
-    "hash_to_int",
-]
+The codec and the subscriber are shared with the gateway: ``mooncake_contract.kvevents``.
+"""

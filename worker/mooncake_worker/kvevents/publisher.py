@@ -13,8 +13,14 @@ from collections.abc import Sequence
 
 import zmq
 import zmq.asyncio
-
-from .codec import END_SEQ, KVEvent, KVEventBatch, decode_seq, encode_batch, encode_seq
+from mooncake_contract.kvevents.codec import (
+    END_SEQ,
+    KVEvent,
+    KVEventBatch,
+    decode_seq,
+    encode_batch,
+    encode_seq,
+)
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
-from mooncake_operator.localcluster import components, manifests, procs
-from mooncake_operator.localcluster.certs import PkiPaths, ensure_pki
-from mooncake_operator.localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
-from mooncake_operator.localcluster.settings import LocalClusterSettings
+from mooncake_localcluster import components, manifests, procs
+from mooncake_localcluster.certs import PkiPaths, ensure_pki
+from mooncake_localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
+from mooncake_localcluster.settings import LocalClusterSettings
 
 Log = Callable[[str], None]
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -388,7 +388,7 @@ def start_pod_runner(paths: StatePaths) -> None:
     argv = [
         sys.executable,
         "-m",
-        "mooncake_operator.localcluster.podrunner",
+        "mooncake_localcluster.podrunner",
         "--state-dir",
         str(paths.root),
     ]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from mooncake_operator.localcluster.settings import LocalClusterSettings
+from mooncake_localcluster.settings import LocalClusterSettings
 
 TOOLS_SUBDIR = Path("tools") / "localcluster"
 TOOLS_ENV = "MOONCAKE_LOCALCLUSTER_TOOLS_DIR"

@@ -8,7 +8,7 @@ from typing import Any
 
 
 def _settings(args: argparse.Namespace) -> Any:
-    from mooncake_operator.localcluster.settings import LocalClusterSettings
+    from mooncake_localcluster.settings import LocalClusterSettings
 
     overrides: dict[str, Any] = {}
     if getattr(args, "name", None):
@@ -27,7 +27,7 @@ def _log(message: str) -> None:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from mooncake_operator.localcluster import components
+    from mooncake_localcluster import components
 
     names = tuple(args.components) if args.components else None
     components.build_all(_settings(args), names, _log)
@@ -35,14 +35,14 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from mooncake_operator.localcluster import cluster
+    from mooncake_localcluster import cluster
 
     cluster.up(_settings(args), _log)
     return 0
 
 
 def _down(args: argparse.Namespace) -> int:
-    from mooncake_operator.localcluster import cluster
+    from mooncake_localcluster import cluster
 
     settings = _settings(args)
     cluster.down(settings, _log)
@@ -52,7 +52,7 @@ def _down(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from mooncake_operator.localcluster import cluster
+    from mooncake_localcluster import cluster
 
     data = cluster.status(_settings(args))
     print(cluster.format_status(data))
@@ -60,14 +60,14 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _kubeconfig(args: argparse.Namespace) -> int:
-    from mooncake_operator.localcluster import cluster
+    from mooncake_localcluster import cluster
 
     print(cluster.state_paths(_settings(args)).kubeconfig)
     return 0
 
 
 def _pod_runner(args: argparse.Namespace) -> int:
-    from mooncake_operator.localcluster import podrunner
+    from mooncake_localcluster import podrunner
 
     return podrunner.main(Path(args.state_dir))
 

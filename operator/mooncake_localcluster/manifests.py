@@ -6,7 +6,7 @@ import base64
 import json
 from typing import Any
 
-from mooncake_operator.localcluster.settings import LocalClusterSettings
+from mooncake_localcluster.settings import LocalClusterSettings
 
 POOLS = ("prefill", "decode")
 SYSTEM_POOL = "system"

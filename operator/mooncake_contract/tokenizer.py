@@ -29,8 +29,8 @@ from typing import Any
 
 from mooncake_conductor.blockkeys import MASK64, P, mix64
 
-from .settings import VOCAB_SIZE
-
+#: Size of the simulated vocabulary (token ids are ``0 .. VOCAB_SIZE-1``).
+VOCAB_SIZE = 131072
 START_ID = 3
 END_ID = 4
 FIRST_WORD_ID = 256

@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 import pytest
-from mooncake_operator.localcluster import cluster, procs
-from mooncake_operator.localcluster.settings import LocalClusterSettings
+from mooncake_localcluster import cluster, procs
+from mooncake_localcluster.settings import LocalClusterSettings
 
 pytestmark = pytest.mark.cluster
 

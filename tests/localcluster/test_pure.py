@@ -10,8 +10,8 @@ import pytest
 import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from mooncake_operator.localcluster import certs, components, manifests, podspec
-from mooncake_operator.localcluster.settings import LocalClusterSettings
+from mooncake_localcluster import certs, components, manifests, podspec
+from mooncake_localcluster.settings import LocalClusterSettings
 
 
 def test_ca_signs_serving_and_client_certs() -> None:
@@ -251,7 +251,7 @@ def test_k8s_ldflags_set_versions() -> None:
 def test_cli_registers_actions() -> None:
     import argparse
 
-    from mooncake_operator.localcluster import cli
+    from mooncake_localcluster import cli
 
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
@@ -266,7 +266,7 @@ def test_cli_registers_actions() -> None:
 
 
 def test_stop_record_stops_the_whole_group_after_exec(tmp_path: Path) -> None:
-    from mooncake_operator.localcluster import procs
+    from mooncake_localcluster import procs
 
     pid_dir = tmp_path / "pids"
     proc = procs.start(

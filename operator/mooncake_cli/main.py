@@ -15,7 +15,7 @@ from collections.abc import Sequence
 # (module, attribute) pairs; each attribute is ``register(subparsers) -> None``.
 SUBCOMMAND_MODULES: tuple[str, ...] = (
     "mooncake_sim.cli",
-    "mooncake_operator.localcluster.cli",
+    "mooncake_localcluster.cli",
     "mooncake_worker.cli",
     "mooncake_gateway.cli",
 )

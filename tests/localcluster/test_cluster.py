@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_operator.localcluster import procs
-from mooncake_operator.localcluster.kubehttp import ApiError, KubeHttp
+from mooncake_localcluster import procs
+from mooncake_localcluster.kubehttp import ApiError, KubeHttp
 
 from tests.cluster_fixtures import LocalK8s
 

@@ -8,6 +8,6 @@ the pod IP that kwok assigned from the node's loopback ``podCIDR``.
 
 from __future__ import annotations
 
-from mooncake_operator.localcluster.settings import LocalClusterSettings
+from mooncake_localcluster.settings import LocalClusterSettings
 
 __all__ = ["LocalClusterSettings"]

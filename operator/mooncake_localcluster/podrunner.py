@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mooncake_operator.localcluster import podspec, procs
-from mooncake_operator.localcluster.cluster import (
+from mooncake_localcluster import podspec, procs
+from mooncake_localcluster.cluster import (
     StatePaths,
     kube_client,
     load_info,
     read_settings,
 )
-from mooncake_operator.localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
-from mooncake_operator.localcluster.settings import LocalClusterSettings
+from mooncake_localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
+from mooncake_localcluster.settings import LocalClusterSettings
 
 log = logging.getLogger("mooncake.localcluster.podrunner")
 JsonDict = dict[str, Any]

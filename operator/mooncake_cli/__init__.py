@@ -1,0 +1,1 @@
+"""The one command, ``mooncake-operator``: a subcommand per part of the project."""
