@@ -19,7 +19,7 @@ from .cost import CostModel, CostModelConfig
 from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
 from .policies.base import Placement, PolicyContext, SLOConfig, create_policy, policy_class
 from .replication import HotPrefixTracker, ReplicationAction, ReplicationConfig
-from .state import ClusterState, RequestInfo
+from .state import ClusterState, RequestInfo, board_of
 
 
 class ConductorConfig(BaseModel):
@@ -84,8 +84,11 @@ class Conductor:
         self.hot = HotPrefixTracker(self.config.replication)
 
     def schedule(self, req: RequestInfo, cluster: ClusterState, now: float) -> Decision:
-        placement = self.policy.choose(req, cluster, now)
-        decode = self.decode_selector.choose(req, cluster.decode)
+        if cluster.grouped():
+            placement, decode = self._choose_grouped(req, cluster, now)
+        else:
+            placement = self.policy.choose(req, cluster, now)
+            decode = self.decode_selector.choose(req, cluster.decode)
         if self.admission:
             if placement.reject_reason is None and placement.ttft_s > self.config.slo.ttft_s:
                 placement.reject_reason = "ttft-slo"
@@ -98,6 +101,42 @@ class Conductor:
             self.policy.on_placed(req, placement, cluster)
             self.hot.record(req.keys, now, placement.reused_blocks, req.key_array)
         return decision
+
+    def _choose_grouped(
+        self, req: RequestInfo, cluster: ClusterState, now: float
+    ) -> tuple[Placement, DecodeChoice]:
+        """Prefill and decode of one group (the instances up span several): prefill
+        instances of a group with no decode instance up are left out, and the decode
+        instance is chosen among those of the chosen prefill instance's group. The
+        states are marked down only for the calls and restored with their boards'
+        caches (the compiled rankings read the boards)."""
+        pool, dpool = cluster.prefill, cluster.decode
+        pboard, dboard = board_of(pool), board_of(dpool)
+        with_decode = dboard.live_groups
+        undo = pboard.take_down([p for p in pool if p.up and p.group not in with_decode])
+        try:
+            placement = self.policy.choose(req, cluster, now)
+            if placement.prefill is not None and len(placement.cpp_group) > 1:
+                group = pboard.states[pboard.row_of(placement.prefill)].group
+                if any(pboard.states[pboard.row_of(i)].group != group
+                       for i in placement.cpp_group):
+                    # a pipeline group across engine groups: again within the leader's
+                    again = pboard.take_down([p for p in pool if p.up and p.group != group])
+                    try:
+                        placement = self.policy.choose(req, cluster, now)
+                    finally:
+                        again()
+        finally:
+            undo()
+        if placement.prefill is None:  # the prefill side's rejection decides
+            return placement, self.decode_selector.choose(req, dpool)
+        group = pboard.states[pboard.row_of(placement.prefill)].group
+        undo = dboard.take_down([d for d in dpool if d.up and d.group != group])
+        try:
+            decode = self.decode_selector.choose(req, dpool)
+        finally:
+            undo()
+        return placement, decode
 
     def plan_replication(self, cluster: ClusterState, now: float) -> list[ReplicationAction]:
         """Hot-prefix copies to make now (empty unless replication is on)."""

@@ -8,7 +8,7 @@ KV events); policies only read them.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar, overload
@@ -56,12 +56,13 @@ class Board:
     through to it (see :func:`_column`), so it is always current; a state bound to
     another board invalidates this one. Get one with :func:`board_of`."""
 
-    __slots__ = ("_live_mask", "columns", "iids", "states", "valid")
+    __slots__ = ("_live_groups", "_live_mask", "columns", "iids", "states", "valid")
 
     def __init__(self, states: Sequence[_Instance]) -> None:
         self.states: list[Any] = list(states)
         self.valid = True
         self._live_mask: int | None = None
+        self._live_groups: frozenset[int] | None = None
         kinds: dict[str, type] = type(states[0]).COLUMNS
         self.columns: dict[str, npt.NDArray[Any]] = {
             name: np.fromiter([getattr(st, name) for st in states], kind, len(states))
@@ -85,6 +86,30 @@ class Board:
                                   zip(self.iids, self.columns["up"].tolist(), strict=True)
                                   if up)
         return self._live_mask
+
+    @property
+    def live_groups(self) -> frozenset[int]:
+        """The groups of the states that are up (kept until an ``up`` or ``group``
+        changes)."""
+        if self._live_groups is None:
+            self._live_groups = frozenset(
+                self.columns["group"][self.columns["up"]].tolist())
+        return self._live_groups
+
+    def take_down(self, states: Sequence[_Instance]) -> Callable[[], None]:
+        """Mark ``states`` (states of this board that are up) down; the returned call
+        puts them up again and restores the cached live mask and groups as they were
+        (for one decision that must not see them, without recomputing the caches)."""
+        saved = (self._live_mask, self._live_groups)
+        for st in states:
+            st.up = False
+
+        def undo() -> None:
+            for st in states:
+                st.up = True
+            self._live_mask, self._live_groups = saved
+
+        return undo
 
     def row_of(self, iid: int) -> int:
         """The row of instance ``iid`` (-1: not on this board); ids are usually rows."""
@@ -120,35 +145,48 @@ if TYPE_CHECKING:
         def __set__(self, obj: object, value: _T) -> None: ...
 
 
+#: columns whose writes change a board's live mask or live groups
+_LIVE_COLUMNS = frozenset({"up", "group"})
+
+
 def _column(name: str) -> Any:
     """A field read from the object (C speed) and written to it and to its board."""
     slot = "_" + name
+    live = name in _LIVE_COLUMNS
 
     def write(self: _Instance, value: Any) -> None:
         setattr(self, slot, value)
         board = self._board
         if board is not None:
             board.columns[name][self._row] = value
-            if name == "up":
+            if live:
                 board._live_mask = None
+                board._live_groups = None
 
     return property(attrgetter(slot), write)
 
 
 class _Instance:
-    """What prefill and decode instances share: id, name, whether they are up, and
-    their binding to a :class:`Board`."""
+    """What prefill and decode instances share: id, name, whether they are up, their
+    group, and their binding to a :class:`Board`.
 
-    COLUMNS: ClassVar[dict[str, type]] = {"up": np.bool_}
-    __slots__ = ("_board", "_row", "_up", "iid", "name")
+    ``group`` (default 0) pairs prefill with decode: while the instances that are up
+    span more than one group, a request's decode instance is of its prefill
+    instance's group (:meth:`ClusterState.grouped`; the gateway's groups are engine
+    revisions, whose KV layouts may differ)."""
+
+    COLUMNS: ClassVar[dict[str, type]] = {"up": np.bool_, "group": np.int64}
+    __slots__ = ("_board", "_group", "_row", "_up", "iid", "name")
     up: _Column[bool] = _column("up")
+    group: _Column[int] = _column("group")
 
-    def __init__(self, iid: int, name: str, up: bool) -> None:
+    def __init__(self, iid: int, name: str, up: bool, group: int = 0) -> None:
         self._board: Board | None = None
         self._row = 0
         self.iid = iid
         self.name = name
         self.up = up
+        self.group = group
 
 
 class PrefillState(_Instance):
@@ -181,9 +219,9 @@ class PrefillState(_Instance):
         running_blocks: int = 0, running_tokens: int = 0,
         queue: list[QueuedWork] | None = None, queued_work_s: float = 0.0,
         queued_blocks: int = 0, queued_tokens: int = 0, cache_capacity_tokens: int = 0,
-        avg_prefill_s: float = 0.0, completed: int = 0,
+        avg_prefill_s: float = 0.0, completed: int = 0, group: int = 0,
     ) -> None:
-        super().__init__(iid, name, up)
+        super().__init__(iid, name, up, group)
         self.busy_until = busy_until
         self.running_blocks = running_blocks
         self.running_tokens = running_tokens
@@ -276,9 +314,9 @@ class DecodeState(_Instance):
     def __init__(
         self, iid: int, name: str = "", up: bool = True, batch: int = 0,
         context_tokens: int = 0, capacity_tokens: int = 0, waiting: int = 0,
-        reserved_tokens: int = 0, tokens_per_s: float = 0.0,
+        reserved_tokens: int = 0, tokens_per_s: float = 0.0, group: int = 0,
     ) -> None:
-        super().__init__(iid, name, up)
+        super().__init__(iid, name, up, group)
         self.batch = batch
         self.context_tokens = context_tokens
         self.capacity_tokens = capacity_tokens
@@ -318,3 +356,14 @@ class ClusterState:
             if p.up:
                 mask |= 1 << p.iid
         return mask
+
+    def grouped(self) -> bool:
+        """Whether the instances that are up span more than one group (prefill and
+        decode both have some up): then a request's prefill and decode instances
+        must share a group. Read from the pools' boards (cached until an ``up`` or
+        ``group`` changes), so the usual one-group case costs two lookups."""
+        if not self.prefill or not self.decode:
+            return False
+        pg = board_of(self.prefill).live_groups
+        dg = board_of(self.decode).live_groups
+        return len(pg) > 1 or len(dg) > 1 or (bool(pg) and bool(dg) and pg != dg)
