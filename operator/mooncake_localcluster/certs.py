@@ -187,22 +187,43 @@ class PkiPaths:
         return all(path.is_file() for path in files)
 
 
-def ensure_pki(root: Path, host: str) -> PkiPaths:
-    """Create the whole PKI under ``root`` once; later calls reuse it."""
-    paths = PkiPaths(root)
-    if paths.complete():
-        return paths
-    root.mkdir(parents=True, exist_ok=True)
-    ca = make_ca()
-    ca.write(paths.ca_crt, paths.ca_key)
+def _serving_ips(cert_path: Path) -> set[str]:
+    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return set()
+    return {str(ip) for ip in sans.get_values_for_type(x509.IPAddress)}
+
+
+def _issue_serving(ca: KeyPair, paths: PkiPaths, ips: tuple[str, ...]) -> None:
     serving = issue_cert(
         ca,
         "kube-apiserver",
         dns_names=SERVICE_DNS_NAMES,
-        ip_addresses=(host,),
+        ip_addresses=ips,
         server=True,
     )
     serving.write(paths.serving_crt, paths.serving_key)
+
+
+def ensure_pki(root: Path, host: str, service_ips: tuple[str, ...] = ()) -> PkiPaths:
+    """Create the whole PKI under ``root`` once; later calls reuse it.
+
+    The apiserver's serving cert covers ``host`` and ``service_ips`` (the ``kubernetes``
+    Service's ClusterIP); it is issued again from the same CA when an address is missing.
+    """
+    paths = PkiPaths(root)
+    ips = tuple(dict.fromkeys((host, *service_ips)))
+    if paths.complete():
+        if not set(ips) <= _serving_ips(paths.serving_crt):
+            ca = KeyPair(paths.ca_crt.read_bytes(), paths.ca_key.read_bytes())
+            _issue_serving(ca, paths, ips)
+        return paths
+    root.mkdir(parents=True, exist_ok=True)
+    ca = make_ca()
+    ca.write(paths.ca_crt, paths.ca_key)
+    _issue_serving(ca, paths, ips)
     admin = issue_cert(ca, "mooncake-admin", organizations=(MASTERS_GROUP,), client=True)
     admin.write(paths.admin_crt, paths.admin_key)
     sa_private, sa_public = make_service_account_keys()

@@ -25,6 +25,13 @@ from mooncake_localcluster.settings import LocalClusterSettings
 Log = Callable[[str], None]
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
 POD_RUNNER = "pod-runner"
+SERVICE_PROXY = "service-proxy"
+# Our Python helpers: name -> module run with ``python -m``; `down` stops them first.
+HELPERS = {
+    POD_RUNNER: "mooncake_localcluster.podrunner",
+    SERVICE_PROXY: "mooncake_localcluster.serviceproxy",
+}
+KUBERNETES_SERVICE_PATH = "/api/v1/namespaces/default/services/kubernetes"
 PORT_NAMES = ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler", "kwok")
 # Start order; `down` stops in reverse.
 PROCESS_ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -284,7 +291,7 @@ def is_up(settings: LocalClusterSettings) -> bool:
     if info is None:
         return False
     alive = {r.name for r in running_records(paths)}
-    if not set(PROCESS_ORDER) | {POD_RUNNER} <= alive:
+    if not set(PROCESS_ORDER) | set(HELPERS) <= alive:
         return False
     return _ready_check("kube-apiserver", settings, paths, info.ports)()
 
@@ -321,6 +328,30 @@ def _nodes_ready(client: KubeHttp, settings: LocalClusterSettings) -> bool:
     return wanted <= ready
 
 
+def _kubernetes_service_ip(client: KubeHttp) -> str | None:
+    try:
+        ip = client.get(KUBERNETES_SERVICE_PATH)["spec"].get("clusterIP")
+    except (ApiError, OSError, KeyError):
+        return None
+    return str(ip) if ip else None
+
+
+def _check_service_cidr(settings: LocalClusterSettings, paths: StatePaths) -> None:
+    """etcd keeps Services (and the range object) of the range it was first started with."""
+    if not paths.settings_json.is_file() or not paths.etcd_data.exists():
+        return
+    try:
+        old = json.loads(paths.settings_json.read_text()).get("service_cidr")
+    except (OSError, ValueError):
+        return
+    if old and old != settings.service_cidr:
+        raise RuntimeError(
+            f"the state in {paths.root} was made with service_cidr {old}, not "
+            f"{settings.service_cidr}: run `local-cluster down --purge` first (this deletes "
+            "the cluster's objects)"
+        )
+
+
 def up(settings: LocalClusterSettings, log: Log = print) -> ClusterInfo:
     """Start everything (building binaries first if needed); idempotent."""
     paths = state_paths(settings)
@@ -332,6 +363,7 @@ def up(settings: LocalClusterSettings, log: Log = print) -> ClusterInfo:
     if running_records(paths) or procs.records(paths.pod_pids):
         log("a previous start is partly running; stopping it first")
         down(settings, log)
+    _check_service_cidr(settings, paths)
     started = time.monotonic()
     binaries = components.build_all(settings, components.RUNTIME_COMPONENTS, log)
     tools_dir = components.find_tools_dir(settings)
@@ -340,7 +372,7 @@ def up(settings: LocalClusterSettings, log: Log = print) -> ClusterInfo:
         for name in components.RUNTIME_COMPONENTS
     }
     paths.root.mkdir(parents=True, exist_ok=True)
-    pki = ensure_pki(paths.pki.root, settings.host)
+    pki = ensure_pki(paths.pki.root, settings.host, (settings.kubernetes_service_ip(),))
     ports = _choose_ports(settings, previous)
     server = f"https://{settings.host}:{ports['apiserver']}"
     config = manifests.kubeconfig(
@@ -371,7 +403,16 @@ def up(settings: LocalClusterSettings, log: Log = print) -> ClusterInfo:
                 log(f"{name} ready ({time.monotonic() - started:.1f}s)")
         client = kube_client(paths, server)
         _apply_nodes(client, settings, log)
-        start_pod_runner(paths)
+        # The runner gives containers the `kubernetes` Service's variables: wait for it.
+        _wait(
+            "the kubernetes Service",
+            lambda: _kubernetes_service_ip(client) == settings.kubernetes_service_ip(),
+            settings,
+            paths,
+            "kube-apiserver",
+        )
+        for helper in HELPERS:
+            start_helper(helper, paths)
         for name in ("kube-controller-manager", "kube-scheduler"):
             _wait(name, _ready_check(name, settings, paths, ports), settings, paths, name)
         _wait("nodes", lambda: _nodes_ready(client, settings), settings, paths, "kwok")
@@ -384,24 +425,19 @@ def up(settings: LocalClusterSettings, log: Log = print) -> ClusterInfo:
     return info
 
 
-def start_pod_runner(paths: StatePaths) -> None:
-    argv = [
-        sys.executable,
-        "-m",
-        "mooncake_localcluster.podrunner",
-        "--state-dir",
-        str(paths.root),
-    ]
-    # The marker must identify the runner, not just "python".
-    log_path = paths.logs / f"{POD_RUNNER}.log"
-    procs.start(POD_RUNNER, argv, log_path, paths.pids, marker=str(paths.root))
+def start_helper(name: str, paths: StatePaths) -> None:
+    """Start the pod runner or the service proxy (``python -m <module> --state-dir``)."""
+    argv = [sys.executable, "-m", HELPERS[name], "--state-dir", str(paths.root)]
+    # The marker must identify the helper, not just "python".
+    log_path = paths.logs / f"{name}.log"
+    procs.start(name, argv, log_path, paths.pids, marker=str(paths.root))
 
 
 def down(settings: LocalClusterSettings, log: Log = print) -> int:
     """Stop every process started for this cluster (pod processes first). Returns the count."""
     paths = state_paths(settings)
     stopped = 0
-    order = [POD_RUNNER, *reversed(PROCESS_ORDER)]
+    order = [*HELPERS, *reversed(PROCESS_ORDER)]
     by_name = {r.name: r for r in procs.records(paths.pids)}
     names = [n for n in order if n in by_name] + [n for n in by_name if n not in order]
     for name in names:

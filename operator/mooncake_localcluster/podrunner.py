@@ -3,14 +3,19 @@
 It watches pods bound to the fake nodes. For a runnable pod (image contains one of
 ``settings.runnable_image_substrings`` or label ``mooncake.io/runnable: "true"``) kwok
 only assigns the pod IP (see ``manifests.kwok_stages``); this runner then starts each
-container's command+args locally, keeps downward-API/configMap volumes materialized in
-a per-pod directory, reports container states, readiness and exit codes by patching the
-pod status, restarts per ``restartPolicy`` and stops the processes when the pod goes.
+container's command+args (or the image entrypoint from ``settings.image_entrypoints`` +
+args) locally with the kubelet's Service variables, keeps downward-API, configMap and
+secret volumes materialized (and refreshed) in a per-pod directory, reports container
+states, readiness and exit codes by patching the pod status, restarts per
+``restartPolicy`` and stops the processes when the pod goes.
+
+Scale: one loop thread handles watch events and a status tick at most every ``TICK_S``;
+readiness probes and process stops run in thread pools, so a slow probe or a container
+that ignores SIGTERM never holds up the other pods.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
 import logging
@@ -25,11 +30,12 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mooncake_localcluster import podspec, procs
+from mooncake_localcluster import podspec, procs, services, volumes, watching
 from mooncake_localcluster.cluster import (
     StatePaths,
     kube_client,
@@ -42,13 +48,24 @@ from mooncake_localcluster.settings import LocalClusterSettings
 log = logging.getLogger("mooncake.localcluster.podrunner")
 JsonDict = dict[str, Any]
 
-WATCH_TIMEOUT_S = 300
 TICK_S = 0.25
 PROBE_INTERVAL_CAP_S = 1.0
 PROBE_TIMEOUT_S = 1.0
 BACKOFF_MAX_S = 30.0
 RETRY_DELAY_S = 1.0
 NO_COMMAND_EXIT = 127
+STOP_WORKERS = 8
+# Variables a parent cluster may have set for the runner itself: never inherited.
+INHERITED_SERVICE_PREFIXES = ("KUBERNETES_SERVICE_", "KUBERNETES_PORT")
+
+PODS = "pods"
+SERVICES = "services"
+CONFIGMAPS = "configmaps"
+SECRETS = "secrets"
+# A volume source kind -> (resource, the field naming the object).
+SOURCE_REFS = {"configMap": (CONFIGMAPS, "name"), "secret": (SECRETS, "secretName")}
+# Probes must reach the pod IP directly, whatever *_proxy variables say.
+_NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def _now() -> str:
@@ -71,6 +88,7 @@ class ContainerProc:
     restart_at: float | None = None
     last_terminated: JsonDict | None = None
     message: str = ""
+    probe_future: Future[bool] | None = None
 
 
 @dataclass
@@ -82,6 +100,7 @@ class RunningPod:
     directory: Path
     containers: list[ContainerProc]
     restart_policy: str
+    volumes: list[JsonDict] = field(default_factory=list)
     meta_digest: str = ""
     last_status: JsonDict = field(default_factory=dict)
     done: bool = False
@@ -101,43 +120,110 @@ def _link_nested_mounts(rewrites: list[podspec.MountRewrite]) -> None:
             link.symlink_to(inner.local_dir)
 
 
+def probe_once(pod_ip: str, container: JsonDict, probe: JsonDict) -> bool:
+    """One readiness probe (``httpGet`` or ``tcpSocket``; others count as success)."""
+    port = probe_port(container, probe)
+    if "httpGet" in probe and port is not None:
+        get = probe["httpGet"]
+        scheme = str(get.get("scheme", "HTTP")).lower()
+        host = get.get("host") or pod_ip
+        url = f"{scheme}://{host}:{port}{get.get('path', '/')}"
+        try:
+            with _NO_PROXY_OPENER.open(url, timeout=PROBE_TIMEOUT_S) as resp:
+                return 200 <= int(resp.status) < 400
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+    if "tcpSocket" in probe and port is not None:
+        try:
+            with socket.create_connection((pod_ip, port), timeout=PROBE_TIMEOUT_S):
+                return True
+        except OSError:
+            return False
+    return True
+
+
+def probe_port(container: JsonDict, probe: JsonDict) -> int | None:
+    action = probe.get("httpGet") or probe.get("tcpSocket") or {}
+    port = action.get("port")
+    if isinstance(port, int):
+        return port
+    for p in container.get("ports") or []:
+        if p.get("name") == port:
+            return int(p["containerPort"])
+    with contextlib.suppress(TypeError, ValueError):
+        return int(str(port))
+    return None
+
+
+def volume_ref(volume: JsonDict) -> tuple[str, str] | None:
+    """(resource, object name) for a configMap or secret volume."""
+    for source, (resource, name_field) in SOURCE_REFS.items():
+        if source in volume:
+            return resource, str((volume[source] or {}).get(name_field, ""))
+    return None
+
+
+def source_files(volume: JsonDict, resource: str, obj: JsonDict) -> dict[str, bytes]:
+    """The files of a configMap/secret volume, from the object (``{}`` if absent)."""
+    if resource == CONFIGMAPS:
+        return podspec.config_map_files(volume, podspec.config_map_data(obj))
+    return podspec.secret_files(volume, podspec.secret_data(obj))
+
+
 class PodRunner:
     def __init__(self, settings: LocalClusterSettings, paths: StatePaths, client: KubeHttp):
         self.settings = settings
         self.paths = paths
         self.client = client
         self.pods: dict[str, RunningPod] = {}
-        self.events: queue.Queue[tuple[str, JsonDict]] = queue.Queue()
+        self.events: queue.Queue[tuple[str, str, JsonDict]] = queue.Queue()
         self.stopping = threading.Event()
+        self.services: dict[tuple[str, str], JsonDict] = {}
+        self.services_synced = threading.Event()
+        # (resource, namespace, name) -> uids of running pods with such a volume.
+        self.volume_users: dict[tuple[str, str, str], set[str]] = {}
+        self.prober = ThreadPoolExecutor(settings.probe_workers, thread_name_prefix="probe")
+        self.stopper = ThreadPoolExecutor(STOP_WORKERS, thread_name_prefix="stop")
+        self.last_tick = 0.0
 
     # ----- watching -----------------------------------------------------------------
-    def _watch_loop(self) -> None:
-        params = {"fieldSelector": "spec.nodeName!="}
-        while not self.stopping.is_set():
-            try:
-                listing = self.client.request(
-                    "GET", "/api/v1/pods?fieldSelector=spec.nodeName%21%3D"
-                )
-                version = listing["metadata"]["resourceVersion"]
-                self.events.put(("SYNC", {"items": listing.get("items") or []}))
-                while not self.stopping.is_set():
-                    watch_params = dict(params, resourceVersion=version, allowWatchBookmarks="true")
-                    for event in self.client.watch("/api/v1/pods", watch_params, WATCH_TIMEOUT_S):
-                        kind = event.get("type", "")
-                        obj = event.get("object") or {}
-                        if kind == "ERROR":
-                            raise ApiError(int(obj.get("code", 500)), str(obj.get("message")))
-                        version = (obj.get("metadata") or {}).get("resourceVersion", version)
-                        if kind != "BOOKMARK":
-                            self.events.put((kind, obj))
-            except (ApiError, OSError, ValueError) as err:
-                if not self.stopping.is_set():
-                    log.warning("watch restarted: %s", err)
-                    time.sleep(RETRY_DELAY_S)
+    def _emitter(self, resource: str) -> watching.Emit:
+        return lambda kind, obj: self.events.put((resource, kind, obj))
+
+    def _watch(self, resource: str) -> None:
+        on_sync = self.services_synced.set if resource == SERVICES else None
+        watching.list_watch(
+            self.client,
+            f"/api/v1/{resource}",
+            self._emitter(resource),
+            self.stopping,
+            on_sync=on_sync,
+        )
+
+    def _watch_pods(self) -> None:
+        # Containers get the Services as env: the first Service list goes first (FIFO).
+        while not self.services_synced.wait(RETRY_DELAY_S):
+            if self.stopping.is_set():
+                return
+        watching.list_watch(
+            self.client,
+            "/api/v1/pods",
+            self._emitter(PODS),
+            self.stopping,
+            {"fieldSelector": "spec.nodeName!="},
+        )
 
     # ----- event handling -----------------------------------------------------------
-    def handle(self, kind: str, obj: JsonDict) -> None:
-        if kind == "SYNC":
+    def handle(self, resource: str, kind: str, obj: JsonDict) -> None:
+        if resource == PODS:
+            self._handle_pod(kind, obj)
+        elif resource == SERVICES:
+            self._handle_service(kind, obj)
+        else:
+            self._handle_source(resource, kind, obj)
+
+    def _handle_pod(self, kind: str, obj: JsonDict) -> None:
+        if kind == watching.SYNC:
             seen = set()
             for pod in obj["items"]:
                 seen.add(pod["metadata"]["uid"])
@@ -151,6 +237,34 @@ class PodRunner:
             self._stop_pod(uid, "pod deleted")
         else:
             self._on_pod(obj)
+
+    @staticmethod
+    def _key(obj: JsonDict) -> tuple[str, str]:
+        meta = obj.get("metadata") or {}
+        return str(meta.get("namespace", "")), str(meta.get("name", ""))
+
+    def _handle_service(self, kind: str, obj: JsonDict) -> None:
+        if kind == watching.SYNC:
+            self.services = {self._key(s): s for s in obj["items"]}
+        elif kind == "DELETED":
+            self.services.pop(self._key(obj), None)
+        else:
+            self.services[self._key(obj)] = obj
+
+    def _handle_source(self, resource: str, kind: str, obj: JsonDict) -> None:
+        """A ConfigMap/Secret changed: rewrite the volumes of running pods that use it."""
+        if kind == "DELETED":
+            return  # like the kubelet, the files keep their last content
+        items = obj["items"] if kind == watching.SYNC else [obj]
+        for item in items:
+            namespace, name = self._key(item)
+            for uid in list(self.volume_users.get((resource, namespace, name), ())):
+                running = self.pods.get(uid)
+                if running is None:
+                    continue
+                for volume in running.volumes:
+                    if volume_ref(volume) == (resource, name):
+                        self._write_volume(running, volume, source_files(volume, resource, item))
 
     def _runnable(self, pod: JsonDict) -> bool:
         return podspec.is_runnable(
@@ -180,54 +294,53 @@ class PodRunner:
             )
 
     # ----- volumes ------------------------------------------------------------------
-    def _fetch_map(self, namespace: str, kind: str, name: str) -> dict[str, str]:
-        path = f"/api/v1/namespaces/{namespace}/{kind}/{name}"
+    def _fetch(self, namespace: str, resource: str, name: str) -> JsonDict:
+        """The object, or ``{}`` when it does not exist."""
         try:
-            obj = self.client.get(path)
+            return self.client.get(f"/api/v1/namespaces/{namespace}/{resource}/{name}")
         except ApiError as err:
             if err.status == 404:
                 return {}
             raise
-        data: dict[str, str] = dict(obj.get("data") or {})
-        if kind == "secrets":
-            data = {k: base64.b64decode(v).decode(errors="replace") for k, v in data.items()}
-        return data
 
-    def _volume_files(self, pod: JsonDict, volume: JsonDict) -> dict[str, str] | None:
-        namespace = pod["metadata"]["namespace"]
+    def _fetch_map(self, namespace: str, resource: str, name: str) -> dict[str, str]:
+        obj = self._fetch(namespace, resource, name)
+        if resource == SECRETS:
+            return {k: v.decode(errors="replace") for k, v in podspec.secret_data(obj).items()}
+        return {k: str(v) for k, v in (obj.get("data") or {}).items()}
+
+    def _volume_files(self, pod: JsonDict, volume: JsonDict) -> dict[str, bytes] | None:
         if "downwardAPI" in volume:
-            return podspec.downward_api_files(pod, volume)
-        if "configMap" in volume:
-            name = volume["configMap"].get("name", "")
-            return podspec.config_map_files(volume, self._fetch_map(namespace, "configmaps", name))
-        if "secret" in volume:
-            name = volume["secret"].get("secretName", "")
-            data = self._fetch_map(namespace, "secrets", name)
-            items = volume["secret"].get("items")
-            if items:
-                return {i["path"]: data[i["key"]] for i in items if i["key"] in data}
-            return data
-        return None
+            files = podspec.downward_api_files(pod, volume)
+            return {k: v.encode() for k, v in files.items()}
+        ref = volume_ref(volume)
+        if ref is None:
+            return None
+        resource, name = ref
+        obj = self._fetch(pod["metadata"]["namespace"], resource, name)
+        return source_files(volume, resource, obj)
 
     @staticmethod
-    def _write_files(directory: Path, files: dict[str, str]) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        for rel, content in files.items():
-            target = directory / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.tmp")
-            tmp.write_text(content)
-            tmp.replace(target)
+    def _write_volume(running: RunningPod, volume: JsonDict, files: dict[str, bytes]) -> None:
+        vdir = running.directory / "volumes" / volume["name"]
+        try:
+            if volumes.write_volume(vdir, files):
+                log.info(
+                    "%s/%s: volume %s updated", running.namespace, running.name, volume["name"]
+                )
+        except (OSError, ValueError) as err:
+            log.warning(
+                "%s/%s: volume %s: %s", running.namespace, running.name, volume["name"], err
+            )
 
-    def _materialize(self, pod: JsonDict, directory: Path, only_downward: bool = False) -> None:
-        for volume in (pod.get("spec") or {}).get("volumes") or []:
+    def _materialize(self, pod: JsonDict, running: RunningPod, only_downward: bool) -> None:
+        for volume in running.volumes:
             if only_downward and "downwardAPI" not in volume:
                 continue
+            (running.directory / "volumes" / volume["name"]).mkdir(parents=True, exist_ok=True)
             files = self._volume_files(pod, volume)
-            vdir = directory / "volumes" / volume["name"]
-            vdir.mkdir(parents=True, exist_ok=True)
             if files is not None:
-                self._write_files(vdir, files)
+                self._write_volume(running, volume, files)
 
     @staticmethod
     def _meta_digest(pod: JsonDict) -> str:
@@ -240,10 +353,11 @@ class PodRunner:
         )
 
     def _refresh_volumes(self, running: RunningPod, pod: JsonDict) -> None:
+        """Downward-API files follow label and annotation changes."""
         digest = self._meta_digest(pod)
         if digest != running.meta_digest:
             running.meta_digest = digest
-            self._materialize(pod, running.directory, only_downward=True)
+            self._materialize(pod, running, only_downward=True)
 
     # ----- processes ----------------------------------------------------------------
     def _start_pod(self, pod: JsonDict) -> None:
@@ -252,7 +366,6 @@ class PodRunner:
         uid = meta["uid"]
         directory = self.paths.pods / f"{meta['namespace']}_{meta['name']}_{uid[:8]}"
         directory.mkdir(parents=True, exist_ok=True)
-        self._materialize(pod, directory)
         running = RunningPod(
             uid=uid,
             namespace=meta["namespace"],
@@ -264,9 +377,15 @@ class PodRunner:
                 for c in spec.get("containers") or []
             ],
             restart_policy=spec.get("restartPolicy", "Always"),
+            volumes=list(spec.get("volumes") or []),
             meta_digest=self._meta_digest(pod),
         )
+        self._materialize(pod, running, only_downward=False)
         self.pods[uid] = running
+        for volume in running.volumes:
+            ref = volume_ref(volume)
+            if ref is not None:
+                self.volume_users.setdefault((ref[0], running.namespace, ref[1]), set()).add(uid)
         for cp in running.containers:
             self._start_container(running, pod, cp)
         self._report(running)
@@ -296,31 +415,45 @@ class PodRunner:
             if ref:
                 names.add(ref.get("name", ""))
         ns = pod["metadata"]["namespace"]
-        return {name: self._fetch_map(ns, "configmaps", name) for name in names if name}
+        return {name: self._fetch_map(ns, CONFIGMAPS, name) for name in names if name}
+
+    def service_env(self, pod: JsonDict) -> dict[str, str]:
+        """The kubelet's Service variables for a container of ``pod``, as of now."""
+        links = (pod.get("spec") or {}).get("enableServiceLinks", True) is not False
+        namespace = str(pod["metadata"]["namespace"])
+        return services.pod_service_env(namespace, links, self.services.values())
 
     def _start_container(self, running: RunningPod, pod: JsonDict, cp: ContainerProc) -> None:
         container = cp.container
-        implicit = {
-            "POD_IP": running.pod_ip,
-            "POD_NAME": running.name,
-            "POD_NAMESPACE": running.namespace,
-            "NODE_NAME": str((pod.get("spec") or {}).get("nodeName", "")),
-        }
+        implicit = self.service_env(pod)
+        implicit.update(
+            {
+                "POD_IP": running.pod_ip,
+                "POD_NAME": running.name,
+                "POD_NAMESPACE": running.namespace,
+                "NODE_NAME": str((pod.get("spec") or {}).get("nodeName", "")),
+            }
+        )
         rewrites = self._rewrites(pod, running, container)
+        entrypoint = podspec.image_entrypoint(cp.image, self.settings.image_entrypoints)
         spec = podspec.process_spec(
-            pod, container, implicit, rewrites, self._env_maps(pod, container)
+            pod, container, implicit, rewrites, self._env_maps(pod, container), entrypoint
         )
         cp.started_at = _now()
         cp.finished_at = None
         cp.exit_code = None
         cp.ready = False
+        cp.probe_future = None
+        cp.last_probe = 0.0
         if not spec.argv:
             cp.exit_code = NO_COMMAND_EXIT
             cp.finished_at = cp.started_at
-            cp.message = "no command/args: the local pod runner cannot run an image entrypoint"
+            cp.message = (
+                f"no command, and image {cp.image!r} matches no entry of image_entrypoints"
+                f" ({sorted(self.settings.image_entrypoints)}): nothing to run"
+            )
             return
-        env = dict(os.environ)
-        env.pop("KUBERNETES_SERVICE_HOST", None)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_SERVICE_PREFIXES)}
         python_dir = str(Path(sys.executable).parent)
         env["PATH"] = python_dir + os.pathsep + env.get("PATH", "")
         env["KUBECONFIG"] = str(self.paths.kubeconfig)
@@ -353,54 +486,43 @@ class PodRunner:
                 cp.proc.wait(timeout=grace_s)
         cp.record = None
 
-    def _stop_pod(self, uid: str, why: str) -> None:
-        running = self.pods.pop(uid, None)
-        if running is None:
-            return
+    def _stop_containers(self, running: RunningPod, why: str) -> None:
         for cp in running.containers:
             self._stop_container(cp, self.settings.stop_timeout_s)
         log.info("stopped pod %s/%s (%s)", running.namespace, running.name, why)
 
+    def _stop_pod(self, uid: str, why: str) -> None:
+        running = self.pods.pop(uid, None)
+        if running is None:
+            return
+        for volume in running.volumes:
+            ref = volume_ref(volume)
+            if ref is not None:
+                users = self.volume_users.get((ref[0], running.namespace, ref[1]))
+                if users is not None:
+                    users.discard(uid)
+                    if not users:
+                        del self.volume_users[(ref[0], running.namespace, ref[1])]
+        # In the background: one container that ignores SIGTERM must not stall the loop.
+        self.stopper.submit(self._stop_containers, running, why)
+
     # ----- probes and status --------------------------------------------------------
-    def _probe(self, running: RunningPod, cp: ContainerProc) -> bool:
+    def _probe(self, running: RunningPod, cp: ContainerProc) -> None:
+        """Update ``cp.ready`` from the last finished probe; start the next one when due."""
         probe = cp.container.get("readinessProbe")
         if not probe:
-            return True
+            cp.ready = True
+            return
+        future = cp.probe_future
+        if future is not None:
+            if not future.done():
+                return
+            cp.probe_future = None
+            cp.ready = future.exception() is None and future.result()
         period = min(float(probe.get("periodSeconds", PROBE_INTERVAL_CAP_S)), PROBE_INTERVAL_CAP_S)
-        if time.monotonic() - cp.last_probe < period:
-            return cp.ready
-        cp.last_probe = time.monotonic()
-        port = self._probe_port(cp.container, probe)
-        if "httpGet" in probe and port is not None:
-            get = probe["httpGet"]
-            scheme = str(get.get("scheme", "HTTP")).lower()
-            host = get.get("host") or running.pod_ip
-            url = f"{scheme}://{host}:{port}{get.get('path', '/')}"
-            try:
-                with urllib.request.urlopen(url, timeout=PROBE_TIMEOUT_S) as resp:
-                    return 200 <= int(resp.status) < 400
-            except (urllib.error.URLError, OSError, ValueError):
-                return False
-        if "tcpSocket" in probe and port is not None:
-            try:
-                with socket.create_connection((running.pod_ip, port), timeout=PROBE_TIMEOUT_S):
-                    return True
-            except OSError:
-                return False
-        return True
-
-    @staticmethod
-    def _probe_port(container: JsonDict, probe: JsonDict) -> int | None:
-        action = probe.get("httpGet") or probe.get("tcpSocket") or {}
-        port = action.get("port")
-        if isinstance(port, int):
-            return port
-        for p in container.get("ports") or []:
-            if p.get("name") == port:
-                return int(p["containerPort"])
-        with contextlib.suppress(TypeError, ValueError):
-            return int(str(port))
-        return None
+        if time.monotonic() - cp.last_probe >= period:
+            cp.last_probe = time.monotonic()
+            cp.probe_future = self.prober.submit(probe_once, running.pod_ip, cp.container, probe)
 
     def _container_status(self, cp: ContainerProc) -> JsonDict:
         status: JsonDict = {
@@ -476,6 +598,8 @@ class PodRunner:
         running.done = finished
 
     def tick(self) -> None:
+        """One pass over the running pods: exits, restarts, probe results, status."""
+        self.last_tick = time.monotonic()
         for running in list(self.pods.values()):
             if running.done:
                 continue
@@ -494,7 +618,7 @@ class PodRunner:
                     if code is not None:
                         self._exited(running, cp, code)
                         continue
-                    cp.ready = self._probe(running, cp)
+                    self._probe(running, cp)
             if running.uid in self.pods:
                 self._report(running)
 
@@ -508,9 +632,12 @@ class PodRunner:
         cp.exit_code = code if code >= 0 else 128 - code
         cp.finished_at = _now()
         cp.ready = False
+        cp.probe_future = None
         if cp.record is not None:
             # Like a container exit: whatever the main process left in its group goes too.
-            procs.stop_record(cp.record, self.paths.pod_pids, self.settings.stop_timeout_s)
+            self.stopper.submit(
+                procs.stop_record, cp.record, self.paths.pod_pids, self.settings.stop_timeout_s
+            )
             cp.record = None
         policy = running.restart_policy
         if policy == "Always" or (policy == "OnFailure" and cp.exit_code != 0):
@@ -527,20 +654,28 @@ class PodRunner:
 
     # ----- main loop ----------------------------------------------------------------
     def run(self) -> None:
-        watcher = threading.Thread(target=self._watch_loop, name="pod-watch", daemon=True)
-        watcher.start()
+        for resource in (SERVICES, CONFIGMAPS, SECRETS):
+            threading.Thread(
+                target=self._watch, args=(resource,), name=f"{resource}-watch", daemon=True
+            ).start()
+        threading.Thread(target=self._watch_pods, name="pod-watch", daemon=True).start()
         while not self.stopping.is_set():
+            wait_s = max(0.0, self.last_tick + TICK_S - time.monotonic())
             try:
-                kind, obj = self.events.get(timeout=TICK_S)
-                self.handle(kind, obj)
+                resource, kind, obj = self.events.get(timeout=wait_s)
+                self.handle(resource, kind, obj)
                 while True:
-                    kind, obj = self.events.get_nowait()
-                    self.handle(kind, obj)
+                    resource, kind, obj = self.events.get_nowait()
+                    self.handle(resource, kind, obj)
             except queue.Empty:
                 pass
-            self.tick()
+            # At most one status pass per TICK_S however many events arrive.
+            if time.monotonic() - self.last_tick >= TICK_S:
+                self.tick()
         for uid in list(self.pods):
             self._stop_pod(uid, "runner stopping")
+        self.stopper.shutdown(wait=True)
+        self.prober.shutdown(wait=False, cancel_futures=True)
 
 
 def main(state_dir: Path) -> int:

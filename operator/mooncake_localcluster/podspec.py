@@ -1,17 +1,22 @@
 """Pure helpers that turn a Pod's container spec into a local process description.
 
-Kubernetes ``$(VAR)`` expansion, ``valueFrom.fieldRef`` resolution, downward-API file
-contents and the rewrite of volume mount paths to per-pod local directories.
+Kubernetes ``$(VAR)`` expansion, ``valueFrom.fieldRef`` resolution, downward-API,
+configMap and secret file contents, the image entrypoint of a container without
+``command`` and the rewrite of volume mount paths to per-pod local directories.
 """
 
 from __future__ import annotations
 
+import base64
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from mooncake_contract.annotations import go_quote
 
 JsonDict = dict[str, Any]
+V = TypeVar("V")
 
 _FIELD_SUBSCRIPT = re.compile(r"^metadata\.(annotations|labels)\['(.+)'\]$")
 
@@ -74,12 +79,9 @@ def field_value(pod: JsonDict, path: str) -> str | None:
 
 
 def format_map(values: Mapping[str, str]) -> str:
-    """The downward-API file format for labels/annotations: sorted ``key="value"`` lines."""
-    lines = []
-    for key in sorted(values):
-        escaped = values[key].replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-        lines.append(f'{key}="{escaped}"')
-    return "\n".join(lines)
+    """The downward-API file format for labels/annotations, as the kubelet writes it:
+    sorted ``key=<Go strconv.Quote of value>`` lines, no newline after the last."""
+    return "\n".join(f"{key}={go_quote(values[key])}" for key in sorted(values))
 
 
 def container_env(
@@ -150,18 +152,39 @@ class ProcessSpec:
     rewrites: list[MountRewrite] = field(default_factory=list)
 
 
+def image_entrypoint(image: str, entrypoints: Mapping[str, Sequence[str]]) -> list[str] | None:
+    """The ENTRYPOINT of ``image`` from the table (the longest matching substring wins)."""
+    matches = [sub for sub in entrypoints if sub and sub in image]
+    if not matches:
+        return None
+    return list(entrypoints[max(matches, key=len)])
+
+
 def process_spec(
     pod: JsonDict,
     container: JsonDict,
     implicit: Mapping[str, str],
     rewrites: list[MountRewrite],
     config_maps: Mapping[str, Mapping[str, str]] | None = None,
+    entrypoint: Sequence[str] | None = None,
 ) -> ProcessSpec:
-    """Container command+args, expanded against its env, mount paths made local."""
+    """Container command+args, expanded against its env, mount paths made local.
+
+    Kubernetes semantics: ``command`` replaces the image ENTRYPOINT and ``args`` its CMD;
+    without ``command`` the argv is ``entrypoint + args`` (the table knows no CMD; the
+    entrypoint itself is not ``$(VAR)``-expanded). Without either, ``argv`` is empty.
+    """
     env = container_env(pod, container, implicit, config_maps)
     env = {key: rewrite_paths(value, rewrites) for key, value in env.items()}
-    argv = [expand(str(a), env) for a in (container.get("command") or [])]
-    argv += [expand(str(a), env) for a in (container.get("args") or [])]
+    command = container.get("command") or []
+    if command:
+        argv = [expand(str(a), env) for a in command]
+    elif entrypoint is not None:
+        argv = list(entrypoint)
+    else:
+        argv = []
+    if argv:
+        argv += [expand(str(a), env) for a in (container.get("args") or [])]
     argv = [rewrite_paths(a, rewrites) for a in argv]
     working_dir = container.get("workingDir")
     cwd = rewrite_paths(working_dir, rewrites) if working_dir else None
@@ -180,12 +203,32 @@ def downward_api_files(pod: JsonDict, volume: JsonDict) -> dict[str, str]:
     return files
 
 
-def config_map_files(volume: JsonDict, data: Mapping[str, str]) -> dict[str, str]:
+def config_map_files(volume: JsonDict, data: Mapping[str, V]) -> dict[str, V]:
     """Relative path -> content for a ``configMap`` volume (honours ``items``)."""
-    items = (volume.get("configMap") or {}).get("items")
+    return key_files((volume.get("configMap") or {}).get("items"), data)
+
+
+def secret_files(volume: JsonDict, data: Mapping[str, V]) -> dict[str, V]:
+    """Relative path -> content for a ``secret`` volume (honours ``items``)."""
+    return key_files((volume.get("secret") or {}).get("items"), data)
+
+
+def key_files(items: list[JsonDict] | None, data: Mapping[str, V]) -> dict[str, V]:
     if not items:
         return dict(data)
     return {item["path"]: data[item["key"]] for item in items if item["key"] in data}
+
+
+def config_map_data(obj: JsonDict) -> dict[str, bytes]:
+    """A ConfigMap's ``data`` (UTF-8) and ``binaryData`` (base64) as file contents."""
+    data = {k: str(v).encode() for k, v in (obj.get("data") or {}).items()}
+    data.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
+    return data
+
+
+def secret_data(obj: JsonDict) -> dict[str, bytes]:
+    """A Secret's ``data`` (base64) as file contents."""
+    return {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
 
 
 def is_runnable(pod: JsonDict, image_substrings: tuple[str, ...], runnable_label: str) -> bool:

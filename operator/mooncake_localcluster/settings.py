@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LOOPBACK_HOST = "127.0.0.1"
+LOOPBACK_NET = ipaddress.IPv4Network("127.0.0.0/8")
+# The apiserver refuses a service range wider than /12 (20 host bits).
+MIN_SERVICE_PREFIX = 12
 
 
 def default_cache_root() -> Path:
@@ -58,12 +62,29 @@ class LocalClusterSettings(BaseSettings):
         default="127.1", description="node N gets <prefix>.<N+1>.0/24 (must stay in 127/8)"
     )
     service_cidr: str = Field(
-        default="10.96.0.0/16", description="virtual only: nothing binds or routes to it"
+        default="127.96.0.0/16",
+        description=(
+            "ClusterIP range (--service-cluster-ip-range): inside 127/8, /12 or smaller; the"
+            " service proxy listens on each ClusterIP:port; the first address is `kubernetes`"
+        ),
+    )
+    image_entrypoints: dict[str, list[str]] = Field(
+        default_factory=lambda: {"mooncake-operator": ["mooncake-operator"]},
+        description=(
+            "image-name substring -> the image's ENTRYPOINT argv; a container without"
+            " `command` runs entrypoint + args (the longest matching substring wins)"
+        ),
     )
 
     ready_timeout_s: float = Field(default=90.0, gt=0)
     stop_timeout_s: float = Field(default=10.0, gt=0)
     poll_interval_s: float = Field(default=0.2, gt=0)
+    probe_workers: int = Field(
+        default=16, ge=1, description="pod runner threads for readiness probes and pod stops"
+    )
+    proxy_connect_timeout_s: float = Field(
+        default=2.0, gt=0, description="service proxy: connecting to one backend pod"
+    )
 
     runnable_image_substrings: tuple[str, ...] = ("mooncake-operator",)
     runnable_label: str = "mooncake.io/runnable"
@@ -71,6 +92,20 @@ class LocalClusterSettings(BaseSettings):
     kwok_node_annotation_value: str = "fake"
     gpu_resource: str = "nvidia.com/gpu"
     pool_label: str = "mooncake.io/pool"
+
+    @field_validator("service_cidr")
+    @classmethod
+    def _loopback_service_range(cls, value: str) -> str:
+        net = ipaddress.IPv4Network(value, strict=True)
+        if not net.subnet_of(LOOPBACK_NET):
+            raise ValueError(f"service_cidr {value} must lie inside {LOOPBACK_NET}")
+        if net.prefixlen < MIN_SERVICE_PREFIX:
+            raise ValueError(f"service_cidr {value} is wider than /{MIN_SERVICE_PREFIX}")
+        return value
+
+    def kubernetes_service_ip(self) -> str:
+        """The first address of the service range: the ``kubernetes`` Service's ClusterIP."""
+        return str(ipaddress.IPv4Network(self.service_cidr)[1])
 
     def resolved_state_dir(self) -> Path:
         return self.state_dir or self.cache_root / "state" / self.name
