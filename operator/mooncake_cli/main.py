@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "mooncake_localcluster.cli",
     "mooncake_worker.cli",
     "mooncake_gateway.cli",
+    "mooncake_operator.cli",
 )
 
 

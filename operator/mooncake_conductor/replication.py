@@ -20,13 +20,17 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
 from .state import ClusterState
+
+_K = TypeVar("_K")
 
 
 class ReplicationConfig(BaseModel):
@@ -126,18 +130,98 @@ class HotPrefixTracker:
             if not holders or len(holders) >= cfg.max_replicas:
                 continue
             source = min(holders, key=lambda i: load[i])
-            if load[source] <= cfg.load_ratio * avg + cfg.load_floor_s:
+            if not is_hot_spot(load[source], avg, cfg):
                 continue
-            targets = [
-                p.iid for p in live
-                if p.iid not in holders and p.iid not in taken and load[p.iid] <= avg
-            ]
-            if not targets:
+            target = pick_target(
+                [p.iid for p in live if p.iid not in holders and p.iid not in taken],
+                load, avg, lambda i: index.size(i) >= cfg.max_fill * index.capacity(i))
+            if target is None:
                 continue
-            target = min(targets, key=lambda i: (
-                index.size(i) >= cfg.max_fill * index.capacity(i), load[i]))
             taken.add(target)
             actions.append(ReplicationAction(prefix, keys, source, target, rate))
             if len(actions) >= cfg.max_actions:
                 break
         return actions
+
+
+def is_hot_spot(holder_load: float, average_load: float, cfg: ReplicationConfig) -> bool:
+    """Even the least loaded holder is loaded past ``load_ratio`` x the pool's average
+    (plus ``load_floor_s``, so an idle pool never has hot spots)."""
+    return holder_load > cfg.load_ratio * average_load + cfg.load_floor_s
+
+
+def pick_target(candidates: Sequence[_K], load: Mapping[_K, float], average_load: float,
+                full: Callable[[_K], bool]) -> _K | None:
+    """The least loaded candidate loaded at most the average, preferring one whose cache is
+    not full (``full``); ``None`` when none qualifies."""
+    ok = [i for i in candidates if load[i] <= average_load]
+    if not ok:
+        return None
+    return min(ok, key=lambda i: (full(i), load[i]))
+
+
+@dataclass(frozen=True, slots=True)
+class HotPrefix:
+    """A hot prefix as an outside observer reports it (the gateway's hot-prefix list)."""
+
+    prefix: str
+    rate_per_s: float
+    blocks: int
+    #: instances that hold all of it now (cached on their own, or a finished replica)
+    holders: frozenset[str]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """A live prefill instance: predicted queue seconds and cache fill (0..1)."""
+
+    name: str
+    load_s: float
+    fill: float = 0.0
+
+
+def assign_replicas(hot: Sequence[HotPrefix], instances: Sequence[InstanceLoad],
+                    current: Mapping[str, frozenset[str]],
+                    cfg: ReplicationConfig) -> dict[str, frozenset[str]]:
+    """Which instance should hold a replica of which hot prefix (the operator's Conductor
+    controller writes the answer into pod annotations; level-based, so it is the whole
+    desired assignment, not a list of moves).
+
+    - An assignment stays while its prefix is still hot and its instance live; it goes
+      when the prefix cools (drops out of ``hot``) or the instance leaves.
+    - New ones follow :meth:`HotPrefixTracker.plan`'s rule: for each hot prefix, hottest
+      first, with fewer than ``max_replicas`` copies (holders and assignments together)
+      whose least loaded copy is a hot spot (:func:`is_hot_spot`), one more copy on
+      :func:`pick_target` among instances not holding or assigned it, one new copy per
+      instance and at most ``max_actions`` per call.
+    """
+    live = {i.name: i for i in instances}
+    hot_ids = {h.prefix for h in hot}
+    out: dict[str, set[str]] = {name: set() for name in live}
+    for name, prefixes in current.items():
+        if name in live:
+            out[name] |= {p for p in prefixes if p in hot_ids}
+    if not cfg.enabled or len(live) < 2:
+        return {k: frozenset(v) for k, v in out.items()}
+    load = {name: i.load_s for name, i in live.items()}
+    avg = sum(load.values()) / len(live)
+    added = 0
+    taken: set[str] = set()
+    for h in sorted(hot, key=lambda x: -x.rate_per_s):
+        if added >= cfg.max_actions:
+            break
+        if h.blocks < cfg.min_blocks:
+            continue
+        copies = {n for n in h.holders if n in live} | {n for n in live if h.prefix in out[n]}
+        if not copies or len(copies) >= cfg.max_replicas:
+            continue
+        if not is_hot_spot(min(load[n] for n in copies), avg, cfg):
+            continue
+        target = pick_target([n for n in sorted(live) if n not in copies and n not in taken],
+                             load, avg, lambda n: live[n].fill >= cfg.max_fill)
+        if target is None:
+            continue
+        out[target].add(h.prefix)
+        taken.add(target)
+        added += 1
+    return {k: frozenset(v) for k, v in out.items()}

@@ -1,0 +1,306 @@
+"""Manifests of a MooncakeCluster's children, as plain dicts (pure: spec in, objects out).
+
+Every child carries the cluster's labels and a controller owner reference, so deleting the
+MooncakeCluster deletes them (Kubernetes' garbage collector). Engine pods are made one by
+one (deterministic names, like KubeRay: the operator chooses which pod leaves on a scale
+down or a rollout); the store master is a Deployment of one behind a Service; the store
+nodes are a DaemonSet on the GPU nodes. No pod IP is written into another pod's spec:
+pods reach the store through its Service.
+
+The *revision* is a hash over both pools' pod templates (not their replica counts), so
+whatever changes what an engine runs — image, arguments, model, resources, placement —
+changes it, and the rollout replaces both pools in step.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+import yaml
+from mooncake_contract import conventions as c
+
+from . import engines, names
+from .names import ClusterRef
+from .settings import OperatorSettings
+from .spec import MooncakeClusterSpec, Toleration
+
+JsonDict = dict[str, Any]
+#: Annotation on non-pod children: hash of the desired manifest, to patch only on change.
+SPEC_HASH_ANNOTATION = f"{c.DOMAIN}/spec-hash"
+POOL_ROLES = (c.ROLE_PREFILL, c.ROLE_DECODE)
+TERMINATION_GRACE_S = 30
+STORE_READINESS_PERIOD_S = 2
+#: Default soft spread of each pool over nodes (ScheduleAnyway: never blocks scheduling).
+DEFAULT_SPREAD_KEY = "kubernetes.io/hostname"
+
+
+def digest(obj: Any, chars: int = 16) -> str:
+    data = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(data.encode()).hexdigest()[:chars]
+
+
+def _meta(ref: ClusterRef, name: str, role: str, extra_labels: dict[str, str] | None = None,
+          annotations: dict[str, str] | None = None) -> JsonDict:
+    meta: JsonDict = {
+        "name": name,
+        "namespace": ref.namespace,
+        "labels": {**(extra_labels or {}), **names.labels(ref.name, role)},
+        "ownerReferences": [names.owner_reference(ref)],
+    }
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    return meta
+
+
+def _gpu_toleration(settings: OperatorSettings) -> JsonDict:
+    return {"key": settings.gpu_taint_key, "operator": "Exists", "effect": "NoSchedule"}
+
+
+def _tolerations(extra: list[Toleration], settings: OperatorSettings) -> list[JsonDict]:
+    out = [_gpu_toleration(settings)]
+    out += [t.model_dump(by_alias=True, exclude_none=True) for t in extra]
+    return out
+
+
+def store_address(ref: ClusterRef, spec: MooncakeClusterSpec) -> engines.StoreAddress | None:
+    return engines.StoreAddress(names.store_service(ref.name)) if spec.store.enabled else None
+
+
+def pod_template(ref: ClusterRef, spec: MooncakeClusterSpec, settings: OperatorSettings,
+                 role: str) -> JsonDict:
+    """An engine pod of ``role`` without its name and revision."""
+    pool = spec.pool(role)
+    p = spec.engine.ports
+    annotations = {
+        **pool.pod_overrides.annotations,
+        c.ANNOTATION_HTTP_PORT: str(p.http),
+        c.ANNOTATION_KV_EVENTS_PORT: str(p.kv_events),
+        c.ANNOTATION_KV_REPLAY_PORT: str(p.kv_replay),
+    }
+    pod_spec: JsonDict = {
+        "containers": engines.engine_containers(spec, role, settings,
+                                                store_address(ref, spec), ref.namespace),
+        "volumes": [{"name": engines.PODINFO_VOLUME, "downwardAPI": {"items": [
+            {"path": engines.ANNOTATIONS_FILE,
+             "fieldRef": {"fieldPath": "metadata.annotations"}},
+            {"path": engines.LABELS_FILE, "fieldRef": {"fieldPath": "metadata.labels"}},
+        ]}}],
+        "tolerations": _tolerations(pool.tolerations, settings),
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+        "enableServiceLinks": True,
+    }
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = dict(pool.node_selector)
+    if pool.affinity:
+        pod_spec["affinity"] = copy.deepcopy(pool.affinity)
+    spread = [copy.deepcopy(t) for t in pool.topology_spread_constraints] or [{
+        "maxSkew": 1, "topologyKey": DEFAULT_SPREAD_KEY,
+        "whenUnsatisfiable": "ScheduleAnyway",
+        "labelSelector": {"matchLabels": names.selector(ref.name, role)},
+    }]
+    pod_spec["topologySpreadConstraints"] = spread
+    if pool.priority_class_name:
+        pod_spec["priorityClassName"] = pool.priority_class_name
+    if pool.pod_overrides.service_account_name:
+        pod_spec["serviceAccountName"] = pool.pod_overrides.service_account_name
+    if pool.pod_overrides.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": n}
+                                        for n in pool.pod_overrides.image_pull_secrets]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "namespace": ref.namespace,
+            "labels": {**pool.pod_overrides.labels, **names.labels(ref.name, role)},
+            "annotations": annotations,
+        },
+        "spec": pod_spec,
+    }
+
+
+def revision(ref: ClusterRef, spec: MooncakeClusterSpec, settings: OperatorSettings) -> str:
+    """Hash of both pools' pod templates: what the engines run, not how many there are."""
+    templates = {role: pod_template(ref, spec, settings, role) for role in POOL_ROLES}
+    return digest(templates, names.REVISION_CHARS)
+
+
+def engine_pod(ref: ClusterRef, spec: MooncakeClusterSpec, settings: OperatorSettings,
+               role: str, rev: str, ordinal: int) -> JsonDict:
+    """The engine pod ``ordinal`` of ``role`` at revision ``rev``."""
+    pod = pod_template(ref, spec, settings, role)
+    meta = pod["metadata"]
+    meta["name"] = names.pod_name(ref.name, role, rev, ordinal)
+    meta["labels"][c.LABEL_REVISION] = rev
+    meta["ownerReferences"] = [names.owner_reference(ref)]
+    return pod
+
+
+# -- store ------------------------------------------------------------------------------------
+def store_service(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
+    m = spec.store.master
+    return _stamp({
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(ref, names.store_service(ref.name), c.ROLE_STORE_MASTER),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": names.selector(ref.name, c.ROLE_STORE_MASTER),
+            "ports": [
+                {"name": "rpc", "port": m.rpc_port, "targetPort": "rpc", "protocol": "TCP"},
+                {"name": "metrics", "port": m.metrics_port, "targetPort": "metrics",
+                 "protocol": "TCP"},
+            ],
+        },
+    })
+
+
+def store_master_deployment(ref: ClusterRef, spec: MooncakeClusterSpec,
+                            settings: OperatorSettings) -> JsonDict:
+    m = spec.store.master
+    labels = names.labels(ref.name, c.ROLE_STORE_MASTER)
+    container: JsonDict = {
+        "name": "master",
+        "image": spec.store.image or settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "command": ["mooncake_master"],
+        "args": [
+            "--rpc_address=$(POD_IP)", f"--rpc_port={m.rpc_port}",
+            "--metrics_host=$(POD_IP)", f"--metrics_port={m.metrics_port}",
+            f"--default_kv_lease_ttl={m.lease_ttl_ms}",
+            "--logtostderr=true",
+        ],
+        "env": [engines.pod_ip_env()],
+        "ports": [{"name": "rpc", "containerPort": m.rpc_port, "protocol": "TCP"},
+                  {"name": "metrics", "containerPort": m.metrics_port, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": "rpc"},
+                           "periodSeconds": STORE_READINESS_PERIOD_S},
+    }
+    res = m.resources.model_dump(by_alias=True, exclude_defaults=True)
+    if res:
+        container["resources"] = res
+    return _stamp({
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(ref, names.store_master(ref.name), c.ROLE_STORE_MASTER),
+        "spec": {
+            "replicas": 1,
+            "strategy": {"type": "Recreate"},
+            "selector": {"matchLabels": names.selector(ref.name, c.ROLE_STORE_MASTER)},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {"containers": [container],
+                         "terminationGracePeriodSeconds": TERMINATION_GRACE_S},
+            },
+        },
+    })
+
+
+def store_daemonset(ref: ClusterRef, spec: MooncakeClusterSpec,
+                    settings: OperatorSettings) -> JsonDict:
+    st = spec.store
+    addr = engines.StoreAddress(names.store_service(ref.name))
+    memory = st.memory_limit
+    container: JsonDict = {
+        "name": "store-node",
+        "image": st.image or settings.image,
+        "imagePullPolicy": settings.image_pull_policy,
+        "args": ["store-node", "--host", "$(POD_IP)", "--port", str(st.client_port),
+                 "--master", addr.rpc, "--metadata", engines.P2P_METADATA,
+                 "--segment-bytes", str(engines.store_segment_bytes(spec)),
+                 "--buffer-bytes", str(settings.store_buffer_bytes),
+                 "--protocol", st.protocol.value],
+        "env": [engines.pod_ip_env()],
+        "ports": [{"name": "http", "containerPort": st.client_port, "protocol": "TCP"}],
+        "resources": {"requests": {"memory": memory}, "limits": {"memory": memory}},
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                           "periodSeconds": STORE_READINESS_PERIOD_S},
+    }
+    labels = names.labels(ref.name, c.ROLE_STORE_NODE)
+    pod_spec: JsonDict = {
+        "containers": [container],
+        "tolerations": _tolerations(st.tolerations, settings),
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
+    }
+    if st.node_selector:
+        pod_spec["nodeSelector"] = dict(st.node_selector)
+    return _stamp({
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _meta(ref, names.store_nodes(ref.name), c.ROLE_STORE_NODE),
+        "spec": {
+            "selector": {"matchLabels": names.selector(ref.name, c.ROLE_STORE_NODE)},
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    })
+
+
+# -- the gateway's view -------------------------------------------------------------------------
+def gateway_model(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
+    """The gateway's model document for this cluster (the gateway's ``ModelSettings``)."""
+    cond = spec.conductor
+    hp = cond.hot_prefixes
+    p = spec.engine.ports
+    conductor: JsonDict = {
+        "policy": cond.policy,
+        "params": copy.deepcopy(cond.params),
+        "slo": {"ttft_s": cond.slo.ttft_seconds, "tbt_s": cond.slo.tbt_seconds},
+        "replication": {
+            "enabled": hp.enabled, "interval_s": hp.interval_seconds,
+            "half_life_s": hp.half_life_seconds, "min_rate_per_s": hp.min_rate_per_second,
+            "min_blocks": hp.min_blocks, "load_ratio": hp.load_ratio,
+            "load_floor_s": hp.load_floor_seconds, "max_replicas": hp.max_replicas,
+        },
+    }
+    if cond.decode_selector is not None:
+        conductor["decode_selector"] = cond.decode_selector
+    if cond.admission is not None:
+        conductor["admission"] = cond.admission
+    return {
+        "name": spec.model.served,
+        "block_size": spec.model.block_size,
+        "cache_salt": spec.model.cache_salt,
+        "max_model_len": spec.model.max_model_len,
+        "default_max_tokens": spec.gateway.default_max_tokens,
+        "direct": {"uncached_tokens_below": spec.gateway.direct_below_tokens},
+        "conductor": conductor,
+        "kubernetes": {
+            "namespace": ref.namespace,
+            "prefill_selector": names.selector_string(ref.name, c.ROLE_PREFILL),
+            "decode_selector": names.selector_string(ref.name, c.ROLE_DECODE),
+            "http_port": p.http, "kv_events_port": p.kv_events, "kv_replay_port": p.kv_replay,
+        },
+    }
+
+
+def gateway_configmap(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
+    meta = _meta(ref, names.gateway_configmap(ref.name), "gateway",
+                 extra_labels={c.LABEL_GATEWAY_MODEL: "true"})
+    meta["labels"][c.LABEL_GATEWAY_MODEL] = "true"
+    doc = yaml.safe_dump(gateway_model(ref, spec), sort_keys=False)
+    return _stamp({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+                   "data": {c.GATEWAY_MODEL_KEY: doc}})
+
+
+def _stamp(obj: JsonDict) -> JsonDict:
+    """Record the manifest's hash on it: a later reconcile patches only when it changed."""
+    body = {k: v for k, v in obj.items() if k != "metadata"}
+    body["labels"] = obj["metadata"].get("labels", {})
+    obj["metadata"].setdefault("annotations", {})[SPEC_HASH_ANNOTATION] = digest(body)
+    return obj
+
+
+def children(ref: ClusterRef, spec: MooncakeClusterSpec,
+             settings: OperatorSettings) -> list[JsonDict]:
+    """Every non-pod child the cluster should have, in creation order (the store's Service
+    first: pods read its environment variables when they start)."""
+    out: list[JsonDict] = []
+    if spec.store.enabled:
+        out += [store_service(ref, spec), store_master_deployment(ref, spec, settings),
+                store_daemonset(ref, spec, settings)]
+    if spec.gateway.enabled:
+        out.append(gateway_configmap(ref, spec))
+    return out

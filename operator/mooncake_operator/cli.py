@@ -1,0 +1,109 @@
+"""``mooncake-operator operator``: run the kopf operator, print or check the CRD.
+
+``operator run`` starts the operator against the current kubeconfig (or the pod's service
+account); with ``--gateway`` it also starts the gateway as a process beside it (local
+mode: the chart runs it as a sidecar container instead), serving every MooncakeCluster the
+operator watches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+GATEWAY_STOP_TIMEOUT_S = 10.0
+
+
+@contextlib.contextmanager
+def _gateway_beside(args: argparse.Namespace) -> Iterator[None]:
+    if not args.gateway:
+        yield
+        return
+    argv = [sys.executable, "-m", "mooncake_cli", "gateway", "--kubernetes-models",
+            "--host", args.gateway_host, "--port", str(args.gateway_port)]
+    for ns in args.namespace or []:
+        argv += ["--namespace", ns]
+    proc = subprocess.Popen(argv)
+    os.environ.setdefault("MOONCAKE_OPERATOR_GATEWAY_URL",
+                          f"http://{args.gateway_host}:{args.gateway_port}")
+    try:
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(GATEWAY_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def install_crd() -> None:
+    """Server-side apply of the CRD (large CRDs overflow client-side apply's annotation)."""
+    import json
+
+    from . import crd
+    from .kube import api_client_from_env
+
+    api = api_client_from_env()
+    body = json.dumps(crd.crd())
+    api.call_api(
+        f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.CRD_NAME}",
+        "PATCH", query_params=[("fieldManager", "mooncake-operator"), ("force", "true")],
+        header_params={"Content-Type": "application/apply-patch+yaml",
+                       "Accept": "application/json"},
+        body=body, auth_settings=["BearerToken"], _preload_content=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.install_crd:
+        install_crd()
+    from . import handlers  # noqa: F401  (registers the handlers)
+
+    namespaces = args.namespace or []
+    with _gateway_beside(args):
+        kopf.run(standalone=True, namespaces=namespaces, clusterwide=not namespaces,
+                 liveness_endpoint=args.liveness)
+    return 0
+
+
+def crd_command(args: argparse.Namespace) -> int:
+    from . import crd
+
+    argv = (["--write"] if args.write else []) + (["--check"] if args.check else [])
+    return crd.main(argv)
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "operator", help="the Kubernetes operator (kopf) and its CRD",
+        description="Reconcile MooncakeCluster objects into prefill/decode pools, a Mooncake "
+        "Store and the gateway's view; place hot-prefix replicas.")
+    sub = p.add_subparsers(dest="operator_command", metavar="ACTION")
+    sub.required = True
+    r = sub.add_parser("run", help="run the operator against the current kubeconfig")
+    r.add_argument("--namespace", "-n", action="append", help="watch only this namespace "
+                   "(repeatable; default: all namespaces)")
+    r.add_argument("--gateway", action="store_true",
+                   help="also run the gateway as a process beside the operator (local mode)")
+    r.add_argument("--gateway-host", default="127.0.0.1")
+    r.add_argument("--gateway-port", type=int, default=8080)
+    r.add_argument("--install-crd", action="store_true",
+                   help="server-side apply the CRD first (needs cluster-scoped rights)")
+    r.add_argument("--liveness", default=None,
+                   help="kopf liveness endpoint, e.g. http://0.0.0.0:8081/healthz")
+    r.add_argument("--log-level", default="INFO")
+    r.set_defaults(handler=run)
+    cp = sub.add_parser("crd", help="print the MooncakeCluster CRD (generated from the models)")
+    cp.add_argument("--write", action="store_true", help="write crds/ of this checkout")
+    cp.add_argument("--check", action="store_true", help="exit 1 when crds/ is out of date")
+    cp.set_defaults(handler=crd_command)

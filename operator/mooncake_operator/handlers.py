@@ -1,0 +1,93 @@
+"""kopf handlers: thin. Every decision lives in the pure modules; these only wire events.
+
+- one daemon per MooncakeCluster runs :func:`~.runtime.run_cluster` (reconcile + the
+  Conductor controller);
+- pod, Deployment, DaemonSet and MooncakeCluster events wake that cluster's daemon
+  (watch events, not list calls; no handler state is persisted, so kopf writes nothing of
+  its own but its finalizer).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from mooncake_contract import conventions as c
+
+from . import crd
+from .kube import api_client_from_env
+from .runtime import OperatorState, run_cluster
+from .settings import OperatorSettings
+
+log = logging.getLogger(__name__)
+STATE: OperatorState | None = None
+OUR_LABELS = {c.LABEL_MANAGED_BY: c.MANAGED_BY}
+#: seconds kopf waits for a daemon to stop before cancelling it
+DAEMON_CANCELLATION_S = 10.0
+
+
+def _state() -> OperatorState:
+    if STATE is None:
+        raise kopf.TemporaryError("operator not started yet", delay=1)
+    return STATE
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> Any:
+    """The pod's service account in a cluster, else the current kubeconfig."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    global STATE
+    ours = OperatorSettings()
+    settings.persistence.finalizer = ours.finalizer
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ours.annotation_prefix)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ours.annotation_prefix)
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+    if ours.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(ours.metrics_port, addr=ours.metrics_host)
+    STATE = OperatorState.create(ours, api_client_from_env())
+    log.info("mooncake-operator started; gateway at %s", ours.gateway_url)
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    global STATE
+    if STATE is not None:
+        await STATE.close()
+        STATE = None
+
+
+def _emitter(body: Mapping[str, Any]) -> Any:
+    def emit(kind: str, reason: str, message: str) -> None:
+        kopf.event(body, type=kind, reason=reason, message=message)  # type: ignore[arg-type]
+
+    return emit
+
+
+@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, cancellation_timeout=DAEMON_CANCELLATION_S)
+async def cluster_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    await run_cluster(_state(), body, stopped, _emitter)
+
+
+@kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL)
+def cluster_changed(name: str | None, namespace: str | None, **_: Any) -> None:
+    if STATE is not None:
+        STATE.wake(namespace, name)
+
+
+@kopf.on.event("", "v1", "pods", labels=OUR_LABELS)
+@kopf.on.event("apps", "v1", "deployments", labels=OUR_LABELS)
+@kopf.on.event("apps", "v1", "daemonsets", labels=OUR_LABELS)
+def child_changed(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+    if STATE is not None:
+        STATE.wake(namespace, labels.get(c.LABEL_CLUSTER))

@@ -1,0 +1,170 @@
+"""A small async JSON client over the ``kubernetes`` package's ApiClient.
+
+Every write goes through here, so the operator can count them (metrics, and the test that a
+reconcile with nothing to change writes nothing) and treat 404/409 the same way everywhere.
+Calls run in a thread (the ``kubernetes`` client blocks); bodies are plain dicts in and out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.parse
+from collections import Counter
+from typing import Any
+
+from . import crd
+from .metrics import WRITES
+
+JsonDict = dict[str, Any]
+MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_PATCH = "application/strategic-merge-patch+json"
+REQUEST_TIMEOUT_S = 30.0
+
+#: API path prefix and plural of each kind the operator touches.
+KINDS: dict[str, tuple[str, str]] = {
+    "Pod": ("/api/v1", "pods"),
+    "Service": ("/api/v1", "services"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Event": ("/api/v1", "events"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "DaemonSet": ("/apis/apps/v1", "daemonsets"),
+    crd.KIND: (f"/apis/{crd.GROUP}/{crd.VERSION}", crd.PLURAL),
+}
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    prefix, plural = KINDS[kind]
+    out = f"{prefix}/namespaces/{namespace}/{plural}"
+    if name is not None:
+        out += f"/{name}"
+    if sub is not None:
+        out += f"/{sub}"
+    return out
+
+
+def api_client_from_env() -> Any:
+    """In-cluster service account first, then ``$KUBECONFIG`` / ``~/.kube/config``."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()  # type: ignore[no-untyped-call]
+        return client.ApiClient()
+    except config.ConfigException:
+        return config.new_client_from_config()  # type: ignore[no-untyped-call]
+
+
+class Kube:
+    """Async get/list/create/patch/delete of plain-dict objects, counting writes."""
+
+    def __init__(self, api_client: Any, field_manager: str) -> None:
+        self.api = api_client
+        self.field_manager = field_manager
+        self.writes: Counter[tuple[str, str]] = Counter()
+
+    def _call(self, method: str, url: str, body: Any = None,
+              content_type: str = "application/json",
+              query: dict[str, str] | None = None) -> Any:
+        if query:
+            url += "?" + urllib.parse.urlencode(query)
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        try:
+            resp = self.api.call_api(
+                url, method, header_params=headers, body=body,
+                auth_settings=["BearerToken"], _preload_content=False,
+                _return_http_data_only=True, _request_timeout=REQUEST_TIMEOUT_S,
+            )
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            if status is None:
+                raise
+            raw = getattr(exc, "body", "") or ""
+            try:
+                message = json.loads(raw).get("message", raw)
+            except (ValueError, AttributeError):
+                message = str(raw)
+            raise KubeError(int(status), str(message)) from None
+        data = resp.data
+        return json.loads(data) if data else None
+
+    async def request(self, method: str, url: str, body: Any = None,
+                      content_type: str = "application/json",
+                      query: dict[str, str] | None = None) -> Any:
+        return await asyncio.to_thread(self._call, method, url, body, content_type, query)
+
+    def _count(self, verb: str, kind: str) -> None:
+        self.writes[(verb, kind)] += 1
+        WRITES.labels(verb, kind).inc()
+
+    @property
+    def total_writes(self) -> int:
+        return sum(self.writes.values())
+
+    # -- reads ----------------------------------------------------------------------------------
+    async def get(self, kind: str, namespace: str, name: str) -> JsonDict | None:
+        try:
+            out: JsonDict = await self.request("GET", path(kind, namespace, name))
+            return out
+        except KubeError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    async def list(self, kind: str, namespace: str, selector: str | None = None
+                   ) -> list[JsonDict]:
+        query = {"labelSelector": selector} if selector else None
+        out = await self.request("GET", path(kind, namespace), query=query)
+        items: list[JsonDict] = out.get("items") or []
+        return items
+
+    # -- writes ---------------------------------------------------------------------------------
+    async def create(self, obj: JsonDict) -> JsonDict | None:
+        """Create ``obj``; ``None`` when it already exists (409)."""
+        kind, ns = obj["kind"], obj["metadata"]["namespace"]
+        self._count("create", kind)
+        try:
+            out: JsonDict = await self.request(
+                "POST", path(kind, ns), obj, query={"fieldManager": self.field_manager})
+            return out
+        except KubeError as err:
+            if err.status == 409:
+                return None
+            raise
+
+    async def patch(self, kind: str, namespace: str, name: str, body: JsonDict,
+                    content_type: str = MERGE_PATCH, sub: str | None = None
+                    ) -> JsonDict | None:
+        """Patch; ``None`` when the object is gone (404)."""
+        self._count("patch" if sub is None else f"patch-{sub}", kind)
+        try:
+            out: JsonDict = await self.request(
+                "PATCH", path(kind, namespace, name, sub), body, content_type,
+                query={"fieldManager": self.field_manager})
+            return out
+        except KubeError as err:
+            if err.status == 404:
+                return None
+            raise
+
+    async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None
+                     ) -> bool:
+        """Delete (only that incarnation when ``uid`` is given); False when already gone."""
+        self._count("delete", kind)
+        body: JsonDict = {"kind": "DeleteOptions", "apiVersion": "v1",
+                          "propagationPolicy": "Background"}
+        if uid is not None:
+            body["preconditions"] = {"uid": uid}
+        try:
+            await self.request("DELETE", path(kind, namespace, name), body)
+            return True
+        except KubeError as err:
+            if err.status in (404, 409):
+                return False
+            raise

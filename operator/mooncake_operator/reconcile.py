@@ -1,0 +1,279 @@
+"""One reconcile of one MooncakeCluster: read, plan (pure), write only what differs.
+
+Level-based: it looks at what exists (children, pods, the gateway's registry) and moves it
+one step toward the spec, whatever happened before; create, resume, spec change, pod
+event and periodic resync all run the same function. A reconcile with nothing to change
+writes nothing (the write counter in :class:`~.kube.Kube` proves it in a test).
+
+A spec the API server accepted but the operator cannot honour (unknown policy parameters)
+ends here as ``Degraded``/``InvalidSpec`` with an Event; the children are left as they
+are, so a bad edit never takes a serving cluster down.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_conductor.engine import ConductorConfig
+from mooncake_contract import conventions as c
+from pydantic import ValidationError
+
+from . import builders, names, observe, rollout, status
+from .gatewayclient import GatewayClient
+from .kube import Kube
+from .metrics import ERRORS, READY_PODS, RECONCILE_SECONDS, RECONCILES
+from .names import ClusterRef
+from .settings import OperatorSettings
+from .spec import HotPrefixStatus, MooncakeClusterSpec, MooncakeClusterStatus
+
+log = logging.getLogger(__name__)
+JsonDict = dict[str, Any]
+#: emit(type "Normal"|"Warning", reason, message): a Kubernetes Event on the cluster
+Emit = Callable[[str, str, str], None]
+CHILD_KINDS = ("Service", "Deployment", "DaemonSet", "ConfigMap")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    progressing: bool
+    status: MooncakeClusterStatus
+    spec: MooncakeClusterSpec | None
+
+
+def cluster_ref(body: JsonDict) -> ClusterRef:
+    meta = body["metadata"]
+    return ClusterRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"],
+                      generation=int(meta.get("generation") or 0))
+
+
+def parse_status(body: JsonDict) -> MooncakeClusterStatus:
+    try:
+        return MooncakeClusterStatus.model_validate(body.get("status") or {})
+    except ValidationError:
+        return MooncakeClusterStatus()
+
+
+def parse_spec(body: JsonDict) -> tuple[MooncakeClusterSpec | None, status.Problem | None]:
+    """The spec, or why the operator cannot honour it."""
+    try:
+        spec = MooncakeClusterSpec.model_validate(body.get("spec") or {})
+    except ValidationError as exc:
+        return None, status.Problem("InvalidSpec", _first_error(exc))
+    try:
+        conductor_config(spec)
+    except ValidationError as exc:
+        return None, status.Problem("InvalidSpec", "spec.conductor: " + _first_error(exc))
+    return spec, None
+
+
+def _first_error(exc: ValidationError) -> str:
+    errs = exc.errors()
+    if not errs:
+        return str(exc)
+    e = errs[0]
+    where = ".".join(str(x) for x in e.get("loc", ()))
+    more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+    return f"{where}: {e.get('msg')}{more}"
+
+
+def conductor_config(spec: MooncakeClusterSpec) -> ConductorConfig:
+    """The core's configuration for this cluster (validates the policy's parameters)."""
+    cond = spec.conductor
+    doc = builders.gateway_model(ClusterRef("x", "x", "x"), spec)["conductor"]
+    data: JsonDict = {"policy": cond.policy, "params": dict(cond.params), "slo": doc["slo"],
+                      "replication": doc["replication"]}
+    if cond.decode_selector is not None:
+        data["decode_selector"] = cond.decode_selector
+    if cond.admission is not None:
+        data["admission"] = cond.admission
+    return ConductorConfig.model_validate(data)
+
+
+def status_patch(st: MooncakeClusterStatus) -> JsonDict:
+    """The status as a merge patch (``rollout: null`` removes a finished rollout; the
+    Conductor controller's hotPrefixes are left to it)."""
+    data = st.model_dump(by_alias=True, mode="json", exclude={"hot_prefixes"})
+    return {"status": data}
+
+
+class Reconciler:
+    def __init__(self, kube: Kube, gateway: GatewayClient | None, settings: OperatorSettings,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.kube = kube
+        self.gateway = gateway
+        self.settings = settings
+        self.clock = clock
+
+    # -- children -------------------------------------------------------------------------------
+    async def _apply_children(self, ref: ClusterRef, spec: MooncakeClusterSpec
+                              ) -> dict[str, JsonDict]:
+        """Create or patch the non-pod children; delete those no longer wanted. Returns the
+        live objects by ``kind/name``."""
+        wanted = builders.children(ref, spec, self.settings)
+        live: dict[str, JsonDict] = {}
+        for obj in wanted:
+            kind, name = obj["kind"], obj["metadata"]["name"]
+            cur = await self.kube.get(kind, ref.namespace, name)
+            want_hash = obj["metadata"]["annotations"][builders.SPEC_HASH_ANNOTATION]
+            if cur is None:
+                created = await self.kube.create(obj)
+                cur = created or await self.kube.get(kind, ref.namespace, name)
+            elif (cur["metadata"].get("annotations") or {}).get(
+                    builders.SPEC_HASH_ANNOTATION) != want_hash:
+                body = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
+                body["metadata"] = {"labels": obj["metadata"]["labels"],
+                                    "annotations": obj["metadata"]["annotations"]}
+                cur = await self.kube.patch(kind, ref.namespace, name, body)
+            if cur is not None:
+                live[f"{kind}/{name}"] = cur
+        keep = {f"{o['kind']}/{o['metadata']['name']}" for o in wanted}
+        selector = f"{c.LABEL_CLUSTER}={ref.name},{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"
+        for kind in CHILD_KINDS:
+            for obj in await self.kube.list(kind, ref.namespace, selector):
+                key = f"{kind}/{obj['metadata']['name']}"
+                owners = obj["metadata"].get("ownerReferences") or []
+                if key not in keep and any(o.get("uid") == ref.uid for o in owners):
+                    await self.kube.delete(kind, ref.namespace, obj["metadata"]["name"])
+        return live
+
+    # -- one pass -------------------------------------------------------------------------------
+    async def reconcile(self, body: JsonDict, emit: Emit) -> Outcome:
+        started = time.perf_counter()
+        try:
+            out = await self._reconcile(body, emit)
+            RECONCILES.labels("invalid" if out.spec is None else "ok").inc()
+            return out
+        except Exception as exc:
+            RECONCILES.labels("error").inc()
+            ERRORS.labels(type(exc).__name__).inc()
+            raise
+        finally:
+            RECONCILE_SECONDS.observe(time.perf_counter() - started)
+
+    async def _reconcile(self, body: JsonDict, emit: Emit) -> Outcome:
+        ref = cluster_ref(body)
+        now = self.clock()
+        before = parse_status(body)
+        spec, invalid = parse_spec(body)
+        pods_raw = await self.kube.list("Pod", ref.namespace, f"{c.LABEL_CLUSTER}={ref.name}")
+        pods = [v for p in pods_raw if self._owned(p, ref) and (v := observe.pod_view(p))]
+        if spec is None:
+            assert invalid is not None
+            st = before.model_copy(update={
+                "observed_generation": ref.generation,
+                "conditions": self._invalid_conditions(before, invalid, ref.generation, now),
+            })
+            await self._write_status(ref, before, st, emit)
+            return Outcome(progressing=False, status=st, spec=None)
+
+        rev = builders.revision(ref, spec, self.settings)
+        live = await self._apply_children(ref, spec)
+        by_role: dict[str, list[JsonDict]] = {}
+        for p in pods_raw:
+            by_role.setdefault((p["metadata"].get("labels") or {}).get(c.LABEL_ROLE, ""),
+                               []).append(p)
+        store = observe.store_view(
+            spec.store.enabled,
+            live.get(f"Deployment/{names.store_master(ref.name)}"),
+            live.get(f"DaemonSet/{names.store_nodes(ref.name)}"),
+            by_role.get(c.ROLE_STORE_MASTER, []), by_role.get(c.ROLE_STORE_NODE, []))
+        registry = None
+        if spec.gateway.enabled and self.gateway is not None:
+            data = await self.gateway.registry(spec.model.served)
+            if data is not None:
+                registry = observe.registry_from_json(data, spec.model.served, ref.namespace)
+        desired = {role: spec.pool(role).replicas for role in rollout.ROLES}
+        plan = rollout.plan(rollout.PoolInput(
+            revision=rev, desired=desired, max_surge=spec.rollout.max_surge,
+            drain_timeout_s=spec.rollout.drain_timeout_seconds, pods=pods, registry=registry,
+            gateway_gate=spec.gateway.enabled and self.gateway is not None,
+            start_allowed=not spec.store.enabled or store.master_ready,
+            rollout=status.rollout_state(before), now=now))
+        await self._execute(ref, spec, rev, plan, now, emit)
+        st = status.compute(status.StatusInput(
+            generation=ref.generation, revision=rev, policy=spec.conductor.policy,
+            desired=desired, pods=pods, registry=registry,
+            gateway_gate=spec.gateway.enabled and self.gateway is not None,
+            gateway_endpoint=self.settings.gateway_public_url or self.settings.gateway_url,
+            served_model=spec.model.served, store=store,
+            store_address=f"{names.store_service(ref.name)}.{ref.namespace}.svc:"
+                          f"{spec.store.master.rpc_port}",
+            plan=plan, invalid=None, hot_prefixes=list(before.hot_prefixes),
+            previous=before, gpu_resource=self.settings.gpu_resource,
+            crash_restarts=self.settings.crash_loop_restarts, now=now))
+        if before.rollout is None and st.rollout is not None:
+            emit("Normal", "RolloutStarted",
+                 f"rolling both pools to revision {rev} in {st.rollout.steps} step(s)")
+        elif before.rollout is not None and st.rollout is None:
+            emit("Normal", "RolloutFinished", f"every pod runs revision {rev}")
+        await self._write_status(ref, before, st, emit)
+        READY_PODS.labels(ref.key, c.ROLE_PREFILL).set(st.prefill.ready)
+        READY_PODS.labels(ref.key, c.ROLE_DECODE).set(st.decode.ready)
+        busy = plan.writes or plan.rollout is not None or any(
+            cond.type == status.PROGRESSING and cond.status.value == "True"
+            for cond in st.conditions)
+        return Outcome(progressing=busy, status=st, spec=spec)
+
+    @staticmethod
+    def _owned(pod: JsonDict, ref: ClusterRef) -> bool:
+        owners = pod["metadata"].get("ownerReferences") or []
+        return any(o.get("uid") == ref.uid for o in owners)
+
+    def _invalid_conditions(self, before: MooncakeClusterStatus, problem: status.Problem,
+                            generation: int, now: float) -> list[Any]:
+        prev = {cond.type: cond for cond in before.conditions}
+        keep_progress = prev.get(status.PROGRESSING)
+        conds = [
+            status._condition(status.READY, False, problem.reason, problem.message,
+                              generation, prev, now),
+            keep_progress or status._condition(status.PROGRESSING, False, "Stalled",
+                                               problem.message, generation, prev, now),
+            status._condition(status.DEGRADED, True, problem.reason, problem.message,
+                              generation, prev, now),
+        ]
+        return conds
+
+    async def _execute(self, ref: ClusterRef, spec: MooncakeClusterSpec, rev: str,
+                       plan: rollout.PoolPlan, now: float, emit: Emit) -> None:
+        created = []
+        for role, ordinal in plan.create:
+            pod = builders.engine_pod(ref, spec, self.settings, role, rev, ordinal)
+            if await self.kube.create(pod) is not None:
+                created.append(pod["metadata"]["name"])
+        if created:
+            emit("Normal", "CreatedPods", f"created {', '.join(created)}")
+        for p in plan.drain:
+            await self.kube.patch("Pod", ref.namespace, p.name, {"metadata": {"annotations": {
+                c.ANNOTATION_DRAIN: "true", observe.DRAIN_SINCE_ANNOTATION: f"{now:.3f}"}}})
+            emit("Normal", "DrainingPod",
+                 f"{p.name}: the gateway stops sending it requests; deleted once idle")
+        deleted = []
+        for p in plan.delete:
+            if await self.kube.delete("Pod", ref.namespace, p.name, uid=p.uid):
+                deleted.append(p.name)
+        if deleted:
+            emit("Normal", "DeletedPods", f"deleted {', '.join(deleted)}")
+
+    async def _write_status(self, ref: ClusterRef, before: MooncakeClusterStatus,
+                            after: MooncakeClusterStatus, emit: Emit) -> None:
+        if status_patch(after) == status_patch(before):
+            return
+        await self.kube.patch("MooncakeCluster", ref.namespace, ref.name,
+                              status_patch(after), sub="status")
+        for cond in status.transitions(before, after):
+            bad = (cond.type == status.DEGRADED and cond.status.value == "True") or (
+                cond.type == status.READY and cond.status.value == "False"
+                and cond.reason in ("InvalidSpec", "InsufficientGPUCapacity",
+                                    "NoMatchingNodes", "Unschedulable", "EngineCrashLooping",
+                                    "StoreDegraded"))
+            emit("Warning" if bad else "Normal", cond.reason,
+                 f"{cond.type}={cond.status.value}: {cond.message}")
+
+    async def write_hot_prefixes(self, ref: ClusterRef, hot: list[HotPrefixStatus]) -> None:
+        body = {"status": {"hotPrefixes": [h.model_dump(by_alias=True, mode="json")
+                                           for h in hot]}}
+        await self.kube.patch("MooncakeCluster", ref.namespace, ref.name, body, sub="status")

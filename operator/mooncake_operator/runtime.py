@@ -1,0 +1,154 @@
+"""The per-cluster loop the kopf daemon runs, and the state the handlers share.
+
+One asyncio task per MooncakeCluster: reconcile, then (on its own interval) a Conductor
+controller round, then sleep until a pod or cluster event wakes it, or the busy/resync
+interval passes. One task per cluster means one writer per cluster: the reconcile and the
+controller never race on the same object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mooncake_contract import conventions as c
+
+from . import hotprefix, names, observe
+from .gatewayclient import GatewayClient
+from .kube import Kube
+from .metrics import CLUSTERS, ERRORS, HOT_PREFIXES, REPLICA_PATCHES
+from .names import ClusterRef
+from .reconcile import Emit, Outcome, Reconciler, cluster_ref
+from .settings import OperatorSettings
+
+log = logging.getLogger(__name__)
+JsonDict = dict[str, Any]
+#: longest back-off between failed reconciles
+MAX_BACKOFF_S = 60.0
+
+
+class Stopped(Protocol):
+    """kopf's daemon stop flag (truthy once the daemon must exit)."""
+
+    def __bool__(self) -> bool: ...
+
+
+@dataclass
+class OperatorState:
+    settings: OperatorSettings
+    kube: Kube
+    gateway: GatewayClient | None
+    reconciler: Reconciler
+    wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
+    #: per cluster: the (prefix, pods) pairs last written to status.hotPrefixes
+    hot_written: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = field(
+        default_factory=dict)
+
+    @classmethod
+    def create(cls, settings: OperatorSettings, api_client: Any) -> OperatorState:
+        kube = Kube(api_client, settings.field_manager)
+        gateway = GatewayClient(settings.gateway_url, settings.gateway_timeout_s)
+        return cls(settings, kube, gateway, Reconciler(kube, gateway, settings))
+
+    def wake(self, namespace: str | None, name: str | None) -> None:
+        if namespace and name:
+            ev = self.wakeups.get(f"{namespace}/{name}")
+            if ev is not None:
+                ev.set()
+
+    async def close(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.close()
+
+
+async def _sleep(wake: asyncio.Event, seconds: float, debounce: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(wake.wait(), timeout=seconds)
+    if wake.is_set() and debounce > 0:
+        await asyncio.sleep(debounce)  # let a burst of pod events arrive first
+
+
+async def controller_round(state: OperatorState, ref: ClusterRef, outcome: Outcome,
+                           emit: Emit) -> None:
+    """One Conductor-controller round for a cluster whose reconcile just ran."""
+    spec = outcome.spec
+    gw = state.gateway
+    if spec is None or gw is None or not spec.gateway.enabled:
+        return
+    hp = spec.conductor.hot_prefixes
+    model = spec.model.served
+    data = await gw.hot_prefixes(model, limit=max(16, 4 * hp.max_replicas))
+    reg_data = await gw.registry(model)
+    if data is None or reg_data is None:
+        return  # gateway unknown: change nothing
+    registry = observe.registry_from_json(reg_data, model, ref.namespace)
+    raw = await state.kube.list("Pod", ref.namespace,
+                                names.selector_string(ref.name, c.ROLE_PREFILL))
+    pods = [v for p in raw if (v := observe.pod_view(p)) is not None]
+    hot = hotprefix.parse_hot(data) if hp.enabled else []
+    plan = hotprefix.plan(pods, registry, hot, hp, store=spec.store.enabled)
+    for name, value in plan.patches.items():
+        await state.kube.patch("Pod", ref.namespace, name,
+                               {"metadata": {"annotations": {c.ANNOTATION_REPLICAS: value}}})
+        REPLICA_PATCHES.labels(ref.key).inc()
+    for prefix, pod in plan.added:
+        emit("Normal", "ReplicaAssigned", f"hot prefix {prefix} -> {pod}")
+    for prefix, pod in plan.removed:
+        emit("Normal", "ReplicaRemoved", f"prefix {prefix} cooled down; released by {pod}")
+    HOT_PREFIXES.labels(ref.key).set(len(plan.status))
+    shape = tuple((h.prefix, tuple(h.pods)) for h in plan.status)
+    if state.hot_written.get(ref.key) != shape:
+        await state.reconciler.write_hot_prefixes(ref, plan.status)
+        state.hot_written[ref.key] = shape
+
+
+async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: Stopped,
+                      emit_for: Callable[[Mapping[str, Any]], Emit],
+                      clock: Callable[[], float] = time.monotonic) -> None:
+    """Reconcile one cluster until ``stopped``."""
+    snapshot: JsonDict = copy.deepcopy(dict(body))
+    ref = cluster_ref(snapshot)
+    wake = state.wakeups.setdefault(ref.key, asyncio.Event())
+    CLUSTERS.set(len(state.wakeups))
+    s = state.settings
+    next_controller = 0.0
+    failures = 0
+    last_error = ""
+    try:
+        while not stopped:
+            wake.clear()
+            snapshot = copy.deepcopy(dict(body))
+            emit = emit_for(body)
+            interval = s.resync_interval_s
+            try:
+                outcome = await state.reconciler.reconcile(snapshot, emit)
+                failures, last_error = 0, ""
+                if outcome.progressing:
+                    interval = s.busy_interval_s
+                spec = outcome.spec
+                if spec is not None and clock() >= next_controller:
+                    next_controller = clock() + spec.conductor.hot_prefixes.interval_seconds
+                    await controller_round(state, ref, outcome, emit)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the API server restarts, a patch conflicts, ...
+                failures += 1
+                ERRORS.labels(type(exc).__name__).inc()
+                interval = min(MAX_BACKOFF_S, s.busy_interval_s * 2 ** failures)
+                message = f"{type(exc).__name__}: {exc}"
+                log.warning("reconcile of %s failed (%d in a row): %s", ref.key, failures,
+                            message)
+                if message != last_error:  # one Event per new error, not per retry
+                    emit("Warning", "ReconcileError", message[:1000])
+                    last_error = message
+            await _sleep(wake, interval, s.event_debounce_s)
+    finally:
+        state.wakeups.pop(ref.key, None)
+        state.hot_written.pop(ref.key, None)
+        CLUSTERS.set(len(state.wakeups))

@@ -1,0 +1,63 @@
+"""The operator process's one settings object (env prefix ``MOONCAKE_OPERATOR_``).
+
+Everything the operator does not read from a MooncakeCluster lives here with its default
+and meaning: which image runs our worker and the store, where the gateway is, how often to
+reconcile, the names kopf uses for its own bookkeeping.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from . import __version__
+
+#: The project's image: the ``mooncake-operator`` CLI as ENTRYPOINT, the worker, the
+#: gateway, and Mooncake Store's binaries from the PyPI wheel.
+DEFAULT_IMAGE = f"ghcr.io/mooncake-operator/mooncake-operator:{__version__}"
+
+
+class OperatorSettings(BaseSettings):
+    """Settings of one operator process."""
+
+    model_config = SettingsConfigDict(env_prefix="MOONCAKE_OPERATOR_", frozen=True,
+                                      extra="forbid")
+
+    image: str = Field(DEFAULT_IMAGE, description=(
+        "image of the simulated engine, the worker sidecar beside real engines and the "
+        "store (unless a MooncakeCluster names its own)"))
+    image_pull_policy: str = Field("IfNotPresent", description="pull policy of that image")
+    gateway_url: str = Field("http://127.0.0.1:8080", description=(
+        "where the operator reads the gateway's registry and hot prefixes (the sidecar)"))
+    gateway_public_url: str = Field("", description=(
+        "the gateway's address as users reach it, written into status (default: "
+        "gateway_url)"))
+    gateway_timeout_s: float = Field(2.0, gt=0, description="timeout of one gateway call")
+    resync_interval_s: float = Field(10.0, gt=0, description=(
+        "reconcile every cluster at least this often (level-based: status follows the pods "
+        "even without events)"))
+    busy_interval_s: float = Field(1.0, gt=0, description=(
+        "reconcile this often while a cluster is progressing (creating, rolling, draining)"))
+    event_debounce_s: float = Field(0.2, ge=0, description=(
+        "wait this long after a pod event before reconciling, to batch bursts"))
+    crash_loop_restarts: int = Field(3, ge=1, description=(
+        "an engine container restarted this often is reported as crash-looping (Degraded)"))
+    annotations_mount: str = Field("/etc/mooncake/podinfo", description=(
+        "where engine pods mount their downward-API files (annotations, labels)"))
+    gpu_resource: str = Field("nvidia.com/gpu", description="extended resource of a GPU")
+    gpu_taint_key: str = Field("nvidia.com/gpu", description=(
+        "taint key of GPU nodes; engine and store pods tolerate it"))
+    gpu_node_label: str = Field("nvidia.com/gpu.present", description=(
+        "label of GPU nodes (the store DaemonSet's default node selector uses it)"))
+    store_buffer_bytes: int = Field(16 << 20, gt=0, description=(
+        "local transfer buffer of each store-node client"))
+    finalizer: str = Field("operator.mooncake.io/finalizer", description=(
+        "finalizer kopf puts on MooncakeClusters (it stops the cluster's tasks first)"))
+    annotation_prefix: str = Field("operator.mooncake.io", description=(
+        "prefix of kopf's own bookkeeping annotations"))
+    field_manager: str = Field("mooncake-operator", description="field manager of writes")
+    metrics_host: str = Field("127.0.0.1", description="Prometheus metrics bind address")
+    metrics_port: int = Field(9095, ge=0, le=65535, description=(
+        "Prometheus metrics port (0: no metrics server)"))
+    health_port: int = Field(0, ge=0, le=65535, description=(
+        "kopf liveness endpoint port (0: none)"))
