@@ -17,6 +17,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "mooncake_sim.cli",
     "mooncake_localcluster.cli",
     "mooncake_worker.cli",
+    "mooncake_worker.storenode",
     "mooncake_gateway.cli",
     "mooncake_operator.cli",
 )

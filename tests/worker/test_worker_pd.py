@@ -129,7 +129,8 @@ def test_unreachable_store_fails_fast() -> None:
     port = free_port()
     r = subprocess.run(
         [*worker_command(), "--port", str(port), "--store", f"127.0.0.1:{free_port()}",
-         "--store-metadata", f"http://127.0.0.1:{free_port()}/metadata"],
+         "--store-metadata", f"http://127.0.0.1:{free_port()}/metadata",
+         "--store-connect-timeout", "1.5"],
         capture_output=True, timeout=60,
     )
     assert r.returncode == 1

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-buffer-steps", type=int, default=d["kv_buffer_steps"].default)
     p.add_argument("--store", dest="store_master", default=None,
                    help="mooncake_master RPC address host:port (enables the store handoff)")
-    p.add_argument("--store-metadata", default=None, help="metadata server URL")
+    p.add_argument("--store-metadata", default=None,
+                   help="metadata server URL, or P2PHANDSHAKE (peers handshake directly)")
     p.add_argument("--store-local-hostname", default=d["store_local_hostname"].default)
     p.add_argument("--store-connect-timeout", dest="store_connect_timeout_s", type=float,
                    default=d["store_connect_timeout_s"].default)
@@ -42,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=d["time_scale"].default,
                    help="1.0 = LLaMA3-70B on 8xA800 in real time; 0 = no sleeping")
     p.add_argument("--block-size", type=int, default=d["block_size"].default)
+    p.add_argument("--cache-salt", default=None,
+                   help="salt folded into the block-key namespace (the gateway's must match)")
     p.add_argument("--cache-tokens", type=int, default=None,
                    help="KV cache capacity in tokens (default: from the cost model)")
     p.add_argument("--chunked-prefill-tokens", type=int, default=0)

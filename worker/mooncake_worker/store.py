@@ -27,6 +27,8 @@ from .settings import WorkerSettings
 log = logging.getLogger(__name__)
 MAGIC = b"MCKV1"
 _HEAD = struct.Struct("<5sQI")
+#: pause between connection attempts to a store that is not up yet
+CONNECT_RETRY_S = 0.5
 
 
 class StoreError(RuntimeError):
@@ -84,22 +86,33 @@ class BlockStore:
 
     async def connect(self) -> None:
         """Set up the client. The binding holds the GIL and retries an unreachable master
-        forever, so the master's RPC port and the metadata server are probed first;
-        :class:`StoreError` when either does not answer within
+        forever, so the master's RPC port and the metadata server (when it is an HTTP one,
+        not ``P2PHANDSHAKE``) are probed first;
+        refused connections are retried (a master starting beside this pod), and
+        :class:`StoreError` is raised when either does not answer within
         ``store_connect_timeout_s``."""
         s = self.settings
         assert s.store_master is not None and s.store_metadata is not None
         timeout = s.store_connect_timeout_s
         host, _, port = s.store_master.rpartition(":")
-        url = urlsplit(s.store_metadata)
-        for what, h, p in (
-            ("master", host, port),
-            ("metadata server", url.hostname or "", str(url.port or 80)),
-        ):
-            try:
-                _r, w = await asyncio.wait_for(asyncio.open_connection(h, int(p)), timeout)
-            except (OSError, ValueError, TimeoutError) as exc:
-                raise StoreError(f"Mooncake Store {what} {h}:{p} not reachable: {exc}") from exc
+        probes = [("master", host, port)]
+        if s.store_metadata.startswith(("http://", "https://")):  # else P2PHANDSHAKE
+            url = urlsplit(s.store_metadata)
+            probes.append(("metadata server", url.hostname or "", str(url.port or 80)))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        for what, h, p in probes:
+            while True:
+                left = deadline - loop.time()
+                try:
+                    _r, w = await asyncio.wait_for(asyncio.open_connection(h, int(p)),
+                                                   max(left, CONNECT_RETRY_S))
+                    break
+                except (OSError, ValueError, TimeoutError) as exc:
+                    if isinstance(exc, ValueError) or left <= CONNECT_RETRY_S:
+                        raise StoreError(
+                            f"Mooncake Store {what} {h}:{p} not reachable: {exc}") from exc
+                    await asyncio.sleep(CONNECT_RETRY_S)
             w.close()
         self._store = await asyncio.to_thread(self._setup)
 
