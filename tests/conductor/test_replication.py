@@ -68,3 +68,49 @@ def test_record_from_a_key_array_tracks_the_same_keys() -> None:
         b.record(KEYS, float(t), blocks=6, key_array=np.array(KEYS, dtype=np.uint64))
     assert a.hot(3.0) == b.hot(3.0)
     assert a.hot(3.0)[0][2] == tuple(KEYS[:6])
+
+
+def test_assign_replicas_rule() -> None:
+    from mooncake_conductor.replication import HotPrefix, InstanceLoad, assign_replicas
+
+    cfg = ReplicationConfig(load_ratio=1.5, load_floor_s=0.5, max_replicas=2, max_actions=4)
+    loads = [InstanceLoad("a", 9.0), InstanceLoad("b", 1.0), InstanceLoad("c", 0.2)]
+    hot = [HotPrefix("p", 1.0, 8, frozenset({"a"})), HotPrefix("q", 0.5, 8, frozenset({"b"}))]
+    out = assign_replicas(hot, loads, {}, cfg)
+    # p's only holder is a hot spot (9 > 1.5 * 3.4 + 0.5): one copy on the least loaded
+    # instance at most the average; q's holder is not loaded
+    assert out == {"a": frozenset(), "b": frozenset(), "c": frozenset({"p"})}
+    # kept while hot, also when its holder has cooled; max_replicas caps copies
+    calm = [InstanceLoad("a", 0.1), InstanceLoad("b", 0.1), InstanceLoad("c", 0.1)]
+    assert assign_replicas(hot, calm, out, cfg)["c"] == frozenset({"p"})
+    # released once cold, and an instance that left keeps nothing
+    assert assign_replicas([], calm, out, cfg)["c"] == frozenset()
+    assert "c" not in assign_replicas(hot, loads[:2], out, cfg)
+    # short prefixes are not worth a copy
+    short = [HotPrefix("p", 1.0, 1, frozenset({"a"}))]
+    assert assign_replicas(short, loads, {}, cfg)["c"] == frozenset()
+
+
+def test_assign_replicas_agrees_with_the_tracker_plan() -> None:
+    """The operator's rule and the simulator's pick the same target for the same state."""
+    from mooncake_conductor.replication import HotPrefix, InstanceLoad, assign_replicas
+
+    tr, c, keys = _hot_cluster()
+    (action,) = tr.plan(c, 30.0)
+    now = 30.0
+    loads = [InstanceLoad(str(p.iid), p.wait_time(now)) for p in c.prefill if p.up]
+    holders = frozenset(str(p.iid) for p in c.prefill if c.index.match(p.iid, keys) == len(keys))
+    out = assign_replicas([HotPrefix("x", 1.0, len(keys), holders)], loads, {}, tr.config)
+    assert [n for n, ps in out.items() if ps] == [str(action.target)]
+
+
+def _hot_cluster():  # type: ignore[no-untyped-def]
+    c = cluster(4)
+    c.index.store(0, KEYS)
+    queue(c.prefill[0], 20.0)
+    queue(c.prefill[1], 2.0)
+    queue(c.prefill[3], 1.0)
+    tr = HotPrefixTracker(ReplicationConfig())
+    for t in range(30):
+        tr.record(KEYS, float(t))
+    return tr, c, KEYS

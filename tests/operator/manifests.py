@@ -1,0 +1,21 @@
+"""Shared by the operator's tests: example specs and the manifests built from them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from mooncake_operator.names import ClusterRef
+from mooncake_operator.settings import OperatorSettings
+from mooncake_operator.spec import MooncakeClusterSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples" / "clusters"
+SETTINGS = OperatorSettings(image="ghcr.io/mooncake-operator/mooncake-operator:0.1.0")
+
+
+def example(name: str) -> tuple[ClusterRef, MooncakeClusterSpec]:
+    doc: dict[str, Any] = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
+    ref = ClusterRef(doc["metadata"]["name"], "serving", "uid-1234", 1)
+    return ref, MooncakeClusterSpec.model_validate(doc["spec"])
