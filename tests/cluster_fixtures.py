@@ -94,6 +94,7 @@ def k8s_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalK8s]:
     )
     info = cluster.up(settings)
     try:
-        yield LocalK8s(settings=settings, info=info)
+        # The settings `up` used: network slot and ranges resolved.
+        yield LocalK8s(settings=cluster.read_settings(Path(info.state_dir)), info=info)
     finally:
         cluster.down(settings)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import socket
 import ssl
 import sys
 import time
@@ -20,7 +21,7 @@ from pydantic import BaseModel
 from mooncake_localcluster import components, manifests, procs
 from mooncake_localcluster.certs import PkiPaths, ensure_pki
 from mooncake_localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
-from mooncake_localcluster.settings import LocalClusterSettings
+from mooncake_localcluster.settings import NETWORK_SLOTS, LocalClusterSettings
 
 Log = Callable[[str], None]
 SERVICE_ACCOUNT_ISSUER = "https://kubernetes.default.svc.cluster.local"
@@ -32,6 +33,7 @@ HELPERS = {
     SERVICE_PROXY: "mooncake_localcluster.serviceproxy",
 }
 KUBERNETES_SERVICE_PATH = "/api/v1/namespaces/default/services/kubernetes"
+KUBERNETES_SERVICE_PORT = 443  # fixed by the apiserver
 PORT_NAMES = ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler", "kwok")
 # Start order; `down` stops in reverse.
 PROCESS_ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -96,6 +98,8 @@ class ClusterInfo(BaseModel):
     state_dir: str
     versions: dict[str, str]
     started_at: float
+    pod_cidr_prefix: str = ""
+    service_cidr: str = ""
 
     @property
     def server(self) -> str:
@@ -203,7 +207,7 @@ def _argv(
             f"--tls-cert-file={pki.serving_crt}",
             f"--tls-private-key-file={pki.serving_key}",
             f"--client-ca-file={pki.ca_crt}",
-            f"--service-cluster-ip-range={settings.service_cidr}",
+            f"--service-cluster-ip-range={settings.service_range()}",
             "--authorization-mode=RBAC",
             f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
             f"--service-account-key-file={pki.sa_pub}",
@@ -336,20 +340,63 @@ def _kubernetes_service_ip(client: KubeHttp) -> str | None:
     return str(ip) if ip else None
 
 
-def _check_service_cidr(settings: LocalClusterSettings, paths: StatePaths) -> None:
-    """etcd keeps Services (and the range object) of the range it was first started with."""
+NETWORK_FIELDS = ("network_slot", "pod_cidr_prefix", "service_cidr")
+
+
+def _recorded_network(paths: StatePaths) -> dict[str, object] | None:
+    """The network settings etcd's objects were made with (None for a fresh state)."""
     if not paths.settings_json.is_file() or not paths.etcd_data.exists():
-        return
+        return None
     try:
-        old = json.loads(paths.settings_json.read_text()).get("service_cidr")
+        raw = json.loads(paths.settings_json.read_text())
     except (OSError, ValueError):
-        return
-    if old and old != settings.service_cidr:
-        raise RuntimeError(
-            f"the state in {paths.root} was made with service_cidr {old}, not "
-            f"{settings.service_cidr}: run `local-cluster down --purge` first (this deletes "
-            "the cluster's objects)"
-        )
+        return None
+    return {key: raw.get(key) for key in NETWORK_FIELDS}
+
+
+def network_claims(settings: LocalClusterSettings) -> list[str]:
+    return [f"pods/{settings.pod_prefix()}", f"services/{settings.service_range()}"]
+
+
+def resolve_network(
+    settings: LocalClusterSettings, paths: StatePaths
+) -> tuple[LocalClusterSettings, list[socket.socket]]:
+    """Fix the network slot and hold its ranges host-wide (see ``procs.claim``).
+
+    A fresh state takes the first slot no running local cluster holds; an existing one
+    keeps the ranges its objects were made with (node podCIDRs and ClusterIPs do not
+    change), and explicit settings that differ from them are an error.
+    """
+    recorded = _recorded_network(paths)
+    purge = f"run `local-cluster down --purge` first (deletes the objects in {paths.root})"
+    if recorded is not None:
+        if recorded["network_slot"] is None:
+            raise RuntimeError(
+                f"the state was made before Services got loopback ClusterIPs: {purge}"
+            )
+        for key, value in recorded.items():
+            explicit = getattr(settings, key)
+            if explicit is not None and explicit != value:
+                raise RuntimeError(
+                    f"the state was made with {key}={value}, not {explicit}: {purge}"
+                )
+        candidates = [LocalClusterSettings.model_validate(settings.model_dump() | recorded)]
+    elif settings.network_slot is not None:
+        candidates = [settings.with_slot(settings.network_slot)]
+    else:
+        candidates = [settings.with_slot(slot) for slot in range(NETWORK_SLOTS)]
+    for candidate in candidates:
+        held = [procs.claim(name) for name in network_claims(candidate)]
+        sockets = [sock for sock in held if sock is not None]
+        # A proxy that holds no claim (an older version) may still serve the range.
+        api = (candidate.kubernetes_service_ip(), KUBERNETES_SERVICE_PORT)
+        if len(sockets) == len(held) and not procs.listening(*api):
+            return candidate, sockets
+        for sock in sockets:
+            sock.close()
+    tried = " + ".join(network_claims(candidates[0]))
+    more = f" (and the {len(candidates) - 1} other slots)" if len(candidates) > 1 else ""
+    raise RuntimeError(f"other running local clusters on this host hold {tried}{more}")
 
 
 def up(settings: LocalClusterSettings, log: Log = print) -> ClusterInfo:
@@ -363,7 +410,21 @@ def up(settings: LocalClusterSettings, log: Log = print) -> ClusterInfo:
     if running_records(paths) or procs.records(paths.pod_pids):
         log("a previous start is partly running; stopping it first")
         down(settings, log)
-    _check_service_cidr(settings, paths)
+    settings, claims = resolve_network(settings, paths)
+    try:
+        return _start(settings, paths, previous, claims, log)
+    finally:
+        for sock in claims:
+            sock.close()
+
+
+def _start(
+    settings: LocalClusterSettings,
+    paths: StatePaths,
+    previous: ClusterInfo | None,
+    claims: list[socket.socket],
+    log: Log,
+) -> ClusterInfo:
     started = time.monotonic()
     binaries = components.build_all(settings, components.RUNTIME_COMPONENTS, log)
     tools_dir = components.find_tools_dir(settings)
@@ -390,6 +451,8 @@ def up(settings: LocalClusterSettings, log: Log = print) -> ClusterInfo:
         state_dir=str(paths.root),
         versions=versions,
         started_at=time.time(),
+        pod_cidr_prefix=settings.pod_prefix(),
+        service_cidr=settings.service_range(),
     )
     paths.cluster_json.write_text(info.model_dump_json(indent=2))
     try:
@@ -412,7 +475,9 @@ def up(settings: LocalClusterSettings, log: Log = print) -> ClusterInfo:
             "kube-apiserver",
         )
         for helper in HELPERS:
-            start_helper(helper, paths)
+            # The service proxy holds the network claims for as long as it runs.
+            fds = [sock.fileno() for sock in claims] if helper == SERVICE_PROXY else []
+            start_helper(helper, paths, fds)
         for name in ("kube-controller-manager", "kube-scheduler"):
             _wait(name, _ready_check(name, settings, paths, ports), settings, paths, name)
         _wait("nodes", lambda: _nodes_ready(client, settings), settings, paths, "kwok")
@@ -425,12 +490,12 @@ def up(settings: LocalClusterSettings, log: Log = print) -> ClusterInfo:
     return info
 
 
-def start_helper(name: str, paths: StatePaths) -> None:
+def start_helper(name: str, paths: StatePaths, pass_fds: list[int] | None = None) -> None:
     """Start the pod runner or the service proxy (``python -m <module> --state-dir``)."""
     argv = [sys.executable, "-m", HELPERS[name], "--state-dir", str(paths.root)]
     # The marker must identify the helper, not just "python".
     log_path = paths.logs / f"{name}.log"
-    procs.start(name, argv, log_path, paths.pids, marker=str(paths.root))
+    procs.start(name, argv, log_path, paths.pids, marker=str(paths.root), pass_fds=pass_fds or [])
 
 
 def down(settings: LocalClusterSettings, log: Log = print) -> int:

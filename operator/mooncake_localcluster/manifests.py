@@ -24,8 +24,8 @@ def node_names(settings: LocalClusterSettings) -> list[tuple[str, str]]:
 
 
 def pod_cidr(settings: LocalClusterSettings, index: int) -> str:
-    """Loopback /24 per node: node 0 -> 127.1.1.0/24, so pod IPs are bindable locally."""
-    return f"{settings.pod_cidr_prefix}.{index + 1}.0/24"
+    """Loopback /24 per node: node 0 -> 127.1.1.0/24 (slot 0), so pod IPs are bindable locally."""
+    return f"{settings.pod_prefix()}.{index + 1}.0/24"
 
 
 def fake_node(settings: LocalClusterSettings, name: str, pool: str, index: int) -> JsonDict:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 PID_SUFFIX = ".pid.json"
+CLAIM_PREFIX = "mooncake-localcluster:"
 
 
 def free_port(host: str) -> int:
@@ -30,6 +31,33 @@ def port_free(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+LISTEN_CHECK_TIMEOUT_S = 0.5
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at ``host:port`` (loopback only)."""
+    try:
+        with socket.create_connection((host, port), timeout=LISTEN_CHECK_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def claim(name: str) -> socket.socket | None:
+    """Hold ``name`` host-wide, or None when another process holds it.
+
+    An abstract unix socket: one namespace per network namespace, shared by all users,
+    released by the kernel when the last process holding the socket exits.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + CLAIM_PREFIX + name)
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 @dataclass(frozen=True)
@@ -118,6 +146,7 @@ def start(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     marker: str | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.Popen[bytes]:
     """Start ``argv`` in a new session (own process group), output to ``log_path``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -130,6 +159,7 @@ def start(
             start_new_session=True,
             env=env,
             cwd=cwd,
+            pass_fds=tuple(pass_fds),
         )
     record = PidRecord(
         name=name, pid=proc.pid, marker=marker or argv[0], start_time=start_time(proc.pid)

@@ -13,6 +13,11 @@ LOOPBACK_HOST = "127.0.0.1"
 LOOPBACK_NET = ipaddress.IPv4Network("127.0.0.0/8")
 # The apiserver refuses a service range wider than /12 (20 host bits).
 MIN_SERVICE_PREFIX = 12
+# Clusters running side by side on one host each take a network slot k: pods in
+# 127.(POD_SLOT_BASE+k).N.0/24, Services in 127.(SERVICE_SLOT_BASE+k).0.0/16.
+NETWORK_SLOTS = 16
+POD_SLOT_BASE = 1
+SERVICE_SLOT_BASE = 96
 
 
 def default_cache_root() -> Path:
@@ -58,14 +63,26 @@ class LocalClusterSettings(BaseSettings):
         default=1, ge=0, description="untainted nodes without GPUs, for the operator and gateway"
     )
     node: NodePoolSettings = Field(default_factory=NodePoolSettings)
-    pod_cidr_prefix: str = Field(
-        default="127.1", description="node N gets <prefix>.<N+1>.0/24 (must stay in 127/8)"
-    )
-    service_cidr: str = Field(
-        default="127.96.0.0/16",
+    network_slot: int | None = Field(
+        default=None,
+        ge=0,
+        lt=NETWORK_SLOTS,
         description=(
-            "ClusterIP range (--service-cluster-ip-range): inside 127/8, /12 or smaller; the"
-            " service proxy listens on each ClusterIP:port; the first address is `kubernetes`"
+            "k: pods in 127.(1+k).N.0/24, Services in 127.(96+k).0.0/16; `up` takes the first"
+            " slot no other running local cluster on this host holds (a restart keeps its own)"
+        ),
+    )
+    pod_cidr_prefix: str | None = Field(
+        default=None,
+        pattern=r"^127\.\d{1,3}$",
+        description="overrides the slot's: node N gets <prefix>.<N+1>.0/24 (must stay in 127/8)",
+    )
+    service_cidr: str | None = Field(
+        default=None,
+        description=(
+            "overrides the slot's ClusterIP range (--service-cluster-ip-range): inside 127/8,"
+            " /12 or smaller; the service proxy listens on each ClusterIP:port and the first"
+            " address is the `kubernetes` Service"
         ),
     )
     image_entrypoints: dict[str, list[str]] = Field(
@@ -95,7 +112,9 @@ class LocalClusterSettings(BaseSettings):
 
     @field_validator("service_cidr")
     @classmethod
-    def _loopback_service_range(cls, value: str) -> str:
+    def _loopback_service_range(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         net = ipaddress.IPv4Network(value, strict=True)
         if not net.subnet_of(LOOPBACK_NET):
             raise ValueError(f"service_cidr {value} must lie inside {LOOPBACK_NET}")
@@ -103,9 +122,28 @@ class LocalClusterSettings(BaseSettings):
             raise ValueError(f"service_cidr {value} is wider than /{MIN_SERVICE_PREFIX}")
         return value
 
+    def pod_prefix(self) -> str:
+        """``127.X``: node N's pods are in ``127.X.<N+1>.0/24`` (slot 0 when unresolved)."""
+        return self.pod_cidr_prefix or f"127.{POD_SLOT_BASE + (self.network_slot or 0)}"
+
+    def service_range(self) -> str:
+        """The ClusterIP range (slot 0 when unresolved)."""
+        slot = self.network_slot or 0
+        return self.service_cidr or f"127.{SERVICE_SLOT_BASE + slot}.0.0/16"
+
     def kubernetes_service_ip(self) -> str:
         """The first address of the service range: the ``kubernetes`` Service's ClusterIP."""
-        return str(ipaddress.IPv4Network(self.service_cidr)[1])
+        return str(ipaddress.IPv4Network(self.service_range())[1])
+
+    def with_slot(self, slot: int) -> LocalClusterSettings:
+        """These settings with the network slot (and the ranges it implies) fixed."""
+        return self.model_copy(
+            update={
+                "network_slot": slot,
+                "pod_cidr_prefix": self.pod_cidr_prefix or f"127.{POD_SLOT_BASE + slot}",
+                "service_cidr": self.service_cidr or f"127.{SERVICE_SLOT_BASE + slot}.0.0/16",
+            }
+        )
 
     def resolved_state_dir(self) -> Path:
         return self.state_dir or self.cache_root / "state" / self.name

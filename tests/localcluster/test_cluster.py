@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from http.client import HTTPException
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 from mooncake_localcluster import procs
@@ -24,6 +27,7 @@ pytestmark = pytest.mark.cluster
 GPU = "nvidia.com/gpu"
 GPU_TOLERATION = {"key": GPU, "operator": "Exists", "effect": "NoSchedule"}
 WAIT_S = 60.0
+REFRESH_S = 2.0  # downward-API and configMap files follow their objects within this
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout_s: float = WAIT_S) -> Any:
@@ -124,11 +128,12 @@ def test_untolerating_pods_land_on_the_cpu_node(k8s_cluster: LocalK8s, namespace
     assert obj["spec"]["nodeName"] == "cpu-0"
 
 
-def _missing(reason: str) -> None:
+def _missing(reason: str) -> NoReturn:
     """Skip on a developer machine; fail where scripts/test.sh promised the tool."""
     if os.environ.get("MOONCAKE_REQUIRE_CLUSTER") == "1":
         pytest.fail(reason)
     pytest.skip(reason)
+    raise AssertionError("unreachable")
 
 
 def test_kubectl_works(k8s_cluster: LocalK8s) -> None:
@@ -159,7 +164,7 @@ def test_gpu_deployment_lands_on_gpu_node(k8s_cluster: LocalK8s, namespace: str)
     pod = wait_for("GPU pod running", running)
     node = http.get(f"/api/v1/nodes/{pod['spec']['nodeName']}")
     assert node["metadata"]["labels"]["nvidia.com/gpu.present"] == "true"
-    assert pod["status"]["podIP"].startswith("127.1.")
+    assert pod["status"]["podIP"].startswith(k8s_cluster.settings.pod_prefix() + ".")
 
 
 def test_too_many_gpus_stays_pending(k8s_cluster: LocalK8s, namespace: str) -> None:
@@ -212,9 +217,13 @@ def _runnable_pod(name: str, command: list[str], **extra: Any) -> dict[str, Any]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
 
 
+# Straight to 127/8, whatever *_proxy variables say.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def _http_get(url: str) -> str | None:
     try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
+        with _DIRECT.open(url, timeout=2) as resp:
             body: bytes = resp.read()
         return body.decode()
     except OSError:
@@ -264,15 +273,27 @@ def test_runnable_pod_serves_on_pod_ip_and_stops(k8s_cluster: LocalK8s, namespac
     assert obj["status"]["phase"] == "Running"
     assert "running" in status["state"]
     ip = obj["status"]["podIP"]
-    assert ip.startswith("127.1.")
+    assert ip.startswith(k8s_cluster.settings.pod_prefix() + ".")
     assert _http_get(f"http://{ip}:8080/name") == "web"
     assert _http_get(f"http://{ip}:8080/cfg/greeting") == "hello"
 
-    # Downward-API files follow annotation changes.
-    http.patch(path, {"metadata": {"annotations": {"mooncake.io/role": "prefill"}}})
+    # Downward-API files follow an annotation-only change, Go-quoted like the kubelet's.
+    http.patch(path, {"metadata": {"annotations": {"mooncake.io/role": 'pre"fill'}}})
     wait_for(
         "annotations file updated",
-        lambda: 'mooncake.io/role="prefill"' in (_http_get(f"http://{ip}:8080/annotations") or ""),
+        lambda: (
+            'mooncake.io/role="pre\\"fill"' in (_http_get(f"http://{ip}:8080/annotations") or "")
+        ),
+        timeout_s=REFRESH_S,
+    )
+    # configMap volume files follow the ConfigMap.
+    http.patch(
+        f"/api/v1/namespaces/{namespace}/configmaps/web-config", {"data": {"greeting": "bonjour"}}
+    )
+    wait_for(
+        "configMap file updated",
+        lambda: _http_get(f"http://{ip}:8080/cfg/greeting") == "bonjour",
+        timeout_s=REFRESH_S,
     )
 
     pid_dir = k8s_cluster.state_dir / "pod-pids"
@@ -398,3 +419,187 @@ def test_kopf_operator_reacts(k8s_cluster: LocalK8s, namespace: str, monkeypatch
         http.delete(path)
         wait_for("configmap gone", lambda: not _exists(http, path))
     assert runner.exit_code == 0, runner.output
+
+
+def _web_deployment(name: str, replicas: int) -> dict[str, Any]:
+    """``python -m http.server`` pods that serve their own name at ``/name``."""
+    pod = _runnable_pod(
+        "unused",
+        ["python", "-m", "http.server", "--bind", "$(POD_IP)", "8080", "--directory", "/info"],
+        container={
+            "ports": [{"name": "http", "containerPort": 8080}],
+            "readinessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 1},
+            "volumeMounts": [{"name": "info", "mountPath": "/info"}],
+        },
+        volumes=[
+            {
+                "name": "info",
+                "downwardAPI": {
+                    "items": [{"path": "name", "fieldRef": {"fieldPath": "metadata.name"}}]
+                },
+            }
+        ],
+    )
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": {"app": name}}, "spec": pod["spec"]},
+        },
+    }
+
+
+def _service(name: str, port: int, target: int | str, app: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name},
+        "spec": {
+            "selector": {"app": app},
+            "ports": [{"name": "web", "port": port, "targetPort": target}],
+        },
+    }
+
+
+def _ready_pods(http: KubeHttp, ns: str, app: str) -> list[dict[str, Any]]:
+    return [
+        p
+        for p in _pods(http, ns, app)
+        if any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in p["status"].get("conditions", [])
+        )
+    ]
+
+
+def _refused(url: str) -> bool:
+    """The connection is refused or reset without an answer."""
+    try:
+        with _DIRECT.open(url, timeout=2) as resp:
+            resp.read()
+    except ConnectionError:  # reset while the answer was awaited
+        return True
+    except urllib.error.URLError as err:  # refused or reset while sending
+        return isinstance(err.reason, ConnectionError)
+    except HTTPException:
+        return True
+    return False
+
+
+def test_service_routes_to_ready_pods(k8s_cluster: LocalK8s, namespace: str) -> None:
+    http = k8s_cluster.http()
+    deployments = f"/apis/apps/v1/namespaces/{namespace}/deployments"
+    http.post(deployments, _web_deployment("web", 2))
+    svc = http.post(
+        f"/api/v1/namespaces/{namespace}/services", _service("web", 18080, "http", "web")
+    )
+    ip = svc["spec"]["clusterIP"]
+    assert ipaddress.IPv4Address(ip) in ipaddress.IPv4Network(k8s_cluster.info.service_cidr)
+
+    def two_ready() -> list[dict[str, Any]] | None:
+        pods = _ready_pods(http, namespace, "web")
+        return pods if len(pods) == 2 else None
+
+    names = {p["metadata"]["name"] for p in wait_for("2 ready pods", two_ready)}
+    url = f"http://{ip}:18080/name"
+    first = wait_for("the service answers", lambda: _http_get(url))
+    assert first in names
+    # Round-robin over the ready pods.
+    answers = {_http_get(url) for _ in range(4)}
+    assert answers == names
+
+    http.patch(f"{deployments}/web", {"spec": {"replicas": 0}})
+    wait_for("pods gone", lambda: not _pods(http, namespace, "web"))
+    wait_for("connections refused", lambda: _refused(url))
+
+
+def test_service_variables_and_in_cluster_fallback(k8s_cluster: LocalK8s, namespace: str) -> None:
+    http = k8s_cluster.http()
+    svc = http.post(
+        f"/api/v1/namespaces/{namespace}/services", _service("mysvc", 9999, 9999, "nothing")
+    )
+    script = (
+        "import os, sys\n"
+        "from kubernetes import client, config\n"
+        "print('arg', sys.argv[1])\n"
+        "env = os.environ\n"
+        "print('host', env['KUBERNETES_SERVICE_HOST'], env['KUBERNETES_SERVICE_PORT'])\n"
+        "try:\n"
+        "    config.load_incluster_config()\n"
+        "except config.ConfigException as err:\n"
+        "    print('incluster', err)\n"
+        "    config.load_kube_config()\n"
+        "api = client.CoreV1Api()\n"
+        "pod = api.read_namespaced_pod(env['POD_NAME'], env['POD_NAMESPACE'])\n"
+        "print('pod', pod.metadata.name)\n"
+    )
+    pod = _runnable_pod(
+        "env",
+        ["python", "-c", script],
+        restartPolicy="Never",
+        container={"args": ["$(MYSVC_SERVICE_HOST):$(MYSVC_SERVICE_PORT_WEB)"]},
+    )
+    http.post(f"/api/v1/namespaces/{namespace}/pods", pod)
+    path = f"/api/v1/namespaces/{namespace}/pods/env"
+
+    def finished() -> str | None:
+        phase = str(http.get(path)["status"].get("phase"))
+        return phase if phase in ("Succeeded", "Failed") else None
+
+    phase = wait_for("pod finished", finished)
+    log_files = list(k8s_cluster.state_dir.glob(f"pods/{namespace}_env_*/main.log"))
+    out = log_files[0].read_text()
+    assert phase == "Succeeded", out
+    lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
+    assert lines["arg"] == f"{svc['spec']['clusterIP']}:9999"
+    assert lines["host"] == f"{k8s_cluster.settings.kubernetes_service_ip()} 443"
+    assert "token" in lines["incluster"].lower()
+    assert lines["pod"] == "env"
+
+
+def test_kubernetes_service_reaches_the_apiserver(k8s_cluster: LocalK8s) -> None:
+    start = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
+    if os.geteuid() != 0 and start > 443:
+        pytest.skip("the proxy cannot bind port 443 without root")
+    ip = k8s_cluster.settings.kubernetes_service_ip()
+    base = k8s_cluster.http()
+    # Over the ClusterIP, verifying the apiserver's cert (it lists the ClusterIP).
+    via_service = KubeHttp(f"https://{ip}:443", base.ca_file, base.cert_file, base.key_file)
+    version = wait_for("apiserver via the kubernetes Service", lambda: _try_version(via_service))
+    assert version["gitVersion"].startswith("v1.")
+
+
+def _try_version(client: KubeHttp) -> dict[str, Any] | None:
+    try:
+        return client.get("/version")
+    except OSError:
+        return None
+
+
+def test_entrypoint_runs_a_container_with_only_args(k8s_cluster: LocalK8s, namespace: str) -> None:
+    http = k8s_cluster.http()
+    pods = f"/api/v1/namespaces/{namespace}/pods"
+    entry = _runnable_pod("entry", [], restartPolicy="Never", container={"args": ["--help"]})
+    del entry["spec"]["containers"][0]["command"]
+    unknown = _runnable_pod(
+        "unknown", [], restartPolicy="Never", container={"image": "busybox", "args": ["--help"]}
+    )
+    del unknown["spec"]["containers"][0]["command"]
+    unknown["metadata"]["labels"] = {"mooncake.io/runnable": "true"}
+    http.post(pods, entry)
+    http.post(pods, unknown)
+
+    def terminated(name: str) -> dict[str, Any] | None:
+        statuses = http.get(f"{pods}/{name}")["status"].get("containerStatuses") or [{}]
+        state: dict[str, Any] | None = statuses[0].get("state", {}).get("terminated")
+        return state
+
+    assert wait_for("entry exits", lambda: terminated("entry"))["exitCode"] == 0
+    log_files = list(k8s_cluster.state_dir.glob(f"pods/{namespace}_entry_*/main.log"))
+    assert "usage: mooncake-operator" in log_files[0].read_text()
+    state = wait_for("unknown image reported", lambda: terminated("unknown"))
+    assert state["exitCode"] == 127
+    assert "image_entrypoints" in state["message"]

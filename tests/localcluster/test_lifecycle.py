@@ -22,7 +22,13 @@ def test_up_twice_then_down_leaves_nothing(tmp_path: Path) -> None:
         assert cluster.is_up(settings)
         paths = cluster.state_paths(settings)
         records = procs.records(paths.pids)
-        assert {r.name for r in records} >= {"etcd", "kube-apiserver", "kwok", "pod-runner"}
+        assert {r.name for r in records} >= {
+            "etcd",
+            "kube-apiserver",
+            "kwok",
+            "pod-runner",
+            "service-proxy",
+        }
         pids = [pid for r in records for pid in procs.group_pids(r.pid)]
 
         started = time.monotonic()
@@ -33,9 +39,19 @@ def test_up_twice_then_down_leaves_nothing(tmp_path: Path) -> None:
 
         report = cluster.status(settings)
         assert report["running"] is True
+        # The running cluster's network ranges are held host-wide (by its service proxy).
+        resolved = cluster.read_settings(paths.root)
+        claims = cluster.network_claims(resolved)
+        assert info.service_cidr == resolved.service_cidr
+        assert all(procs.claim(name) is None for name in claims)
     finally:
         cluster.down(settings, messages.append)
     assert not cluster.is_up(settings)
+    released = [procs.claim(name) for name in claims]
+    assert all(sock is not None for sock in released)
+    for sock in released:
+        if sock is not None:
+            sock.close()
     assert procs.records(paths.pids) == []
     alive = [pid for pid in pids if not procs.is_zombie(pid)]
     assert alive == []

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_localcluster import podspec, serviceproxy, services, volumes
+from mooncake_localcluster import cluster, podrunner, podspec, serviceproxy, services, volumes
 from mooncake_localcluster.settings import LocalClusterSettings
 from pydantic import ValidationError
 
@@ -166,15 +166,26 @@ def test_command_replaces_entrypoint_and_args_follow_it() -> None:
     assert podspec.process_spec(pod, {"name": "c"}, implicit, [], entrypoint=entry).argv == entry
 
 
-def test_settings_default_entrypoints_and_loopback_service_range() -> None:
+def test_settings_default_entrypoints_and_loopback_ranges() -> None:
     settings = LocalClusterSettings()
     assert settings.image_entrypoints == {"mooncake-operator": ["mooncake-operator"]}
-    assert settings.service_cidr == "127.96.0.0/16"
+    assert settings.service_range() == "127.96.0.0/16"
+    assert settings.pod_prefix() == "127.1"
     assert settings.kubernetes_service_ip() == "127.96.0.1"
+    slot = settings.with_slot(3)
+    assert (slot.network_slot, slot.service_cidr, slot.pod_cidr_prefix) == (
+        3,
+        "127.99.0.0/16",
+        "127.4",
+    )
+    explicit = LocalClusterSettings(service_cidr="127.200.0.0/16").with_slot(2)
+    assert explicit.service_cidr == "127.200.0.0/16" and explicit.pod_cidr_prefix == "127.3"
     for bad in ("10.96.0.0/16", "127.0.0.0/8", "192.168.0.0/24"):
         with pytest.raises(ValidationError):
             LocalClusterSettings(service_cidr=bad)
-    assert LocalClusterSettings(service_cidr="127.96.0.0/12").service_cidr == "127.96.0.0/12"
+    assert LocalClusterSettings(service_cidr="127.96.0.0/12").service_range() == "127.96.0.0/12"
+    with pytest.raises(ValidationError):
+        LocalClusterSettings(pod_cidr_prefix="10.1")
 
 
 def _pod(
@@ -312,3 +323,67 @@ def test_downward_api_annotations_use_go_quoting() -> None:
     assert podspec.format_map(values) == (
         'a="caf\u00e9 \\x01"\nb="say \\"hi\\"\\n\\ttab"\nz="back\\\\slash"'
     )
+
+
+def test_network_slots_are_claimed_host_wide(tmp_path: Path) -> None:
+    a = LocalClusterSettings(state_dir=tmp_path / "a")
+    first, held = cluster.resolve_network(a, cluster.state_paths(a))
+    try:
+        b = LocalClusterSettings(state_dir=tmp_path / "b")
+        second, held_b = cluster.resolve_network(b, cluster.state_paths(b))
+        for sock in held_b:
+            sock.close()
+        assert first.network_slot is not None and second.network_slot is not None
+        assert second.network_slot > first.network_slot
+        assert second.service_cidr != first.service_cidr
+        assert second.pod_cidr_prefix != first.pod_cidr_prefix
+        taken = LocalClusterSettings(state_dir=tmp_path / "c", network_slot=first.network_slot)
+        with pytest.raises(RuntimeError, match="hold"):
+            cluster.resolve_network(taken, cluster.state_paths(taken))
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_restart_keeps_the_recorded_ranges(tmp_path: Path) -> None:
+    settings = LocalClusterSettings(state_dir=tmp_path)
+    paths = cluster.state_paths(settings)
+    paths.etcd_data.mkdir(parents=True)
+    # State from before loopback Services: its objects carry 10.96 ClusterIPs.
+    paths.settings_json.write_text('{"service_cidr": "10.96.0.0/16", "pod_cidr_prefix": "127.1"}')
+    with pytest.raises(RuntimeError, match="down --purge"):
+        cluster.resolve_network(settings, paths)
+    paths.settings_json.write_text(settings.with_slot(5).model_dump_json())
+    resolved, held = cluster.resolve_network(settings, paths)
+    for sock in held:
+        sock.close()
+    assert resolved.network_slot == 5 and resolved.service_cidr == "127.101.0.0/16"
+    other = LocalClusterSettings(state_dir=tmp_path, service_cidr="127.96.0.0/16")
+    with pytest.raises(RuntimeError, match="service_cidr"):
+        cluster.resolve_network(other, paths)
+
+
+def test_serving_cert_gains_the_kubernetes_service_ip(tmp_path: Path) -> None:
+    from mooncake_localcluster import certs
+
+    pki = certs.ensure_pki(tmp_path / "pki", "127.0.0.1")
+    ca = pki.ca_crt.read_bytes()
+    assert certs._serving_ips(pki.serving_crt) == {"127.0.0.1"}
+    certs.ensure_pki(tmp_path / "pki", "127.0.0.1", ("127.96.0.1",))
+    assert certs._serving_ips(pki.serving_crt) == {"127.0.0.1", "127.96.0.1"}
+    assert pki.ca_crt.read_bytes() == ca  # same CA: kubeconfigs stay valid
+
+
+def test_config_map_and_secret_volume_files() -> None:
+    cm = {"data": {"a": "1", "b": "2"}, "binaryData": {"bin": "AAE="}}
+    cm_volume = {"name": "c", "configMap": {"name": "cm", "items": [{"key": "a", "path": "x/a"}]}}
+    assert podrunner.volume_ref(cm_volume) == ("configmaps", "cm")
+    assert podrunner.source_files(cm_volume, "configmaps", cm) == {"x/a": b"1"}
+    whole = {"name": "c", "configMap": {"name": "cm"}}
+    assert podrunner.source_files(whole, "configmaps", cm)["bin"] == b"\x00\x01"
+    secret = {"data": {"token": "c2VjcmV0"}}
+    s_volume = {"name": "s", "secret": {"secretName": "creds"}}
+    assert podrunner.volume_ref(s_volume) == ("secrets", "creds")
+    assert podrunner.source_files(s_volume, "secrets", secret) == {"token": b"secret"}
+    assert podrunner.source_files(s_volume, "secrets", {}) == {}
+    assert podrunner.volume_ref({"name": "e", "emptyDir": {}}) is None
