@@ -1,0 +1,142 @@
+"""The API server itself rejects malformed MooncakeClusters, field by field (the CRD's
+schema and CEL rules), and accepts the examples. Needs the embedded control plane."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+from mooncake_localcluster.kubehttp import ApiError, KubeHttp
+from mooncake_operator import crd
+
+from .manifests import EXAMPLES
+
+pytestmark = pytest.mark.cluster
+NS = "crd-validation"
+BASE: dict[str, Any] = {
+    "apiVersion": "mooncake.io/v1alpha1", "kind": "MooncakeCluster",
+    "metadata": {"name": "ok"}, "spec": {"model": {"name": "m"}},
+}
+
+
+def _with(path: str, value: Any) -> dict[str, Any]:
+    obj = copy.deepcopy(BASE)
+    node = obj
+    *head, last = path.split(".")
+    for k in head:
+        node = node.setdefault(k, {})
+    node[last] = value
+    return obj
+
+
+def _many(*pairs: tuple[str, Any]) -> dict[str, Any]:
+    obj = copy.deepcopy(BASE)
+    for path, value in pairs:
+        node = obj
+        *head, last = path.split(".")
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return obj
+
+
+# (case, object, the field the server names, words of its message)
+INVALID: list[tuple[str, dict[str, Any], str, str]] = [
+    ("name too long", _with("metadata.name", "x" * 41), "metadata.name", "40"),
+    ("model missing", {**BASE, "spec": {}}, "spec.model", "Required"),
+    ("block size zero", _with("spec.model.blockSize", 0), "spec.model.blockSize",
+     "greater than or equal to 1"),
+    ("served name with spaces", _with("spec.model.servedName", "my model"),
+     "spec.model.servedName", "should match"),
+    ("pools half empty", _many(("spec.prefill.replicas", 2), ("spec.decode.replicas", 0)),
+     "spec.decode.replicas", "both zero or both non-zero"),
+    ("real engine without image", _with("spec.engine.kind", "vllm"), "spec.engine.image",
+     "image is required"),
+    ("owned flag in extraArgs", _with("spec.engine.extraArgs", ["--port=9000"]),
+     "spec.engine.extraArgs", "flags the operator owns"),
+    ("ports clash", _with("spec.engine.ports", {"http": 5557}), "spec.engine.ports",
+     "must differ"),
+    ("GPUs in resources", _with("spec.prefill.resources", {"limits": {"nvidia.com/gpu": 8}}),
+     "spec.prefill.resources", "gpusPerReplica"),
+    ("segment above limit", _many(("spec.store.segmentSize", "8Gi"),
+                                  ("spec.store.memoryLimit", "6Gi")),
+     "spec.store.segmentSize", "below memoryLimit"),
+    ("not a quantity", _with("spec.store.segmentSize", "lots"), "spec.store.segmentSize",
+     "should match"),
+    ("unknown protocol", _with("spec.store.protocol", "udp"), "spec.store.protocol",
+     "Unsupported value"),
+    ("unknown policy", _with("spec.conductor.policy", "fastest"), "spec.conductor.policy",
+     "Unsupported value"),
+    ("CPP on", _with("spec.conductor.cpp", {"enabled": True}), "spec.conductor.cpp.enabled",
+     "chunked pipeline prefill"),
+    ("one replica is no replication",
+     _with("spec.conductor.hotPrefixes", {"maxReplicas": 1}),
+     "spec.conductor.hotPrefixes.maxReplicas", "at least 2"),
+    ("zero TBT SLO", _with("spec.conductor.slo", {"tbtSeconds": 0}),
+     "spec.conductor.slo.tbtSeconds", "greater than 0"),
+    ("surge of 0%", _with("spec.rollout.maxSurge", "0%"), "spec.rollout.maxSurge",
+     "should match"),
+    ("real engine without GPUs", _many(("spec.engine", {"kind": "sglang", "image": "i"}),
+                                       ("spec.prefill.gpusPerReplica", 0)),
+     "spec.prefill.gpusPerReplica", "at least one GPU"),
+    ("unknown field", _with("spec.modle", {"name": "typo"}), "spec.modle", "unknown field"),
+]
+
+
+@pytest.fixture(scope="module")
+def api(k8s_cluster: Any) -> Iterator[KubeHttp]:
+    http: KubeHttp = k8s_cluster.http()
+    body = crd.crd()
+    http.request("PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
+                 f"{crd.CRD_NAME}?fieldManager=test&force=true", body,
+                 content_type="application/apply-patch+yaml")
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        conds = http.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
+                         f"{crd.CRD_NAME}").get("status", {}).get("conditions") or []
+        if any(c["type"] == "Established" and c["status"] == "True" for c in conds):
+            break
+        time.sleep(0.2)
+    try:
+        http.post("/api/v1/namespaces", {"metadata": {"name": NS}})
+    except ApiError as err:
+        assert err.status == 409
+    yield http
+
+
+def _create(api: KubeHttp, obj: dict[str, Any]) -> dict[str, Any]:
+    path = f"/apis/mooncake.io/v1alpha1/namespaces/{NS}/mooncakeclusters" \
+           "?fieldValidation=Strict&dryRun=All"
+    return api.post(path, obj)
+
+
+@pytest.mark.parametrize(("case", "obj", "field", "words"), INVALID,
+                         ids=[c[0] for c in INVALID])
+def test_invalid_spec_rejected_with_field_message(api: KubeHttp, case: str,
+                                                  obj: dict[str, Any], field: str,
+                                                  words: str) -> None:
+    with pytest.raises(ApiError) as info:
+        _create(api, obj)
+    err = info.value
+    assert err.status in (400, 422), (case, err)
+    body = json.loads(err.body)
+    causes = body.get("details", {}).get("causes") or []
+    where = [(cz.get("field", ""), cz.get("message", "")) for cz in causes]
+    assert any(f == field and words in m for f, m in where) or (
+        field in body.get("message", "") and words in body.get("message", "")), (case, where,
+                                                                                  body)
+
+
+@pytest.mark.parametrize("name", ["simulated", "vllm", "sglang"])
+def test_examples_are_accepted(api: KubeHttp, name: str) -> None:
+    obj = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
+    out = _create(api, obj)
+    # the API server filled the defaults the operator relies on
+    assert out["spec"]["engine"]["ports"]["kvEvents"] == 5557
+    assert out["spec"]["rollout"]["maxSurge"] == "25%"
