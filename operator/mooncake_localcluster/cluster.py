@@ -544,6 +544,8 @@ def status(settings: LocalClusterSettings) -> dict[str, object]:
         "running": is_up(settings),
         "server": info.server if info else None,
         "ports": info.ports if info else {},
+        "pod_cidr_prefix": info.pod_cidr_prefix if info else None,
+        "service_cidr": info.service_cidr if info else None,
         "versions": info.versions if info else {},
         "kubeconfig": str(paths.kubeconfig),
         "processes": processes,
