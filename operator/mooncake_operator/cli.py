@@ -48,16 +48,12 @@ def install_crd() -> None:
     import json
 
     from . import crd
-    from .kube import api_client_from_env
+    from .kube import Kube, api_client_from_env
 
-    api = api_client_from_env()
-    body = json.dumps(crd.crd())
-    api.call_api(
-        f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.CRD_NAME}",
-        "PATCH", query_params=[("fieldManager", "mooncake-operator"), ("force", "true")],
-        header_params={"Content-Type": "application/apply-patch+yaml",
-                       "Accept": "application/json"},
-        body=body, auth_settings=["BearerToken"], _preload_content=False)
+    kube = Kube(api_client_from_env(), "mooncake-operator")
+    kube._call("PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.CRD_NAME}",
+               json.dumps(crd.crd()), "application/apply-patch+yaml",
+               {"fieldManager": "mooncake-operator", "force": "true"})
 
 
 def run(args: argparse.Namespace) -> int:

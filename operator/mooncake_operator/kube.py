@@ -40,6 +40,13 @@ class KubeError(Exception):
         self.message = message
 
 
+def _status_error(status: int, data: bytes | None) -> Exception:
+    err = Exception(f"HTTP {status}")
+    err.status = status  # type: ignore[attr-defined]
+    err.body = (data or b"").decode(errors="replace")  # type: ignore[attr-defined]
+    return err
+
+
 def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
     prefix, plural = KINDS[kind]
     out = f"{prefix}/namespaces/{namespace}/{plural}"
@@ -72,15 +79,9 @@ class Kube:
     def _call(self, method: str, url: str, body: Any = None,
               content_type: str = "application/json",
               query: dict[str, str] | None = None) -> Any:
-        if query:
-            url += "?" + urllib.parse.urlencode(query)
         headers = {"Accept": "application/json", "Content-Type": content_type}
         try:
-            resp = self.api.call_api(
-                url, method, header_params=headers, body=body,
-                auth_settings=["BearerToken"], _preload_content=False,
-                _return_http_data_only=True, _request_timeout=REQUEST_TIMEOUT_S,
-            )
+            data = self._send(method, url, body, headers, query)
         except Exception as exc:
             status = getattr(exc, "status", None)
             if status is None:
@@ -91,8 +92,28 @@ class Kube:
             except (ValueError, AttributeError):
                 message = str(raw)
             raise KubeError(int(status), str(message)) from None
-        data = resp.data
         return json.loads(data) if data else None
+
+    def _send(self, method: str, url: str, body: Any, headers: dict[str, str],
+              query: dict[str, str] | None) -> bytes:
+        """One request through the ``kubernetes`` client (its auth, TLS and pooling)."""
+        api = self.api
+        if hasattr(api, "param_serialize"):  # kubernetes >= 35 (openapi-generator 7)
+            m, full, hdrs, payload, post = api.param_serialize(
+                method, url, query_params=list((query or {}).items()), header_params=headers,
+                body=body, auth_settings=["BearerToken"])
+            resp = api.call_api(m, full, header_params=hdrs, body=payload, post_params=post,
+                                _request_timeout=REQUEST_TIMEOUT_S)
+            resp.read()
+            if not 200 <= int(resp.status) < 300:
+                raise _status_error(int(resp.status), resp.data)
+            return bytes(resp.data or b"")
+        if query:
+            url += "?" + urllib.parse.urlencode(query)
+        resp = api.call_api(url, method, header_params=headers, body=body,
+                            auth_settings=["BearerToken"], _preload_content=False,
+                            _return_http_data_only=True, _request_timeout=REQUEST_TIMEOUT_S)
+        return bytes(resp.data or b"")
 
     async def request(self, method: str, url: str, body: Any = None,
                       content_type: str = "application/json",

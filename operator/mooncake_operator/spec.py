@@ -154,9 +154,9 @@ class EnginePorts(_Model):
 class SimulatedEngine(_Model):
     """Settings of the simulated engine (a calibrated stand-in for vLLM on LLaMA3-70B)."""
 
-    time_scale: float = Field(1.0, ge=0, le=100, description=(
-        "Wall seconds per modelled second: 1 runs in real time, 0.1 ten times faster, 0 "
-        "never sleeps."))
+    time_scale: float = Field(1.0, gt=0, le=100, description=(
+        "Wall seconds per modelled second: 1 runs in real time, 0.1 ten times faster. The "
+        "gateway's Conductor runs its clock at the same scale."))
     cache_tokens: int | None = Field(None, ge=16, description=(
         "KV-cache capacity per engine in tokens (default: the cost model's HBM)."))
     max_running: int = Field(256, ge=1, le=100000, description=(
