@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 OnEndpoints = Callable[[Role, list[Endpoint]], None]
 #: seconds between watch restarts after an API error
 WATCH_BACKOFF_S = 2.0
+#: seconds to wait for a stopped watch thread (a daemon: it ends on its own)
+JOIN_WAIT_S = 0.1
 
 
 class EndpointSource(ABC):
@@ -90,8 +92,24 @@ class FileSource(EndpointSource):
                 await self._task
 
 
+def core_v1_api() -> Any:
+    """A ``CoreV1Api`` from the in-cluster configuration, else the kube config
+    (``KUBECONFIG`` or ``~/.kube/config``)."""
+    import kubernetes
+
+    k8s: Any = kubernetes
+    try:
+        k8s.config.load_incluster_config()
+    except k8s.config.ConfigException:
+        k8s.config.load_kube_config()
+    return k8s.client.CoreV1Api()
+
+
 def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
-    """Endpoint of a running, ready pod (``None`` otherwise). ``pod`` is a V1Pod."""
+    """Endpoint of a running, ready pod (``None`` otherwise). ``pod`` is a V1Pod.
+
+    The pod's revision label becomes :attr:`Endpoint.revision` (empty without one) and
+    its drain annotation (``"true"``) :attr:`Endpoint.draining`."""
     status, meta = pod.status, pod.metadata
     if status is None or meta is None or not status.pod_ip or status.phase != "Running":
         return None
@@ -101,6 +119,7 @@ def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
     if not ready:
         return None
     ann: dict[str, str] = dict(meta.annotations or {})
+    labels: dict[str, str] = dict(getattr(meta, "labels", None) or {})
 
     def port(key: str, default: int | None) -> int | None:
         raw = ann.get(key)
@@ -117,13 +136,98 @@ def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
     http = port(cfg.http_port_annotation, cfg.http_port)
     kv = port(cfg.kv_events_port_annotation, cfg.kv_events_port)
     replay = port(cfg.kv_replay_port_annotation, cfg.kv_replay_port)
+    pod_name = f"{meta.namespace}/{meta.name}"
     return Endpoint(
         url=f"http://{host}:{http}",
         kv_events=f"tcp://{host}:{kv}" if kv else None,
         kv_replay=f"tcp://{host}:{replay}" if replay else None,
         kv_topic=ann.get(cfg.kv_topic_annotation, ""),
-        name=f"{meta.namespace}/{meta.name}",
+        name=pod_name,
+        pod=pod_name,
+        revision=labels.get(cfg.revision_label, ""),
+        draining=ann.get(cfg.drain_annotation, "").strip().lower() == "true",
     )
+
+
+def object_key(obj: Any) -> str:
+    """``namespace/name`` of a Kubernetes object."""
+    return f"{obj.metadata.namespace}/{obj.metadata.name}"
+
+
+class ListWatch:
+    """Objects of one kind matching a label selector, listed and then watched from the
+    list's version in a thread; ``report`` gets the whole set (``namespace/name`` →
+    object) after the list and after every event. An API error (server restart, expired
+    version, rotated token) lists again after :data:`WATCH_BACKOFF_S`; a watch the
+    server ends (``timeout_s``) lists again at once."""
+
+    def __init__(self, list_call: Callable[..., Any], args: tuple[Any, ...], selector: str,
+                 timeout_s: int, report: Callable[[dict[str, Any]], None], what: str,
+                 watch_factory: Callable[[], Any] | None = None) -> None:
+        self.list_call = list_call
+        self.args = args
+        self.selector = selector
+        self.timeout_s = timeout_s
+        self.report = report
+        self.what = what
+        self._watch_factory = watch_factory
+        self._stop = threading.Event()
+        self._watch: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"k8s-watch-{self.what}",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the thread to end (a blocked watch is woken by closing its socket)."""
+        self._stop.set()
+        w = self._watch
+        if w is not None:
+            with contextlib.suppress(Exception):
+                w.stop()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        make_watch = self._watch_factory
+        if make_watch is None:
+            import kubernetes.watch
+
+            make_watch = kubernetes.watch.Watch
+        while not self._stop.is_set():
+            try:
+                listing = self.list_call(*self.args, label_selector=self.selector)
+                objects = {object_key(o): o for o in listing.items}
+                self.report(dict(objects))
+                w = self._watch = make_watch()
+                for ev in w.stream(self.list_call, *self.args, label_selector=self.selector,
+                                   resource_version=listing.metadata.resource_version,
+                                   timeout_seconds=self.timeout_s):
+                    if self._stop.is_set():
+                        break
+                    obj = ev["object"]
+                    if ev["type"] == "DELETED":
+                        objects.pop(object_key(obj), None)
+                    elif ev["type"] in ("ADDED", "MODIFIED"):
+                        objects[object_key(obj)] = obj
+                    else:  # BOOKMARK and the like
+                        continue
+                    self.report(dict(objects))
+            except Exception as exc:  # the API server restarts, tokens rotate: retry
+                if self._stop.is_set():
+                    break
+                log.warning("%s watch (%s) failed: %s", self.what, self.selector, exc)
+                self._stop.wait(WATCH_BACKOFF_S)
+            finally:
+                self._watch = None
 
 
 class KubernetesPodSource(EndpointSource):
@@ -136,76 +240,38 @@ class KubernetesPodSource(EndpointSource):
         self.cfg = cfg
         self._api = api
         self._watch_factory = watch_factory
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-
-    def _core_api(self) -> Any:
-        if self._api is None:
-            import kubernetes
-
-            k8s: Any = kubernetes
-            try:
-                k8s.config.load_incluster_config()
-            except k8s.config.ConfigException:
-                k8s.config.load_kube_config()
-            self._api = k8s.client.CoreV1Api()
-        return self._api
+        self._watches: list[ListWatch] = []
+        self._stopped = False
 
     async def start(self, on_change: OnEndpoints) -> None:
         loop = asyncio.get_running_loop()
-        api = self._core_api()
+        if self._api is None:
+            self._api = core_v1_api()
 
-        def report(role: Role, eps: list[Endpoint]) -> None:
-            loop.call_soon_threadsafe(on_change, role, eps)
+        def deliver(role: Role, eps: list[Endpoint]) -> None:
+            if not self._stopped:  # nothing reaches a model that is gone
+                on_change(role, eps)
+
+        def reporter(role: Role) -> Callable[[dict[str, Any]], None]:
+            def report(pods: dict[str, Any]) -> None:
+                eps = [e for p in pods.values() if (e := pod_endpoint(p, self.cfg)) is not None]
+                loop.call_soon_threadsafe(deliver, role, sorted(eps, key=lambda e: e.url))
+            return report
 
         for role, selector in ((Role.PREFILL, self.cfg.prefill_selector),
                                (Role.DECODE, self.cfg.decode_selector)):
-            t = threading.Thread(target=self._watch, args=(api, role, selector, report),
-                                 name=f"k8s-watch-{role.value}", daemon=True)
-            t.start()
-            self._threads.append(t)
-
-    def _watch(self, api: Any, role: Role, selector: str,
-               report: Callable[[Role, list[Endpoint]], None]) -> None:
-        make_watch = self._watch_factory
-        if make_watch is None:
-            import kubernetes.watch
-
-            make_watch = kubernetes.watch.Watch
-        pods: dict[str, Any] = {}
-
-        def publish() -> None:
-            eps = [e for p in pods.values() if (e := pod_endpoint(p, self.cfg)) is not None]
-            report(role, sorted(eps, key=lambda e: e.url))
-
-        while not self._stop.is_set():
-            try:
-                listing = api.list_namespaced_pod(self.cfg.namespace, label_selector=selector)
-                pods = {p.metadata.name: p for p in listing.items}
-                publish()
-                w = make_watch()
-                for ev in w.stream(api.list_namespaced_pod, self.cfg.namespace,
-                                   label_selector=selector,
-                                   resource_version=listing.metadata.resource_version,
-                                   timeout_seconds=self.cfg.watch_timeout_s):
-                    if self._stop.is_set():
-                        w.stop()
-                        break
-                    pod = ev["object"]
-                    if ev["type"] == "DELETED":
-                        pods.pop(pod.metadata.name, None)
-                    else:
-                        pods[pod.metadata.name] = pod
-                    publish()
-            except Exception as exc:  # the API server restarts, tokens rotate: retry
-                log.warning("pod watch (%s) failed: %s", selector, exc)
-                self._stop.wait(WATCH_BACKOFF_S)
+            watch = ListWatch(self._api.list_namespaced_pod, (self.cfg.namespace,), selector,
+                              self.cfg.watch_timeout_s, reporter(role), f"pods-{role.value}",
+                              self._watch_factory)
+            self._watches.append(watch)
+            watch.start()
 
     async def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            with contextlib.suppress(RuntimeError):
-                await asyncio.to_thread(t.join, 0.1)
+        self._stopped = True
+        for w in self._watches:
+            w.stop()
+        for w in self._watches:
+            await asyncio.to_thread(w.join, JOIN_WAIT_S)
 
 
 def source_for(model: ModelSettings, poll_s: float) -> EndpointSource:

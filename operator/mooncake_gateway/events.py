@@ -64,6 +64,13 @@ class EngineSubscriber(KVEventSubscriber):
                 self._recent.clear()
         await super().handle(frames)
 
+    def close(self) -> None:
+        """Close the SUB socket if :meth:`connect` opened it and :meth:`run` has not taken
+        it over (run closes it itself when it ends)."""
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            sub.close(0)
+
     async def sync(self) -> int:
         """Deliver every buffered batch from ``next_seq`` on; returns how many."""
         start = self.next_seq or 0

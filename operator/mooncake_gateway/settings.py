@@ -45,6 +45,15 @@ class Endpoint(BaseModel):
     kv_replay: str | None = Field(None, description="ZMQ ROUTER replay endpoint")
     kv_topic: str = Field("", description="topic frame to subscribe to")
     name: str = Field("", description="display name (default: the URL)")
+    pod: str = Field("", description="the pod serving it, namespace/name (Kubernetes)")
+    revision: str = Field(
+        "", description="engine revision (the pod's mooncake.io/revision label): while a "
+        "model's routable instances span several, prefill and decode are paired by it",
+    )
+    draining: bool = Field(
+        False, description="no new requests (the pod's mooncake.io/drain annotation); "
+        "requests in flight finish",
+    )
 
     @field_validator("url")
     @classmethod
@@ -73,6 +82,21 @@ class KubernetesSource(BaseModel):
     kv_events_port_annotation: str = c.ANNOTATION_KV_EVENTS_PORT
     kv_replay_port_annotation: str = c.ANNOTATION_KV_REPLAY_PORT
     kv_topic_annotation: str = c.ANNOTATION_KV_TOPIC
+    drain_annotation: str = c.ANNOTATION_DRAIN
+    revision_label: str = c.LABEL_REVISION
+    watch_timeout_s: int = Field(300, gt=0, description="server-side watch timeout")
+
+
+class KubernetesModels(BaseModel):
+    """Serve the models the operator describes in ConfigMaps (one per MooncakeCluster):
+    each labelled ConfigMap holds a :class:`ModelSettings` document under ``key``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    namespace: str | None = Field(None, description="where to look; None: every namespace")
+    label_selector: str = Field(
+        f"{c.LABEL_GATEWAY_MODEL}=true", description="label selector of the ConfigMaps")
+    key: str = Field(c.GATEWAY_MODEL_KEY, description="data key of the model document")
     watch_timeout_s: int = Field(300, gt=0, description="server-side watch timeout")
 
 
@@ -153,6 +177,31 @@ class GatewaySettings(BaseSettings):
     replay_timeout_s: float = Field(2.0, gt=0, description="KV-event replay request timeout")
     discovery_poll_s: float = Field(1.0, gt=0, description="endpoints_file poll period")
     hot_prefixes_max: int = Field(100, gt=0, description="longest /conductor/hot-prefixes list")
+    hot_tokens_prefixes: int = Field(
+        256, ge=0, description="prefixes whose token ids are kept for "
+        "/conductor/hot-prefixes?tokens=1 (LRU, per model; 0: none)",
+    )
+    hot_tokens_max: int = Field(
+        1 << 21, ge=0, description="token ids kept in all for hot prefixes, per model "
+        "(8 bytes each; the least recently used prefixes go first)",
+    )
+    hot_tokens_rate_share: float = Field(
+        0.5, gt=0, le=1, description="a prefix's token ids are kept once its access rate "
+        "reaches this share of the hot threshold (conductor.replication.min_rate_per_s)",
+    )
+    kubernetes_models: KubernetesModels | None = Field(
+        None, description="also serve the models described by ConfigMaps (list + watch); "
+        "None: only the models above",
+    )
+    model_swap_timeout_s: float = Field(
+        10.0, gt=0, description="when a model's document changes what needs a new runtime "
+        "(block size, endpoints, ...), the old one serves until the new one's instances are "
+        "registered or failed a check, at most this long",
+    )
+    registry_chunk_keys: int = Field(
+        1 << 16, gt=0, description="index entries counted between event-loop yields when "
+        "/conductor/registry computes unique_blocks",
+    )
     uvloop: bool = Field(
         True, description="run on uvloop's event loop when it is installed (false: asyncio's)"
     )
