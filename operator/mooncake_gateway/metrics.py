@@ -62,6 +62,13 @@ class GatewayMetrics:
         self.instance_queue_s = Gauge(
             "mooncake_gateway_instance_predicted_wait_seconds",
             "Predicted prefill wait (modelled seconds)", ["model", "instance"], registry=r)
+        self.model_documents = Gauge(
+            "mooncake_gateway_model_documents",
+            "Model ConfigMaps by state (served, invalid, conflict)", ["state"], registry=r)
+        self.model_document_errors = Counter(
+            "mooncake_gateway_model_document_errors",
+            "Model documents found invalid (each new error of a ConfigMap once)",
+            ["source"], registry=r)
 
 
 class ModelMetrics:
