@@ -18,7 +18,14 @@ def register(subparsers: Any) -> None:
         description="Serve /v1/completions and /v1/chat/completions for one or more models, "
         "routing each request with the Conductor (prefill then decode) from the engines' KV "
         "events and load.")
-    g.add_argument("--config", required=True, help="gateway settings, YAML or JSON")
+    g.add_argument("--config", default=None,
+                   help="gateway settings, YAML or JSON (optional with --kubernetes-models)")
+    g.add_argument("--kubernetes-models", action="store_true",
+                   help="serve the models of the ConfigMaps labelled "
+                   "mooncake.io/gateway-model=true (list + watch; in-cluster config, else "
+                   "KUBECONFIG)")
+    g.add_argument("--namespace", default=None,
+                   help="with --kubernetes-models: only this namespace (default: all)")
     g.add_argument("--host", default=None, help="override the bind address")
     g.add_argument("--port", type=int, default=None, help="override the port (0: free one)")
     g.add_argument("--log-level", default="WARNING")
@@ -52,12 +59,27 @@ def run_gateway(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from .server import loop_factory, serve
-    from .settings import GatewaySettings
+    from .settings import GatewaySettings, KubernetesModels
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.config is None and not args.kubernetes_models:
+        print("give --config, --kubernetes-models or both", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.namespace is not None and not args.kubernetes_models:
+        print("--namespace goes with --kubernetes-models", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
-        settings = GatewaySettings.from_file(args.config, host=args.host, port=args.port)
+        if args.config is not None:
+            settings = GatewaySettings.from_file(args.config, host=args.host, port=args.port)
+        else:
+            settings = GatewaySettings.model_validate(
+                {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
+        if args.kubernetes_models:  # the file's other kubernetes_models settings stay
+            km = settings.kubernetes_models or KubernetesModels()
+            if args.namespace is not None:
+                km = km.model_copy(update={"namespace": args.namespace})
+            settings = settings.model_copy(update={"kubernetes_models": km})
     except (OSError, ValueError, ValidationError) as exc:
         print(f"invalid gateway settings: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -67,7 +89,7 @@ def run_gateway(args: argparse.Namespace) -> int:
 
     try:
         run_until_stopped(lambda: serve(settings, ready), loop_factory(settings))
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         print(f"gateway failed to start: {exc}", file=sys.stderr)
         return 1
     return 0

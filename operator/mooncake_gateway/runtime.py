@@ -6,6 +6,14 @@ One :class:`ModelRuntime` per served model holds the Conductor, a
 scraped metrics. Instance ids are stable: an endpoint that leaves and comes back gets
 its old id (and an empty index entry).
 
+Membership: an endpoint that joins (or comes back after being marked down) is checked
+at once and *registered* when a health check has passed and, if it publishes KV events,
+its subscription is connected and the initial replay is done; only registered, listed,
+healthy instances that are not draining are routable. While the routable instances span
+more than one engine revision, a prefill instance is routable only when a decode
+instance of its revision is, and the Conductor pairs prefill and decode by revision
+(the core's instance groups).
+
 Load = this gateway's own in-flight accounting (prefill queue / decode batch updated on
 dispatch and completion) plus what the engines' ``/metrics`` say (waiting requests,
 KV capacity, prefix-cache hits). Prefill work drains at one modelled second per
@@ -20,6 +28,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,15 +37,20 @@ import numpy.typing as npt
 from mooncake_conductor.blockkeys import namespace_seed
 from mooncake_conductor.engine import Conductor
 from mooncake_conductor.index import PrefixIndex
+from mooncake_conductor.keytable import SLOTS, KeyMaskTable
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
 from prometheus_client import Gauge
 
+from .discovery import EndpointSource, source_for
 from .events import EngineSubscriber
+from .hottokens import HotPrefixTokens
 from .kvindex import IndexFeeder
 from .metrics import GatewayMetrics, ModelMetrics
 from .settings import Endpoint, GatewaySettings, ModelSettings, Role
 
 log = logging.getLogger(__name__)
+
+WORD_BITS = 64  # instance ids per uint64 holder mask
 
 #: weight of the newest measurement in moving averages of prefill time
 EWMA_ALPHA = 0.2
@@ -65,7 +79,11 @@ class Instance:
     iid: int
     endpoint: Endpoint
     listed: bool = True  # present in the latest endpoint list
-    healthy: bool = True
+    healthy: bool = False  # a health check passed since it joined, and it is not down
+    down: bool = False  # marked down by failed checks (a passing check: it came back)
+    synced: bool = False  # KV events subscribed and replayed (True without KV events)
+    registered: bool = False  # healthy and synced once since it joined or came back
+    routable: bool = False  # requests may go there (kept by ModelRuntime.refresh)
     failures: int = 0
     inflight: int = 0
     stats: EngineStats = field(default_factory=EngineStats)
@@ -74,22 +92,50 @@ class Instance:
     inflight_gauge: Gauge | None = None  # its labelled child, looked up once
 
     @property
-    def routable(self) -> bool:
-        return self.listed and self.healthy
+    def eligible(self) -> bool:
+        """Routable unless revision pairing rules it out."""
+        return (self.listed and self.registered and self.healthy
+                and not self.endpoint.draining)
 
     @property
     def name(self) -> str:
         return self.endpoint.label
 
+    @property
+    def pod(self) -> str:
+        """The pod (namespace/name) when known, else the display name."""
+        return self.endpoint.pod or self.endpoint.label
+
+
+def _wire(ep: Endpoint) -> tuple[str, str | None, str | None, str]:
+    """What a connection to the engine depends on (a change means a new engine)."""
+    return ep.url, ep.kv_events, ep.kv_replay, ep.kv_topic
+
+
+#: settings of a model that can change without a new runtime (index, keys, membership
+#: untouched): the Conductor is rebuilt, the rest is read per request
+SWAPPABLE_FIELDS = frozenset({"conductor", "direct", "max_model_len", "default_max_tokens"})
+
 
 class ModelRuntime:
-    def __init__(self, cfg: ModelSettings, gw: GatewaySettings, metrics: GatewayMetrics) -> None:
+    def __init__(self, cfg: ModelSettings, gw: GatewaySettings, metrics: GatewayMetrics,
+                 source: str | None = None) -> None:
         self.cfg = cfg
         self.gw = gw
         self.metrics = metrics
+        #: where the model's settings come from: a ConfigMap (namespace/name), or None
+        #: for the gateway's own settings
+        self.source = source
         self.m = ModelMetrics(metrics, cfg.name)
         self.conductor = Conductor(cfg.conductor)
         self.cost = self.conductor.cost
+        self.hot_tokens = self._hot_tokens()
+        #: called when an instance joins (the gateway checks its health at once)
+        self.on_join: Callable[[Instance], None] | None = None
+        self.endpoints: EndpointSource | None = None
+        self._groups: dict[str, int] = {}  # engine revision -> the core's group id
+        self._reported: set[Role] = set()  # roles whose endpoint list has come
+        self._changed = asyncio.Event()  # set by refresh()
         self.seed = namespace_seed(cfg.name, cfg.block_size, cfg.lora_name, cfg.cache_salt)
         self.index = PrefixIndex(cfg.index_capacity_blocks)
         self.cluster = ClusterState(prefill=[], decode=[], index=self.index)
@@ -129,69 +175,154 @@ class ModelRuntime:
         return self.prefill if role is Role.PREFILL else self.decode
 
     def set_endpoints(self, role: Role, endpoints: list[Endpoint]) -> None:
-        """Make ``endpoints`` the routable set of ``role`` (new ones join, missing leave)."""
+        """Make ``endpoints`` the listed set of ``role`` (new ones join, missing leave;
+        a changed name, revision or drain flag is taken as is)."""
+        self._reported.add(role)
         wanted = {e.url: e for e in endpoints}
         for inst in self.instances(role):
             if inst.endpoint.url not in wanted and inst.listed:
-                inst.listed = False
-                self._set_up(inst)
-                self._stop_events(inst)
-                self.feeder_of(role).reset(inst.iid)
+                self._leave(inst)
         for url, ep in wanted.items():
-            known = self._by_url.get((role, url))
-            if known is None:
+            inst_or_none = self._by_url.get((role, url))
+            if inst_or_none is None:
                 insts = self.instances(role)
                 inst = Instance(role, len(insts), ep)
                 inst.inflight_gauge = self.m.inflight(role.value, inst.name)
                 insts.append(inst)
                 self._by_url[(role, url)] = inst
+                self._publish_up(inst)
+                group = self.group_of(ep.revision)
                 if role is Role.PREFILL:
-                    self.cluster.prefill.append(PrefillState(iid=inst.iid, name=ep.label))
+                    self.cluster.prefill.append(
+                        PrefillState(iid=inst.iid, name=ep.label, up=False, group=group))
                 else:
-                    self.cluster.decode.append(DecodeState(iid=inst.iid, name=ep.label))
-                self.feeder_of(role).index.add_instance(inst.iid)
-            else:
-                inst = known
-                if inst.listed and inst.endpoint == ep:
-                    self._set_up(inst)
-                    continue
-                self._stop_events(inst)
-                inst.endpoint = ep
-                inst.inflight_gauge = self.m.inflight(role.value, inst.name)
-                inst.listed = True
-                inst.healthy = True
-                inst.failures = 0
-                self.feeder_of(role).index.add_instance(inst.iid)
-            self._set_up(inst)
-            self._start_events(inst)
+                    self.cluster.decode.append(
+                        DecodeState(iid=inst.iid, name=ep.label, up=False, group=group))
+                self._join(inst)
+                continue
+            inst = inst_or_none
+            if inst.endpoint == ep and inst.listed:
+                continue
+            if inst.listed and _wire(inst.endpoint) != _wire(ep):
+                self._leave(inst)  # other sockets behind the same URL: a new engine
+            renamed = inst.endpoint.label != ep.label
+            if renamed:
+                self._drop_gauges(inst)
+                inst.inflight_gauge = self.m.inflight(role.value, ep.label)
+            inst.endpoint = ep
+            if renamed:
+                self._publish_up(inst)
+            self._state(inst).name = ep.label
+            if not inst.listed:
+                self._join(inst)
+        self.refresh()
+
+    def _join(self, inst: Instance) -> None:
+        """A new engine behind the endpoint: unregistered until it passed a health check
+        and its KV events are replayed."""
+        log.info("%s %s joined (revision %r)", inst.role.value, inst.name,
+                 inst.endpoint.revision)
+        inst.listed = True
+        inst.healthy = inst.down = inst.registered = False
+        inst.failures = 0
+        inst.synced = inst.endpoint.kv_events is None
+        self.feeder_of(inst.role).index.add_instance(inst.iid)
+        self._start_events(inst)
+        if self.on_join is not None:
+            self.on_join(inst)
+
+    def _leave(self, inst: Instance) -> None:
+        log.info("%s %s left", inst.role.value, inst.name)
+        inst.listed = inst.registered = False
+        self._stop_events(inst)
+        self.feeder_of(inst.role).reset(inst.iid)
+
+    def group_of(self, revision: str) -> int:
+        """The core's group id of an engine revision (ids in order of first sight)."""
+        group = self._groups.get(revision)
+        if group is None:
+            group = self._groups[revision] = len(self._groups)
+        return group
+
+    def refresh(self) -> None:
+        """Recompute every instance's ``routable`` (and its state's ``up`` and group).
+
+        While the eligible instances span more than one revision, a prefill instance is
+        routable only if a decode instance of its revision is eligible (a request needs
+        both of one revision). States are written only when they change: a write
+        invalidates the pool board's cached live mask."""
+        self._changed.set()
+        everyone = self.prefill + self.decode
+        revisions = {i.endpoint.revision for i in everyone if i.eligible}
+        decode_revisions = {i.endpoint.revision for i in self.decode if i.eligible}
+        paired = len(revisions) > 1
+        for inst in everyone:
+            up = inst.eligible and (not paired or inst.role is Role.DECODE
+                                    or inst.endpoint.revision in decode_revisions)
+            st = self._state(inst)
+            group = self.group_of(inst.endpoint.revision)
+            if st.group != group:
+                st.group = group
+            if inst.routable != up or st.up != up:
+                inst.routable = up
+                st.up = up
+                self._publish_up(inst)
+
+    def settled(self) -> bool:
+        """Both endpoint lists have come and every listed instance is registered or has
+        failed a health check."""
+        return len(self._reported) == len(Role) and all(
+            i.registered or i.failures for i in self.prefill + self.decode if i.listed)
+
+    async def wait_settled(self, timeout_s: float) -> bool:
+        """Wait until :meth:`settled` (``False``: not within ``timeout_s``)."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while not self.settled():
+                    self._changed.clear()
+                    await self._changed.wait()
+        return self.settled()
+
+    def _publish_up(self, inst: Instance) -> None:
+        self.metrics.instance_up.labels(self.cfg.name, inst.role.value, inst.name).set(
+            1 if inst.routable else 0)
 
     def _state(self, inst: Instance) -> PrefillState | DecodeState:
         if inst.role is Role.PREFILL:
             return self.cluster.prefill[inst.iid]
         return self.cluster.decode[inst.iid]
 
-    def _set_up(self, inst: Instance) -> None:
-        self._state(inst).up = inst.routable
-        self.metrics.instance_up.labels(self.cfg.name, inst.role.value, inst.name).set(
-            1 if inst.routable else 0)
+    def _maybe_register(self, inst: Instance) -> None:
+        if inst.listed and inst.healthy and inst.synced and not inst.registered:
+            inst.registered = True
+            log.info("%s %s registered", inst.role.value, inst.name)
+            self.refresh()
 
     def mark_health(self, inst: Instance, ok: bool) -> None:
+        if not inst.listed:
+            return  # a check that ended after the instance left
         if ok:
             inst.failures = 0
             if not inst.healthy:
-                log.info("%s %s is back", inst.role.value, inst.name)
                 inst.healthy = True
-                self._set_up(inst)
-                if inst.subscriber is not None:
-                    self.feeder_of(inst.role).reset(inst.iid)
-                    asyncio.get_running_loop().create_task(self._resync(inst))
+                if inst.down:  # came back: replay its events again before routing to it
+                    log.info("%s %s is back", inst.role.value, inst.name)
+                    inst.down = False
+                    if inst.endpoint.kv_events is not None:
+                        self._stop_events(inst)
+                        self.feeder_of(inst.role).reset(inst.iid)
+                        inst.synced = False
+                        self._start_events(inst)
+            self._maybe_register(inst)
             return
         inst.failures += 1
+        self._changed.set()
         if inst.healthy and inst.failures >= self.gw.unhealthy_after:
             log.warning("%s %s is down", inst.role.value, inst.name)
-            inst.healthy = False
-            self._set_up(inst)
+            inst.healthy = inst.registered = False
+            inst.down = True
             self.feeder_of(inst.role).reset(inst.iid)
+            self.refresh()
 
     # -- KV events -------------------------------------------------------------------------
     def _start_events(self, inst: Instance) -> None:
@@ -217,27 +348,26 @@ class ModelRuntime:
         inst.task = asyncio.get_running_loop().create_task(self._run_events(inst, sub))
 
     async def _run_events(self, inst: Instance, sub: EngineSubscriber) -> None:
-        while True:
-            try:
-                sub.connect()
-                await asyncio.sleep(0)
-                await sub.sync()
-                await sub.run()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a broken socket must not end the subscription
-                log.exception("KV events from %s failed; resubscribing", inst.name)
-                self.feeder_of(inst.role).reset(inst.iid)
-                sub.next_seq = 0
-                await asyncio.sleep(self.gw.health_interval_s)
-
-    async def _resync(self, inst: Instance) -> None:
-        sub = inst.subscriber
-        if sub is None:
-            return
-        sub.next_seq = 0
-        with contextlib.suppress(Exception):
-            await sub.sync()
+        try:
+            while True:
+                try:
+                    sub.connect()
+                    await asyncio.sleep(0)
+                    await sub.sync()
+                    if not inst.synced:  # the initial replay is in: it may register
+                        inst.synced = True
+                        self._maybe_register(inst)
+                    await sub.run()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a broken socket must not end the subscription
+                    log.exception("KV events from %s failed; resubscribing", inst.name)
+                    self.feeder_of(inst.role).reset(inst.iid)
+                    sub.close()
+                    sub.next_seq = 0
+                    await asyncio.sleep(self.gw.health_interval_s)
+        finally:
+            sub.close()  # cancelled before run() took the socket over
 
     def _stop_events(self, inst: Instance) -> None:
         if inst.task is not None:
@@ -245,14 +375,60 @@ class ModelRuntime:
         inst.task = None
         inst.subscriber = None
 
+    async def start(self) -> None:
+        """Start following the model's endpoints (its source reports the first lists)."""
+        self.endpoints = source_for(self.cfg, self.gw.discovery_poll_s)
+        await self.endpoints.start(self.set_endpoints)
+
     async def close(self) -> None:
+        """Stop the endpoint source and every subscription; drop the model's per-instance
+        gauges (a removed model leaves no stale series)."""
+        if self.endpoints is not None:
+            await self.endpoints.stop()
+            self.endpoints = None
         everyone = self.prefill + self.decode
         tasks = [i.task for i in everyone if i.task is not None]
         for i in everyone:
             self._stop_events(i)
+            i.listed = i.registered = i.routable = False
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        for i in everyone:
+            self._drop_gauges(i)
+
+    def _drop_gauges(self, inst: Instance) -> None:
+        m, name = self.metrics, self.cfg.name
+        for gauge, labels in ((m.instance_up, (name, inst.role.value, inst.name)),
+                              (m.instance_inflight, (name, inst.role.value, inst.name)),
+                              (m.instance_queue_s, (name, inst.name))):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
+
+    def _hot_tokens(self) -> HotPrefixTokens:
+        gw = self.gw
+        return HotPrefixTokens(self.cfg.conductor.replication, self.cfg.block_size,
+                               gw.hot_tokens_rate_share, gw.hot_tokens_prefixes,
+                               gw.hot_tokens_max)
+
+    def can_swap(self, cfg: ModelSettings) -> bool:
+        """Whether ``cfg`` differs from the current settings only in what
+        :meth:`reconfigure` swaps in place."""
+        old, new = self.cfg.model_dump(), cfg.model_dump()
+        return all(old[k] == new[k] for k in old if k not in SWAPPABLE_FIELDS)
+
+    def reconfigure(self, cfg: ModelSettings) -> None:
+        """New policy, SLOs, direct rule or limits: a new Conductor over the same state
+        (index, instances, queues, calibration); the hot-prefix history is kept when the
+        replication settings are unchanged."""
+        old = self.conductor
+        self.cfg = cfg
+        self.conductor = Conductor(cfg.conductor)
+        self.cost = self.conductor.cost
+        if old.config.replication == cfg.conductor.replication:
+            self.conductor.hot = old.hot
+        else:
+            self.hot_tokens = self._hot_tokens()
 
     # -- scraped metrics -------------------------------------------------------------------
     def apply_stats(self, inst: Instance, stats: EngineStats) -> None:
@@ -379,7 +555,9 @@ class ModelRuntime:
         def inst_view(i: Instance) -> dict[str, Any]:
             v: dict[str, Any] = {
                 "id": i.iid, "name": i.name, "url": i.endpoint.url, "routable": i.routable,
-                "listed": i.listed, "healthy": i.healthy, "inflight": i.inflight,
+                "listed": i.listed, "healthy": i.healthy, "registered": i.registered,
+                "draining": i.endpoint.draining, "revision": i.endpoint.revision,
+                "pod": i.pod, "inflight": i.inflight,
                 "engine": {"running": i.stats.running, "waiting": i.stats.waiting,
                            "kv_usage": i.stats.kv_usage, "prefix_hits": i.stats.prefix_hits,
                            "prefix_queries": i.stats.prefix_queries,
@@ -441,18 +619,126 @@ class ModelRuntime:
             acc = (acc + hash((k, mask))) & ((1 << 64) - 1)
         return f"{acc:016x}"
 
-    def hot_prefixes(self, limit: int) -> list[dict[str, Any]]:
+    def hot_prefixes(self, limit: int, with_tokens: bool = False) -> list[dict[str, Any]]:
+        """The tracker's hot prefixes, hottest first: holders as pods with their predicted
+        waits, and with ``with_tokens`` the prefix's token ids (``None`` when they were
+        not kept: the prefix got hot before the gateway saw it qualify, or the LRU dropped
+        it)."""
         now = self.now()
+        self.drain(now)
         out = []
         for prefix, rate, keys in self.conductor.hot.hot(now)[:limit]:
             holders = [
-                self.prefill[p.iid].name for p in self.cluster.prefill
+                self.prefill[p.iid] for p in self.cluster.prefill
                 if p.up and self.index.match(p.iid, keys) == len(keys)
             ]
-            out.append({
+            entry: dict[str, Any] = {
                 "model": self.cfg.name, "prefix": f"{prefix:016x}", "blocks": len(keys),
                 "tokens": len(keys) * self.cfg.block_size, "rate_per_s": rate,
-                "rate_per_wall_s": rate / self.gw.time_scale, "holders": holders,
+                "rate_per_wall_s": rate / self.gw.time_scale,
+                "holders": [h.pod for h in holders],
+                "holders_predicted_wait_s": {
+                    h.pod: self.cluster.prefill[h.iid].wait_time(now) for h in holders},
                 "keys": [f"{k:016x}" for k in keys],
-            })
+            }
+            if with_tokens:
+                toks = self.hot_tokens.tokens(prefix)
+                entry["token_ids"] = None if toks is None else toks.tolist()
+            out.append(entry)
         return out
+
+    # -- registry --------------------------------------------------------------------------
+    async def registry(self, chunk: int) -> dict[str, Any]:
+        """What the operator needs per pod: membership, registration, load, and the cached
+        work only this pod holds (``unique_blocks``, counted in chunks of ``chunk``
+        index entries with the event loop free in between)."""
+        unique = {Role.PREFILL: await unique_blocks(self.index, chunk),
+                  Role.DECODE: await unique_blocks(self.decode_index, chunk)}
+        now = self.now()
+        self.drain(now)
+        instances: list[dict[str, Any]] = []
+        for inst in self.prefill + self.decode:
+            if not inst.listed and not inst.inflight:
+                continue
+            index = self.feeder_of(inst.role).index
+            v: dict[str, Any] = {
+                "pod": inst.pod, "role": inst.role.value, "revision": inst.endpoint.revision,
+                "url": inst.endpoint.url, "listed": inst.listed,
+                "draining": inst.endpoint.draining, "healthy": inst.healthy,
+                "registered": inst.registered, "routable": inst.routable,
+                "inflight": inst.inflight, "index_blocks": index.size(inst.iid),
+                "unique_blocks": unique[inst.role].get(inst.iid, 0),
+                "cache_capacity_blocks": inst.stats.num_gpu_blocks,
+            }
+            if inst.role is Role.PREFILL:
+                v["predicted_wait_s"] = self.cluster.prefill[inst.iid].wait_time(now)
+            else:
+                v["batch"] = self.cluster.decode[inst.iid].batch
+            instances.append(v)
+        revisions = sorted({i.endpoint.revision for i in self.prefill + self.decode
+                            if i.listed})
+        return {"model": self.cfg.name, "source": self.source, "revisions": revisions,
+                "instances": instances}
+
+
+async def unique_blocks(index: PrefixIndex, chunk: int) -> dict[int, int]:
+    """Per instance id, the blocks of ``index`` that it holds and no other instance does.
+
+    Counted ``chunk`` holder masks at a time with numpy (single-bit masks; the bit's
+    position from the float exponent, exact for powers of two), yielding to the event
+    loop between chunks. A large index (past the core's ``VECTOR_MIN_KEYS``) is read
+    from its vectorised mirror's rows (:meth:`KeyMaskTable.kernel_view`, synced first),
+    which costs no Python work per key: ~1M blocks in a few milliseconds of chunks.
+    Events applied while it counts may or may not be seen (a snapshot per chunk). A
+    smaller index is copied out of the holder dict first (a list of references);
+    masks wider than 64 bits (instance ids past 63) are counted in Python."""
+    index.sync()
+    mirror = getattr(index, "_mirror", None)  # the core keeps it private; read only
+    table: KeyMaskTable | None = getattr(mirror, "stored", None)
+    if table is not None and table.words == 1:
+        return await _unique_in_table(table, chunk)
+    masks = list(index.holders.values())
+    counts = np.zeros(WORD_BITS, dtype=np.int64)
+    wide: dict[int, int] = {}
+    for start in range(0, len(masks), chunk):
+        part = masks[start : start + chunk]
+        try:
+            arr = np.fromiter(part, dtype=np.uint64, count=len(part))
+        except OverflowError:
+            for m in part:
+                if m and not m & (m - 1):
+                    bit = m.bit_length() - 1
+                    wide[bit] = wide.get(bit, 0) + 1
+        else:
+            counts += _single_bits(arr)
+        await asyncio.sleep(0)
+    out = _as_dict(counts)
+    for bit, n in wide.items():
+        out[bit] = out.get(bit, 0) + n
+    return out
+
+
+async def _unique_in_table(table: KeyMaskTable, chunk: int) -> dict[int, int]:
+    """:func:`unique_blocks` over a one-word :class:`KeyMaskTable`: its rows (``SLOTS``
+    keys, then their masks; key 0 = empty slot), its stash, and the mask of key 0."""
+    rows, _overflowed, meta, stash = table.kernel_view()
+    counts = _single_bits(stash[:, 1]) + _single_bits(meta[1:])
+    step = max(1, chunk // SLOTS)
+    for start in range(0, len(rows), step):
+        part = rows[start : start + step]
+        counts += _single_bits(part[:, SLOTS : 2 * SLOTS][part[:, :SLOTS] != 0])
+        await asyncio.sleep(0)
+    return _as_dict(counts)
+
+
+def _single_bits(masks: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+    """How many of ``masks`` have exactly bit *i* set, for i < 64."""
+    single = masks[(masks != 0) & ((masks & (masks - np.uint64(1))) == 0)]
+    bits = np.frexp(single.astype(np.float64))[1] - 1
+    out: npt.NDArray[np.int64] = np.bincount(bits, minlength=WORD_BITS)[:WORD_BITS].astype(
+        np.int64)
+    return out
+
+
+def _as_dict(counts: npt.NDArray[np.int64]) -> dict[int, int]:
+    return {int(i): int(counts[i]) for i in np.flatnonzero(counts)}

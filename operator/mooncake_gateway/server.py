@@ -30,13 +30,13 @@ from mooncake_conductor.state import RequestInfo
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import fastjson
-from .discovery import EndpointSource, source_for
+from .catalog import Catalog, ConfigMapWatch, Conflict, ModelDocument, resolve
 from .errors import ApiError, error_body
 from .front import FrontServer
 from .metrics import GatewayMetrics, RequestCounter
 from .openapi import openapi_spec
 from .runtime import EngineStats, Instance, ModelRuntime
-from .settings import GatewaySettings, Role, TokenizerMode
+from .settings import GatewaySettings, ModelSettings, Role, TokenizerMode
 from .tokens import PromptTokenizer, Tokens
 from .upstream import UpstreamCallError, UpstreamPool
 from .validate import Parsed, parse_request
@@ -61,14 +61,28 @@ class UpstreamError(Exception):
 
 
 class Gateway:
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, kube_api: Any | None = None,
+                 watch_factory: Callable[[], Any] | None = None) -> None:
+        """``kube_api`` / ``watch_factory``: the ``CoreV1Api`` and ``Watch`` maker the
+        ConfigMap watch uses (default: from the in-cluster or kube config; tests pass
+        fakes)."""
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.request_counter = RequestCounter(self.metrics)
         self.models: dict[str, ModelRuntime] = {
             m.name: ModelRuntime(m, settings, self.metrics) for m in settings.models
         }
-        self.sources: list[EndpointSource] = []
+        self.catalog_watch: ConfigMapWatch | None = None
+        if settings.kubernetes_models is not None:
+            self.catalog_watch = ConfigMapWatch(settings.kubernetes_models, kube_api,
+                                                watch_factory)
+        self.catalog = Catalog()
+        self._documents: list[ModelDocument] | None = None  # the latest seen
+        self._documents_dirty = False
+        self._reconciler: asyncio.Task[None] | None = None
+        self._errors_counted: dict[str, str] = {}  # source -> the error counted last
+        self._conflicts_logged: list[Conflict] = []  # conflicts logged already
+        self._background: set[asyncio.Task[None]] = set()
         self.session: aiohttp.ClientSession | None = None
         self.upstream: UpstreamPool | None = None  # non-streamed calls (lean_upstream)
         self.tokenizer = PromptTokenizer(
@@ -93,6 +107,8 @@ class Gateway:
         r.add_get("/conductor/state", self.conductor_state)
         r.add_get("/conductor/hot-prefixes", self.hot_prefixes)
         r.add_get("/conductor/decisions", self.decisions)
+        r.add_get("/conductor/registry", self.registry)
+        r.add_get("/conductor/models", self.model_catalog)
         r.add_get("/openapi.json", self.openapi)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -111,9 +127,10 @@ class Gateway:
             self.upstream = UpstreamPool(s.connect_timeout_s, s.request_timeout_s,
                                          s.upstream_keepalive_s)
         for rt in self.models.values():
-            src = source_for(rt.cfg, s.discovery_poll_s)
-            self.sources.append(src)
-            await src.start(rt.set_endpoints)
+            rt.on_join = self._on_join(rt)
+            await rt.start()
+        if self.catalog_watch is not None:
+            await self.catalog_watch.start(self._on_documents)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._health_loop()),
                        loop.create_task(self._scrape_loop())]
@@ -128,9 +145,14 @@ class Gateway:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        for src in self.sources:
-            await src.stop()
-        for rt in self.models.values():
+        if self.catalog_watch is not None:
+            await self.catalog_watch.stop()
+        for task in [self._reconciler, *self._background]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        for rt in list(self.models.values()):
             await rt.close()
         if self.session is not None:
             await self.session.close()
@@ -167,7 +189,14 @@ class Gateway:
             f"{name}:{role.value}" for name, rt in self.models.items() for role in Role
             if not any(i.routable for i in rt.instances(role))
         ]
-        ok = self._started and not missing and bool(self.models)
+        if self.catalog_watch is not None:
+            # the ConfigMaps listed once; no model at all is a valid answer then
+            listed = self._documents is not None
+            ok = self._started and listed and not missing
+            if not listed:
+                missing.append("kubernetes_models:list")
+        else:
+            ok = self._started and not missing and bool(self.models)
         return web.json_response({"ready": ok, "missing": missing}, status=200 if ok else 503)
 
     async def list_models(self, _r: web.Request) -> web.Response:
@@ -204,11 +233,33 @@ class Gateway:
 
     async def hot_prefixes(self, request: web.Request) -> web.Response:
         limit = _int_query(request, "limit", self.settings.hot_prefixes_max)
+        with_tokens = _bool_query(request, "tokens")
         out: list[dict[str, Any]] = []
         for rt in self._model_param(request):
-            out.extend(rt.hot_prefixes(limit))
+            out.extend(rt.hot_prefixes(limit, with_tokens))
         out.sort(key=lambda h: -float(h["rate_per_s"]))
         return web.json_response(out[:limit])
+
+    async def registry(self, request: web.Request) -> web.Response:
+        chunk = self.settings.registry_chunk_keys
+        return web.json_response(
+            {"models": [await rt.registry(chunk) for rt in self._model_param(request)]})
+
+    async def model_catalog(self, _r: web.Request) -> web.Response:
+        km = self.settings.kubernetes_models
+        cat = self.catalog
+        return web.json_response({
+            "kubernetes_models": None if km is None else {
+                "namespace": km.namespace, "label_selector": km.label_selector,
+                "key": km.key, "listed": self._documents is not None,
+                "documents": len(self._documents or [])},
+            "models": [{"model": name, "source": rt.source}
+                       for name, rt in sorted(self.models.items())],
+            "invalid": [{"source": src, "error": err}
+                        for src, err in sorted(cat.invalid.items())],
+            "conflicts": [{"source": c.source, "model": c.model, "winner": c.winner}
+                          for c in cat.conflicts],
+        })
 
     async def decisions(self, request: web.Request) -> web.Response:
         limit = _int_query(request, "limit", DECISIONS_DEFAULT_LIMIT)
@@ -217,6 +268,100 @@ class Gateway:
             out.extend(rt.decisions)
         out.sort(key=lambda d: float(d["time"]))
         return web.json_response(out[-limit:] if limit else [])
+
+    # -- models from ConfigMaps -------------------------------------------------------------
+    def _on_documents(self, docs: list[ModelDocument]) -> None:
+        """The ConfigMap watch's latest list (on the loop): reconciled by one task, which
+        picks up whatever came while it worked."""
+        self._documents = docs
+        self._documents_dirty = True
+        if self._reconciler is None or self._reconciler.done():
+            self._reconciler = asyncio.get_running_loop().create_task(self._reconcile())
+
+    async def _reconcile(self) -> None:
+        while self._documents_dirty:
+            self._documents_dirty = False
+            assert self.catalog_watch is not None and self._documents is not None
+            reserved = [n for n, rt in self.models.items() if rt.source is None]
+            cat = resolve(self._documents, self.catalog_watch.cfg.key, reserved)
+            try:
+                await self._apply_catalog(cat)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a model that cannot start must not stop the others
+                log.exception("applying the model ConfigMaps failed")
+
+    async def _apply_catalog(self, cat: Catalog) -> None:
+        self.catalog = cat  # what is invalid or in conflict shows at once
+        for name, rt in list(self.models.items()):
+            if rt.source is None:
+                continue  # the gateway's own settings
+            want = cat.served.get(name)
+            if want is None:
+                log.info("model %s (%s) is no longer served", name, rt.source)
+                del self.models[name]
+                await rt.close()
+                continue
+            source, cfg = want
+            if cfg == rt.cfg or rt.can_swap(cfg):
+                rt.source = source
+                if cfg != rt.cfg:
+                    log.info("model %s (%s): new Conductor settings", name, source)
+                    rt.reconfigure(cfg)
+                continue
+            log.info("model %s (%s) changed: a new runtime takes over", name, source)
+            new = await self._start_model(cfg, source, cat)
+            if new is None:
+                del self.models[name]
+            else:
+                await new.wait_settled(self.settings.model_swap_timeout_s)
+                self.models[name] = new
+            await rt.close()
+        for name, (source, cfg) in cat.served.items():
+            if name not in self.models:
+                log.info("model %s (%s) served", name, source)
+                new = await self._start_model(cfg, source, cat)
+                if new is not None:
+                    self.models[name] = new
+        for source, err in cat.invalid.items():
+            if self._errors_counted.get(source) != err:
+                log.warning("model ConfigMap %s is invalid: %s", source, err)
+                self.metrics.model_document_errors.labels(source).inc()
+        self._errors_counted = dict(cat.invalid)
+        for c in set(cat.conflicts) - set(self._conflicts_logged):
+            log.warning("model ConfigMap %s names model %s, already served from %s",
+                        c.source, c.model, c.winner)
+        self._conflicts_logged = list(cat.conflicts)
+        served = sum(1 for rt in self.models.values() if rt.source is not None)
+        for state, count in (("served", served), ("invalid", len(cat.invalid)),
+                             ("conflict", len(cat.conflicts))):
+            self.metrics.model_documents.labels(state).set(count)
+
+    async def _start_model(self, cfg: ModelSettings, source: str,
+                           cat: Catalog) -> ModelRuntime | None:
+        """A runtime for ``cfg`` with its endpoint source started (``None``, and the
+        ConfigMap reported invalid, when the source cannot start)."""
+        rt = ModelRuntime(cfg, self.settings, self.metrics, source)
+        rt.on_join = self._on_join(rt)
+        try:
+            await rt.start()
+        except Exception as exc:
+            log.exception("model %s (%s): its endpoint source failed", cfg.name, source)
+            await rt.close()
+            cat.invalid[source] = f"endpoint source failed: {type(exc).__name__}: {exc}"
+            del cat.served[cfg.name]
+            return None
+        return rt
+
+    def _on_join(self, rt: ModelRuntime) -> Callable[[Instance], None]:
+        """Check a joining instance's health at once (it registers after one pass)."""
+        def join(inst: Instance) -> None:
+            if self.session is None:
+                return  # not started: the health loop's first round checks it
+            task = asyncio.get_running_loop().create_task(self._check(rt, inst))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return join
 
     # -- background: health and engine metrics ---------------------------------------------
     def _all_instances(self) -> list[tuple[ModelRuntime, Instance]]:
@@ -388,6 +533,7 @@ class Gateway:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         pl = decision.placement
         assert pl.prefill is not None
+        rt.hot_tokens.observe(req.keys, pl.reused_blocks, tokens, req.arrival)
         # what the chosen instance holds now (pending prefixes and fetches not counted: the
         # engines cannot pull blocks from a peer, so the gateway runs a fetch as a recompute)
         held = rt.index.match(pl.prefill, req.keys)
@@ -410,10 +556,13 @@ class Gateway:
         headers = {DECISION_HEADER: json.dumps(_header_view(record), separators=(",", ":"))} \
             if explain else {}
         kvp: dict[str, Any] | None = None
+        group: int | None = None  # the engine group both halves of a P/D request share
         if not direct:
-            kvp = await self._prefill(rt, req, decision, data, p, record)
+            assert dec is not None
+            group = rt.cluster.decode[dec].group
+            kvp = await self._prefill(rt, req, decision, data, p, record, group)
         return await self._decode(request, rt, req, decision, data, p, kvp, record, headers,
-                                  arrived, explain)
+                                  arrived, explain, group)
 
     def _decide(self, rt: ModelRuntime, req: RequestInfo, explain: bool,
                 t0: float) -> tuple[Decision, dict[str, Any]]:
@@ -462,7 +611,10 @@ class Gateway:
 
     # -- prefill ---------------------------------------------------------------------------
     async def _prefill(self, rt: ModelRuntime, req: RequestInfo, decision: Decision,
-                       data: dict[str, Any], p: Parsed, record: dict[str, Any]) -> dict[str, Any]:
+                       data: dict[str, Any], p: Parsed, record: dict[str, Any],
+                       group: int) -> dict[str, Any]:
+        """Prefill on the chosen instance, then on the next best of ``group`` (the decode
+        instance's) while attempts are left; the decode's ``kv_transfer_params``."""
         overrides: dict[str, Any] = {
             "stream": False, "stream_options": None, "max_tokens": 1,
             "kv_transfer_params": {
@@ -478,7 +630,7 @@ class Gateway:
         for attempt in range(self.settings.prefill_attempts):
             if attempt:
                 rt.m.retries_prefill.inc()
-                pl = self._replace_prefill(rt, req, tried)
+                pl = self._replace_prefill(rt, req, tried, group)
                 if pl is None:
                     break
             assert pl.prefill is not None
@@ -518,18 +670,19 @@ class Gateway:
         raise ApiError(502, f"prefill failed on every instance tried ({last})",
                        code="upstream_failed")
 
-    def _replace_prefill(self, rt: ModelRuntime, req: RequestInfo,
-                         excluded: set[int]) -> Any:
-        """The next-best placement with the ``excluded`` instances out of consideration."""
-        states = [rt.cluster.prefill[i] for i in excluded]
-        saved = [s.up for s in states]
+    def _replace_prefill(self, rt: ModelRuntime, req: RequestInfo, excluded: set[int],
+                         group: int) -> Any:
+        """The next-best placement with the ``excluded`` instances and those of other
+        groups than ``group`` out of consideration."""
+        states = [s for s in rt.cluster.prefill
+                  if s.up and (s.iid in excluded or s.group != group)]
         for s in states:
             s.up = False
         try:
             d = rt.conductor.policy.choose(req, rt.cluster, rt.now())
         finally:
-            for s, up in zip(states, saved, strict=True):
-                s.up = up
+            for s in states:
+                s.up = True
         return d if d.prefill is not None else None
 
     async def _post_json(self, inst: Instance, path: str, body: bytes) -> tuple[int, Any]:
@@ -566,7 +719,7 @@ class Gateway:
                       decision: Decision, data: dict[str, Any], p: Parsed,
                       kvp: dict[str, Any] | None, record: dict[str, Any],
                       headers: dict[str, str], arrived: float,
-                      explain: bool) -> web.StreamResponse:
+                      explain: bool, group: int | None) -> web.StreamResponse:
         assert self.session is not None
         body = p.raw if kvp is None else splice_json(p.raw, data, {"kv_transfer_params": kvp})
         path = "/v1/chat/completions" if p.chat else "/v1/completions"
@@ -576,7 +729,7 @@ class Gateway:
         for attempt in range(DECODE_ATTEMPTS):
             if attempt:
                 rt.m.retries_decode.inc()
-                iid = self._replace_decode(rt, req, tried)
+                iid = self._replace_decode(rt, tried, group)
             if iid is None:
                 break
             inst = rt.decode[iid]
@@ -600,8 +753,12 @@ class Gateway:
                 rt.decode_done(inst, req)
         raise ApiError(502, f"decode failed ({last})", code="upstream_failed")
 
-    def _replace_decode(self, rt: ModelRuntime, req: RequestInfo, excluded: set[int]) -> int | None:
-        live = [d for d in rt.cluster.decode if d.up and d.iid not in excluded]
+    def _replace_decode(self, rt: ModelRuntime, excluded: set[int],
+                        group: int | None) -> int | None:
+        """The least loaded other decode instance (of ``group`` after a prefill: the KV
+        came from an engine of that revision)."""
+        live = [d for d in rt.cluster.decode if d.up and d.iid not in excluded
+                and (group is None or d.group == group)]
         if not live:
             return None
         return min(live, key=lambda d: (d.batch + d.waiting, d.iid)).iid
@@ -741,6 +898,15 @@ def _finite(v: Any) -> Any:
     if isinstance(v, list):
         return [_finite(x) for x in v]
     return v
+
+
+def _bool_query(request: web.Request, name: str) -> bool:
+    raw = request.query.get(name, "").lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes"):
+        return True
+    raise ApiError(400, f"'{name}' must be 1/true/yes or 0/false/no", name)
 
 
 def _int_query(request: web.Request, name: str, default: int) -> int:

@@ -95,7 +95,10 @@ def _loads(raw: bytes) -> Any:
 
 @contextlib.contextmanager
 def run_gateway(models: list[dict[str, Any]], wait_ready: bool = True,
+                args: tuple[str, ...] = (), env: dict[str, str] | None = None,
                 **settings: Any) -> Iterator[GatewayProc]:
+    """A gateway subprocess with ``models`` and ``settings`` in its config file; ``args``
+    go on its command line, ``env`` into its environment."""
     port = free_port()
     cfg = {"host": HOST, "port": port, "models": models, **settings}
     fd, config_path = tempfile.mkstemp(prefix="gateway-", suffix=".json")
@@ -104,7 +107,8 @@ def run_gateway(models: list[dict[str, Any]], wait_ready: bool = True,
     fd, log_path = tempfile.mkstemp(prefix="gateway-", suffix=".log")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mooncake_cli", "gateway", "--config", config_path,
-         "--log-level", "INFO"], stdout=fd, stderr=fd)
+         "--log-level", "INFO", *args], stdout=fd, stderr=fd,
+        env={**os.environ, **(env or {})})
     os.close(fd)
     g = GatewayProc(proc, port, log_path, config_path)
     try:

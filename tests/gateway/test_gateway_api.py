@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from .conftest import FAST, Cluster
-from .gateway_fixtures import MODEL, model_config, run_gateway, run_worker, wait_for
+from .gateway_fixtures import MODEL, http_json, model_config, run_gateway, run_worker, wait_for
 
 LONG = " ".join(f"shared{i % 53} word{i}" for i in range(200))  # 400 tokens
 
@@ -112,6 +112,20 @@ def test_hot_prefixes_lists_a_popular_prefix(cluster: Cluster) -> None:
     top = hot[0]
     assert {"prefix", "rate_per_s", "holders", "blocks"} <= set(top)
     assert top["holders"]
+    assert "token_ids" not in top
+    # with tokens=1: the prefix's token ids (what an agent in front of vLLM warms), and
+    # the holders' predicted waits
+    from mooncake_contract.tokenizer import Tokenizer
+
+    hot = g.get(f"/conductor/hot-prefixes?model={MODEL}&tokens=1")
+    top = next(h for h in hot if h["prefix"] == top["prefix"])
+    want = Tokenizer().encode(prompt)[: top["blocks"] * 16]
+    assert top["token_ids"] == want and len(want) == top["tokens"]
+    assert set(top["holders_predicted_wait_s"]) == set(top["holders"])
+    assert all(w >= 0 for w in top["holders_predicted_wait_s"].values())
+    urls = {w.url for w in cluster.prefill}
+    assert set(top["holders"]) <= urls  # static endpoints: named by their URL
+    assert http_json(g.url + "/conductor/hot-prefixes?tokens=maybe")[0] == 400
 
 
 @pytest.mark.parametrize("body,status,param", [

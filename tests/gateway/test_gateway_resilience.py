@@ -17,7 +17,6 @@ from .gateway_fixtures import (
     HOST,
     MODEL,
     endpoint,
-    free_port,
     model_config,
     run_gateway,
     run_worker,
@@ -34,12 +33,15 @@ def _complete(url: str, prompt: str = PROMPT, max_tokens: int = 2) -> str:
 
 
 def test_prefill_failure_is_retried_on_another_instance() -> None:
-    dead = {"url": f"http://{HOST}:{free_port()}"}
-    with run_worker(*FAST) as w:
-        model = {"name": MODEL, "prefill": [dead, endpoint(w)], "decode": [{"url": w.url}],
-                 "conductor": {"policy": "round-robin"}}
-        # health checks far apart: the dead instance stays routable, so requests hit it
-        with run_gateway([model], wait_ready=False, health_interval_s=60) as g:
+    with run_worker(*FAST) as w, run_worker(*FAST) as gone:
+        model = {"name": MODEL, "prefill": [endpoint(gone), endpoint(w)],
+                 "decode": [{"url": w.url}], "conductor": {"policy": "round-robin"}}
+        # health checks far apart: once registered, the instance that dies stays
+        # routable, so requests hit it
+        with run_gateway([model], health_interval_s=60) as g:
+            wait_for(lambda: all(p["routable"] for p in g.state()["prefill"]))
+            gone.proc.kill()
+            gone.proc.wait()
             for i in range(6):
                 assert _complete(g.url, PROMPT + f" {i}")
             decisions = g.get("/conductor/decisions?limit=6")

@@ -1,0 +1,408 @@
+"""Pure and in-process parts of Kubernetes models, registration, pairing, the registry
+and hot-prefix tokens: model documents and conflicts, the ConfigMap watch over fake
+``kubernetes`` objects, pod revision and drain, registration (health check and KV
+replay), revision pairing, ``unique_blocks`` and the hot-prefix token keeper."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import random
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+import zmq
+import zmq.asyncio
+from kubernetes import client as k8s
+from mooncake_conductor.index import PrefixIndex
+from mooncake_conductor.replication import HotPrefixTracker, ReplicationConfig
+from mooncake_contract import conventions as c
+from mooncake_contract.kvevents.codec import END_SEQ, encode_seq
+from mooncake_gateway import catalog
+from mooncake_gateway.catalog import (
+    SETTINGS_SOURCE,
+    ConfigMapWatch,
+    ModelDocument,
+    configmap_document,
+    resolve,
+)
+from mooncake_gateway.discovery import pod_endpoint
+from mooncake_gateway.hottokens import HotPrefixTokens
+from mooncake_gateway.metrics import GatewayMetrics
+from mooncake_gateway.runtime import ModelRuntime, unique_blocks
+from mooncake_gateway.settings import (
+    Endpoint,
+    GatewaySettings,
+    KubernetesModels,
+    KubernetesSource,
+    ModelSettings,
+    Role,
+)
+
+from .gateway_fixtures import HOST, free_port
+
+KEY = c.GATEWAY_MODEL_KEY
+SEL = {"prefill_selector": "r=p", "decode_selector": "r=d"}
+
+
+# -- model documents --------------------------------------------------------------------------
+def _doc(source: str, text: str | None, created: float = 0.0) -> ModelDocument:
+    return ModelDocument(source=source, namespace=source.split("/")[0], created=created,
+                         text=text)
+
+
+def test_documents_resolve_to_models_errors_and_conflicts() -> None:
+    good = yaml.safe_dump({"name": "m", "block_size": 32, "kubernetes": SEL})
+    docs = [
+        _doc("ns/a", good, created=20.0),
+        _doc("ns/b", "name: [unclosed"),
+        _doc("ns/c", "- a list"),
+        _doc("ns/d", yaml.safe_dump({"name": "x", "block_size": -1})),
+        _doc("ns/e", None),
+        _doc("ns/f", yaml.safe_dump({"name": "m"}), created=30.0),  # newer: conflict
+        _doc("aa/g", yaml.safe_dump({"name": "m"}), created=25.0),  # newer, earlier name
+        _doc("zz/h", yaml.safe_dump({"name": "own"})),  # the settings' model
+        _doc("ns/i", yaml.safe_dump({"name": "n", "kubernetes": {**SEL, "namespace": "o"}})),
+    ]
+    cat = resolve(docs, KEY, reserved=["own"])
+    assert sorted(cat.served) == ["m", "n"]
+    source, cfg = cat.served["m"]
+    assert source == "ns/a" and cfg.block_size == 32
+    assert cfg.kubernetes is not None and cfg.kubernetes.namespace == "ns"  # its own
+    assert cat.served["n"][1].kubernetes is not None
+    assert cat.served["n"][1].kubernetes.namespace == "o"  # as written
+    assert set(cat.invalid) == {"ns/b", "ns/c", "ns/d", "ns/e"}
+    assert "YAML" in cat.invalid["ns/b"] and "mapping" in cat.invalid["ns/c"]
+    assert "block_size" in cat.invalid["ns/d"] and KEY in cat.invalid["ns/e"]
+    conflicts = {(x.source, x.model, x.winner) for x in cat.conflicts}
+    assert conflicts == {("aa/g", "m", "ns/a"), ("ns/f", "m", "ns/a"),
+                         ("zz/h", "own", SETTINGS_SOURCE)}
+    # equal ages: the name decides, whatever the order they come in
+    twins = [_doc("ns/y", yaml.safe_dump({"name": "t"}), 5.0),
+             _doc("ns/x", yaml.safe_dump({"name": "t"}), 5.0)]
+    assert resolve(twins, KEY).served["t"][0] == "ns/x"
+    assert resolve(twins[::-1], KEY).served["t"][0] == "ns/x"
+
+
+def test_a_configmap_object_becomes_a_document() -> None:
+    created = dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
+    cm = k8s.V1ConfigMap(
+        metadata=k8s.V1ObjectMeta(name="c1", namespace="ns", creation_timestamp=created,
+                                  resource_version="41"),
+        data={KEY: "name: m\n"})
+    doc = configmap_document(cm, KEY)
+    assert (doc.source, doc.namespace, doc.created, doc.text, doc.version) == (
+        "ns/c1", "ns", created.timestamp(), "name: m\n", "41")
+    bare = k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="c2", namespace="ns"))
+    assert configmap_document(bare, KEY).text is None
+
+
+class _QueueWatch:
+    """A ``kubernetes.watch.Watch`` stand-in: yields the events put in ``queue`` until
+    :meth:`stop` (or a ``None``)."""
+
+    def __init__(self, queue: list[dict[str, Any] | None], cond: threading.Condition,
+                 seen: list[tuple[Any, tuple[Any, ...], dict[str, Any]]]) -> None:
+        self.queue, self.cond, self.seen = queue, cond, seen
+        self.stopped = False
+
+    def stream(self, func: Any, *args: Any, **kw: Any) -> Any:
+        self.seen.append((func, args, kw))
+        while not self.stopped:
+            with self.cond:
+                while not self.queue and not self.stopped:
+                    self.cond.wait(0.05)
+                if self.stopped:
+                    return
+                ev = self.queue.pop(0)
+            if ev is None:
+                return
+            yield ev
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def _cm(name: str, ns: str, text: str) -> Any:
+    return k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(
+        name=name, namespace=ns, resource_version="1",
+        creation_timestamp=dt.datetime(2025, 1, 1, tzinfo=dt.UTC)), data={KEY: text})
+
+
+@pytest.mark.parametrize("namespace", [None, "ns"])
+def test_the_configmap_watch_reports_every_change(namespace: str | None) -> None:
+    listed = SimpleNamespace(items=[_cm("a", "ns", "name: a")],
+                             metadata=SimpleNamespace(resource_version="7"))
+    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def lister(name: str) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            calls.append((name, args, kw))
+            return listed
+        return call
+
+    api = SimpleNamespace(list_config_map_for_all_namespaces=lister("all"),
+                          list_namespaced_config_map=lister("ns"))
+    queue: list[dict[str, Any] | None] = [
+        {"type": "ADDED", "object": _cm("b", "ns", "name: b")},
+        {"type": "MODIFIED", "object": _cm("a", "ns", "name: a2")},
+        {"type": "BOOKMARK", "object": _cm("z", "ns", "")},
+        {"type": "DELETED", "object": _cm("b", "ns", "")},
+    ]
+    cond = threading.Condition()
+    streams: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
+    watch = ConfigMapWatch(KubernetesModels(namespace=namespace), api,
+                           lambda: _QueueWatch(queue, cond, streams))
+    seen: list[dict[str, str | None]] = []
+
+    async def run() -> None:
+        await watch.start(lambda docs: seen.append({d.source: d.text for d in docs}))
+        for _ in range(200):
+            if len(seen) >= 4:
+                break
+            await asyncio.sleep(0.01)
+        await watch.stop()
+
+    asyncio.run(run())
+    assert seen[:4] == [{"ns/a": "name: a"}, {"ns/a": "name: a", "ns/b": "name: b"},
+                        {"ns/a": "name: a2", "ns/b": "name: b"}, {"ns/a": "name: a2"}]
+    kind, args, kw = calls[0]
+    assert kind == ("all" if namespace is None else "ns")
+    assert args == (() if namespace is None else ("ns",))
+    assert kw == {"label_selector": f"{c.LABEL_GATEWAY_MODEL}=true"}
+    assert streams[0][2]["resource_version"] == "7"
+
+
+def test_the_watch_lists_again_after_an_api_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mooncake_gateway import discovery
+
+    monkeypatch.setattr(discovery, "WATCH_BACKOFF_S", 0.01)
+    lists = [0]
+
+    def call(*_a: Any, **_k: Any) -> Any:
+        lists[0] += 1
+        if lists[0] == 1:
+            raise RuntimeError("API server restarting")
+        return SimpleNamespace(items=[_cm("a", "ns", f"name: v{lists[0]}")],
+                               metadata=SimpleNamespace(resource_version="1"))
+
+    api = SimpleNamespace(list_config_map_for_all_namespaces=call)
+    cond = threading.Condition()
+    queue: list[dict[str, Any] | None] = [None]  # each watch ends at once: list again
+    watch = ConfigMapWatch(KubernetesModels(), api, lambda: _QueueWatch(queue, cond, []))
+    seen: list[str | None] = []
+
+    async def run() -> None:
+        await watch.start(lambda docs: seen.append(docs[0].text))
+        for _ in range(200):
+            if len(seen) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        await watch.stop()
+
+    asyncio.run(run())
+    assert seen[:2] == ["name: v2", "name: v3"]  # the failed list, then relists
+
+
+def test_module_constants_are_the_conventions() -> None:
+    km = KubernetesModels()
+    assert km.label_selector == "mooncake.io/gateway-model=true" and km.key == "model.yaml"
+    assert catalog.SETTINGS_SOURCE == "settings"
+
+
+# -- pods -------------------------------------------------------------------------------------
+def _pod(labels: dict[str, str] | None = None, ann: dict[str, str] | None = None) -> Any:
+    return SimpleNamespace(
+        metadata=SimpleNamespace(name="p-0", namespace="ns", annotations=ann or {},
+                                 labels=labels, deletion_timestamp=None),
+        status=SimpleNamespace(pod_ip="10.0.0.7", phase="Running",
+                               conditions=[SimpleNamespace(type="Ready", status="True")]))
+
+
+def test_pod_revision_drain_and_name() -> None:
+    cfg = KubernetesSource(prefill_selector="a=b", decode_selector="a=c")
+    ep = pod_endpoint(_pod({c.LABEL_REVISION: "abc123"}, {c.ANNOTATION_DRAIN: "true"}), cfg)
+    assert ep is not None
+    assert (ep.revision, ep.draining, ep.pod, ep.name) == ("abc123", True, "ns/p-0", "ns/p-0")
+    ep = pod_endpoint(_pod(None, {c.ANNOTATION_DRAIN: "false"}), cfg)
+    assert ep is not None and (ep.revision, ep.draining) == ("", False)
+    ep = pod_endpoint(_pod({}, {c.ANNOTATION_DRAIN: " True "}), cfg)
+    assert ep is not None and ep.draining
+
+
+# -- registration and pairing -----------------------------------------------------------------
+def _runtime(**gw: Any) -> ModelRuntime:
+    s = GatewaySettings(**gw)
+    return ModelRuntime(ModelSettings(name="m"), s, GatewayMetrics())
+
+
+def _ep(port: int, revision: str = "", draining: bool = False, **kw: Any) -> Endpoint:
+    return Endpoint(url=f"http://{HOST}:{port}", revision=revision, draining=draining, **kw)
+
+
+def test_an_instance_is_routable_once_registered_and_not_while_draining() -> None:
+    rt = _runtime(unhealthy_after=2)
+    joined: list[str] = []
+    rt.on_join = lambda inst: joined.append(inst.name)
+    rt.set_endpoints(Role.PREFILL, [_ep(1)])
+    rt.set_endpoints(Role.DECODE, [_ep(2)])
+    p, d = rt.prefill[0], rt.decode[0]
+    assert joined == [p.name, d.name]  # checked at once
+    assert not p.routable and not rt.cluster.prefill[0].up  # no check passed yet
+    rt.mark_health(p, True)
+    rt.mark_health(d, True)
+    assert p.registered and p.routable and rt.cluster.prefill[0].up
+    rt.set_endpoints(Role.PREFILL, [_ep(1, draining=True)])
+    assert not p.routable and not rt.cluster.prefill[0].up and p.listed and p.registered
+    assert joined == [p.name, d.name]  # a drain is not a new engine
+    p.inflight = 1
+    rt.set_endpoints(Role.PREFILL, [_ep(1)])
+    assert p.routable and p.inflight == 1
+    for _ in range(2):  # down after unhealthy_after failures; back after a pass
+        rt.mark_health(p, False)
+    assert not p.routable and not p.registered and p.down
+    rt.mark_health(p, True)
+    assert p.routable and p.registered
+    rt.set_endpoints(Role.PREFILL, [])  # left; comes back as a new engine
+    assert not p.listed and not p.routable
+    rt.set_endpoints(Role.PREFILL, [_ep(1)])
+    assert not p.routable and joined[-1] == p.name
+    rt.mark_health(p, True)
+    assert p.routable and rt.prefill == [p]  # the same id
+
+
+def test_registration_waits_for_the_kv_replay() -> None:
+    """With KV events, a passed health check is not enough: the initial replay must be
+    done (here a replay socket that answers when the test lets it)."""
+
+    async def run() -> None:
+        ctx = zmq.asyncio.Context.instance()
+        router = ctx.socket(zmq.ROUTER)
+        replay_port = free_port()
+        router.bind(f"tcp://{HOST}:{replay_port}")
+        try:
+            rt = _runtime(replay_timeout_s=30)
+            ep = _ep(1, kv_events=f"tcp://{HOST}:{free_port()}",
+                     kv_replay=f"tcp://{HOST}:{replay_port}")
+            rt.set_endpoints(Role.PREFILL, [ep])
+            rt.set_endpoints(Role.DECODE, [_ep(2)])
+            p = rt.prefill[0]
+            rt.mark_health(p, True)
+            rt.mark_health(rt.decode[0], True)
+            ident, _empty, _start = await asyncio.wait_for(router.recv_multipart(), 10)
+            await asyncio.sleep(0.05)
+            assert p.healthy and not p.synced and not p.registered and not p.routable
+            await router.send_multipart([ident, b"", b"", encode_seq(END_SEQ), b""])
+            for _ in range(200):
+                if p.routable:
+                    break
+                await asyncio.sleep(0.01)
+            assert p.synced and p.registered and p.routable
+            await rt.close()
+        finally:
+            router.close(0)
+
+    asyncio.run(run())
+
+
+def test_prefill_waits_for_a_decode_of_its_revision() -> None:
+    rt = _runtime()
+    rt.set_endpoints(Role.PREFILL, [_ep(1, "old"), _ep(2, "new")])
+    rt.set_endpoints(Role.DECODE, [_ep(3, "old")])
+    for inst in rt.prefill + rt.decode:
+        rt.mark_health(inst, True)
+    old, new = rt.prefill
+    assert old.routable and not new.routable and new.registered
+    assert not rt.cluster.grouped()  # what is up is one revision
+    rt.set_endpoints(Role.DECODE, [_ep(3, "old"), _ep(4, "new")])
+    rt.mark_health(rt.decode[1], True)
+    assert new.routable
+    states = rt.cluster.prefill + rt.cluster.decode
+    assert [s.group for s in states] == [0, 1, 0, 1] and rt.cluster.grouped()
+    rt.set_endpoints(Role.DECODE, [_ep(4, "new")])  # the old decode leaves
+    assert not old.routable and new.routable and not rt.cluster.grouped()
+    # one revision left everywhere: no pairing rule (a revision-less model included)
+    rt.set_endpoints(Role.PREFILL, [_ep(2, "new")])
+    assert new.routable and not rt.cluster.grouped()
+
+
+# -- unique blocks ----------------------------------------------------------------------------
+def _unique_ref(index: PrefixIndex) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for m in index.holders.values():
+        if m and not m & (m - 1):
+            out[m.bit_length() - 1] = out.get(m.bit_length() - 1, 0) + 1
+    return out
+
+
+@pytest.mark.parametrize("mirrored", [False, True])
+@pytest.mark.parametrize("instances", [5, 70])
+def test_unique_blocks_counts_blocks_only_one_instance_holds(mirrored: bool,
+                                                             instances: int) -> None:
+    r = random.Random(instances)
+    index = PrefixIndex(50_000, vector_min_keys=64 if mirrored else 1 << 30)
+    key = 1
+    for _ in range(200):
+        keys = list(range(key, key + r.randint(1, 40)))
+        key += len(keys)
+        for h in r.sample(range(instances), r.choice([1, 1, 2, 3])):
+            index.store(h, keys)
+    index.store(0, [0])  # key 0 lives apart in the mirror
+    index.match_all([1])  # builds the mirror past vector_min_keys
+    assert (index._mirror is not None) == mirrored
+    index.remove(1, list(range(1, 30)))
+    want = _unique_ref(index)
+    assert want and max(want) >= (instances if instances < 64 else 64) - 10
+    got = asyncio.run(unique_blocks(index, chunk=64))
+    assert got == want
+
+
+# -- hot-prefix tokens ------------------------------------------------------------------------
+def test_token_ids_are_kept_for_prefixes_about_to_be_hot() -> None:
+    cfg = ReplicationConfig(half_life_s=10.0, min_rate_per_s=0.2, min_blocks=2)
+    bs = 4
+    tracker = HotPrefixTracker(cfg)
+    keeper = HotPrefixTokens(cfg, bs, rate_share=0.5, max_prefixes=8, max_tokens=10_000)
+    exact = HotPrefixTokens(cfg, bs, rate_share=1.0, max_prefixes=8, max_tokens=10_000)
+    r = random.Random(5)
+    prompts = {p: np.arange(p * 1000, p * 1000 + 12 * bs, dtype=np.int64) for p in range(6)}
+    keys = {p: [p * 100 + i for i in range(12)] for p in prompts}
+    now = 0.0
+    for _ in range(300):
+        now += r.random() * 2
+        p = r.choice([0, 0, 0, 0, 1, 1, 2, 3, 4, 5])  # 0 hot, 1 warm, the rest cold
+        blocks = r.randint(1, 12)
+        tracker.record(keys[p], now, blocks)
+        keeper.observe(keys[p], blocks, prompts[p], now)
+        exact.observe(keys[p], blocks, prompts[p], now)
+        for prefix, _rate, pkeys in tracker.hot(now):
+            # every hot prefix's tokens are there, copied when it first qualified
+            toks = exact.tokens(prefix)
+            assert toks is not None
+            n = len(pkeys)
+            assert toks.tolist() == prompts[pkeys[0] // 100][: n * bs].tolist()
+            assert keeper.tokens(prefix) is not None
+    assert len(keeper) <= 8
+    assert keeper.copies >= exact.copies and keeper.copies < 300 // 4  # not per request
+    cold = [k for p in (3, 4, 5) for k in keys[p]]
+    assert not any(exact.tokens(k) is not None for k in cold)
+
+
+def test_hot_token_memory_is_bounded() -> None:
+    cfg = ReplicationConfig(half_life_s=10.0, min_rate_per_s=0.01, min_blocks=1)
+    keeper = HotPrefixTokens(cfg, 4, rate_share=1.0, max_prefixes=3, max_tokens=20)
+    for p in range(10):
+        keeper.observe([p], 1, np.arange(4, dtype=np.int64) + p, float(p))
+    assert len(keeper) == 3 and keeper.kept_tokens == 12
+    assert keeper.tokens(9) is not None and keeper.tokens(6) is None
+    keeper.observe([100, 101, 102, 103, 104, 105], 6, np.arange(24, dtype=np.int64), 11.0)
+    assert keeper.tokens(105) is None  # longer than the whole budget: not kept
+    keeper.observe([200, 201, 202, 203], 4, np.arange(16, dtype=np.int64), 12.0)
+    assert keeper.tokens(203) is not None and keeper.kept_tokens <= 20
+    off = HotPrefixTokens(cfg, 4, rate_share=1.0, max_prefixes=0, max_tokens=20)
+    off.observe([1], 1, np.arange(4, dtype=np.int64), 0.0)
+    assert len(off) == 0
