@@ -380,9 +380,10 @@ class ModelRuntime:
         self.endpoints = source_for(self.cfg, self.gw.discovery_poll_s)
         await self.endpoints.start(self.set_endpoints)
 
-    async def close(self) -> None:
+    async def close(self, keep: ModelRuntime | None = None) -> None:
         """Stop the endpoint source and every subscription; drop the model's per-instance
-        gauges (a removed model leaves no stale series)."""
+        gauges (a removed model leaves no stale series) except those ``keep`` (the runtime
+        replacing this one) publishes too."""
         if self.endpoints is not None:
             await self.endpoints.stop()
             self.endpoints = None
@@ -394,8 +395,10 @@ class ModelRuntime:
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        kept = set() if keep is None else {(i.role, i.name) for i in keep.prefill + keep.decode}
         for i in everyone:
-            self._drop_gauges(i)
+            if (i.role, i.name) not in kept:
+                self._drop_gauges(i)
 
     def _drop_gauges(self, inst: Instance) -> None:
         m, name = self.metrics, self.cfg.name

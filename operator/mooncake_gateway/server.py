@@ -316,7 +316,7 @@ class Gateway:
             else:
                 await new.wait_settled(self.settings.model_swap_timeout_s)
                 self.models[name] = new
-            await rt.close()
+            await rt.close(keep=new)
         for name, (source, cfg) in cat.served.items():
             if name not in self.models:
                 log.info("model %s (%s) served", name, source)

@@ -185,6 +185,9 @@ def test_models_follow_their_configmaps(env: Env, k: FakeKube) -> None:
     wait_for(lambda: g.state()["tokens"]["prompt"] == 0)
     assert all(i["routable"] for i in registry(g)["instances"])
     assert complete(g)
+    up = (f'mooncake_gateway_instance_up{{instance="{NS}/p1",model="{MODEL}",'
+          f'role="prefill"}} 1.0')
+    assert up in _metrics(g)  # the old runtime's close kept what the new one publishes
 
     # the winner goes: the other ConfigMap serves the model now
     k.delete("configmaps", NS, "c1")
@@ -195,6 +198,7 @@ def test_models_follow_their_configmaps(env: Env, k: FakeKube) -> None:
     assert complete(g)
     k.delete("configmaps", "a-first", "dup")
     wait_for(lambda: served(g) == [])
+    assert f'instance="{NS}/p1"' not in _metrics(g)  # a removed model leaves no series
     status, _h, body = g.post("/v1/completions", {"model": MODEL, "prompt": "x"})
     assert status == 404 and body["error"]["code"] == "model_not_found"
 
