@@ -13,6 +13,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cost import CostModel, CostModelConfig
@@ -20,6 +22,8 @@ from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
 from .policies.base import Placement, PolicyContext, SLOConfig, create_policy, policy_class
 from .replication import HotPrefixTracker, ReplicationAction, ReplicationConfig
 from .state import ClusterState, RequestInfo, board_of
+
+_NO_ROWS: npt.NDArray[np.intp] = np.empty(0, dtype=np.intp)
 
 
 class ConductorConfig(BaseModel):
@@ -110,18 +114,20 @@ class Conductor:
         instance is chosen among those of the chosen prefill instance's group. The
         states are marked down only for the calls and restored with their boards'
         caches (the compiled rankings read the boards)."""
-        pool, dpool = cluster.prefill, cluster.decode
-        pboard, dboard = board_of(pool), board_of(dpool)
+        pboard, dboard = board_of(cluster.prefill), board_of(cluster.decode)
+        pup, pgroup = pboard["up"], pboard["group"]
         with_decode = dboard.live_groups
-        undo = pboard.take_down([p for p in pool if p.up and p.group not in with_decode])
+        orphans = _NO_ROWS
+        if not pboard.live_groups <= with_decode:
+            orphans = np.flatnonzero(pup & ~np.isin(pgroup, tuple(with_decode)))
+        undo = pboard.take_down(orphans)
         try:
             placement = self.policy.choose(req, cluster, now)
             if placement.prefill is not None and len(placement.cpp_group) > 1:
-                group = pboard.states[pboard.row_of(placement.prefill)].group
-                if any(pboard.states[pboard.row_of(i)].group != group
-                       for i in placement.cpp_group):
+                group = int(pgroup[pboard.row_of(placement.prefill)])
+                if any(pgroup[pboard.row_of(i)] != group for i in placement.cpp_group):
                     # a pipeline group across engine groups: again within the leader's
-                    again = pboard.take_down([p for p in pool if p.up and p.group != group])
+                    again = pboard.take_down(np.flatnonzero(pup & (pgroup != group)))
                     try:
                         placement = self.policy.choose(req, cluster, now)
                     finally:
@@ -129,11 +135,11 @@ class Conductor:
         finally:
             undo()
         if placement.prefill is None:  # the prefill side's rejection decides
-            return placement, self.decode_selector.choose(req, dpool)
-        group = pboard.states[pboard.row_of(placement.prefill)].group
-        undo = dboard.take_down([d for d in dpool if d.up and d.group != group])
+            return placement, self.decode_selector.choose(req, cluster.decode)
+        group = int(pgroup[pboard.row_of(placement.prefill)])
+        undo = dboard.take_down(dboard.rows_outside(group))
         try:
-            decode = self.decode_selector.choose(req, dpool)
+            decode = self.decode_selector.choose(req, cluster.decode)
         finally:
             undo()
         return placement, decode

@@ -56,13 +56,16 @@ class Board:
     through to it (see :func:`_column`), so it is always current; a state bound to
     another board invalidates this one. Get one with :func:`board_of`."""
 
-    __slots__ = ("_live_groups", "_live_mask", "columns", "iids", "states", "valid")
+    __slots__ = ("_live_groups", "_live_mask", "_outside", "columns", "iids", "states",
+                 "valid")
 
     def __init__(self, states: Sequence[_Instance]) -> None:
         self.states: list[Any] = list(states)
         self.valid = True
         self._live_mask: int | None = None
         self._live_groups: frozenset[int] | None = None
+        #: per group, the rows of the states up in other groups (until up/group change)
+        self._outside: dict[int, npt.NDArray[np.intp]] = {}
         kinds: dict[str, type] = type(states[0]).COLUMNS
         self.columns: dict[str, npt.NDArray[Any]] = {
             name: np.fromiter([getattr(st, name) for st in states], kind, len(states))
@@ -96,17 +99,38 @@ class Board:
                 self.columns["group"][self.columns["up"]].tolist())
         return self._live_groups
 
-    def take_down(self, states: Sequence[_Instance]) -> Callable[[], None]:
-        """Mark ``states`` (states of this board that are up) down; the returned call
-        puts them up again and restores the cached live mask and groups as they were
-        (for one decision that must not see them, without recomputing the caches)."""
+    def rows_outside(self, group: int) -> npt.NDArray[np.intp]:
+        """Rows of the states that are up and not in ``group`` (kept until an ``up`` or
+        ``group`` changes)."""
+        rows = self._outside.get(group)
+        if rows is None:
+            rows = np.flatnonzero(self.columns["up"] & (self.columns["group"] != group))
+            self._outside[group] = rows
+        return rows
+
+    def take_down(self, rows: npt.NDArray[np.intp]) -> Callable[[], None]:
+        """Mark the states at ``rows`` (rows of states that are up) down; the returned
+        call puts them up again and restores the cached live mask and groups as they
+        were. For one decision that must not see them: the slots and the column are
+        written directly (one numpy write, not a property write per state), and the
+        live mask is narrowed rather than recomputed."""
+        if not len(rows):
+            return _nothing
         saved = (self._live_mask, self._live_groups)
+        states = [self.states[r] for r in rows.tolist()]
+        up = self.columns["up"]
         for st in states:
-            st.up = False
+            st._up = False
+        up[rows] = False
+        if saved[0] is not None:
+            gone = sum(1 << iid for iid in self.columns["iid"][rows].tolist())  # distinct
+            self._live_mask = saved[0] & ~gone
+        self._live_groups = None
 
         def undo() -> None:
             for st in states:
-                st.up = True
+                st._up = True
+            up[rows] = True
             self._live_mask, self._live_groups = saved
 
         return undo
@@ -120,6 +144,10 @@ class Board:
             return iids.index(iid)
         except ValueError:
             return -1
+
+
+def _nothing() -> None:
+    """The undo of taking nothing down."""
 
 
 def board_of(states: Sequence[_Instance]) -> Board:
@@ -162,6 +190,7 @@ def _column(name: str) -> Any:
             if live:
                 board._live_mask = None
                 board._live_groups = None
+                board._outside.clear()
 
     return property(attrgetter(slot), write)
 
@@ -177,6 +206,7 @@ class _Instance:
 
     COLUMNS: ClassVar[dict[str, type]] = {"up": np.bool_, "group": np.int64}
     __slots__ = ("_board", "_group", "_row", "_up", "iid", "name")
+    _up: bool  # the slot behind ``up`` (Board.take_down writes it directly)
     up: _Column[bool] = _column("up")
     group: _Column[int] = _column("group")
 
