@@ -152,3 +152,22 @@ def test_live_groups_follow_up_and_group_writes() -> None:
     for dst in c.decode:
         dst.up = False
     assert not c.grouped()  # no decode up: the usual rejection, not a pairing question
+
+
+def test_take_down_hides_rows_for_one_call_and_restores_the_caches() -> None:
+    c = cluster(5, decode=1)
+    for st in c.prefill:
+        st.group = st.iid % 2
+    board = board_of(c.prefill)
+    mask, groups = board.live_mask, board.live_groups
+    rows = board.rows_outside(0)
+    assert rows.tolist() == [1, 3]
+    undo = board.take_down(rows)
+    assert [p.up for p in c.prefill] == [True, False, True, False, True]
+    assert board["up"].tolist() == [True, False, True, False, True]
+    assert board.live_mask == 0b10101 and board.live_groups == {0}
+    undo()
+    assert all(p.up for p in c.prefill) and board["up"].all()
+    assert board.live_mask == mask and board.live_groups == groups == {0, 1}
+    c.prefill[0].up = False  # a real write drops the cached rows
+    assert board.rows_outside(1).tolist() == [2, 4]
