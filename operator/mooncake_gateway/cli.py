@@ -6,7 +6,10 @@ import argparse
 import json
 import math
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .settings import GatewaySettings
 
 DEFAULT_MAX_OUTPUT = 64
 EXIT_BAD_INPUT = 2
@@ -52,6 +55,30 @@ def register(subparsers: Any) -> None:
     r.set_defaults(handler=run_replay)
 
 
+def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
+    """The ``GatewaySettings`` the ``gateway`` command's arguments describe: the file's
+    (if any), then ``--host``/``--port``, then ``--kubernetes-models`` and ``--namespace``
+    on top of the file's other ``kubernetes_models`` settings. ``ValueError`` for a
+    combination that makes no sense."""
+    from .settings import GatewaySettings, KubernetesModels
+
+    if args.config is None and not args.kubernetes_models:
+        raise ValueError("give --config, --kubernetes-models or both")
+    if args.namespace is not None and not args.kubernetes_models:
+        raise ValueError("--namespace goes with --kubernetes-models")
+    if args.config is not None:
+        settings = GatewaySettings.from_file(args.config, host=args.host, port=args.port)
+    else:
+        settings = GatewaySettings.model_validate(
+            {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
+    if args.kubernetes_models:
+        km = settings.kubernetes_models or KubernetesModels()
+        if args.namespace is not None:
+            km = km.model_copy(update={"namespace": args.namespace})
+        settings = settings.model_copy(update={"kubernetes_models": km})
+    return settings
+
+
 def run_gateway(args: argparse.Namespace) -> int:
     import logging
 
@@ -59,27 +86,11 @@ def run_gateway(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from .server import loop_factory, serve
-    from .settings import GatewaySettings, KubernetesModels
 
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.config is None and not args.kubernetes_models:
-        print("give --config, --kubernetes-models or both", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if args.namespace is not None and not args.kubernetes_models:
-        print("--namespace goes with --kubernetes-models", file=sys.stderr)
-        return EXIT_BAD_INPUT
     try:
-        if args.config is not None:
-            settings = GatewaySettings.from_file(args.config, host=args.host, port=args.port)
-        else:
-            settings = GatewaySettings.model_validate(
-                {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
-        if args.kubernetes_models:  # the file's other kubernetes_models settings stay
-            km = settings.kubernetes_models or KubernetesModels()
-            if args.namespace is not None:
-                km = km.model_copy(update={"namespace": args.namespace})
-            settings = settings.model_copy(update={"kubernetes_models": km})
+        settings = gateway_settings(args)
     except (OSError, ValueError, ValidationError) as exc:
         print(f"invalid gateway settings: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -406,3 +406,32 @@ def test_hot_token_memory_is_bounded() -> None:
     off = HotPrefixTokens(cfg, 4, rate_share=1.0, max_prefixes=0, max_tokens=20)
     off.observe([1], 1, np.arange(4, dtype=np.int64), 0.0)
     assert len(off) == 0
+
+
+# -- the command line -------------------------------------------------------------------------
+def _args(*argv: str) -> Any:
+    import argparse
+
+    from mooncake_gateway.cli import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    return parser.parse_args(["gateway", *argv])
+
+
+def test_gateway_flags_turn_on_kubernetes_models(tmp_path: Any) -> None:
+    from mooncake_gateway.cli import gateway_settings, run_gateway
+
+    s = gateway_settings(_args("--kubernetes-models", "--port", "0", "--host", "0.0.0.0"))
+    assert s.kubernetes_models == KubernetesModels() and (s.host, s.port) == ("0.0.0.0", 0)
+    assert s.models == []
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(yaml.safe_dump({"port": 9, "kubernetes_models": {"label_selector": "x=y"},
+                                   "models": [{"name": "m"}]}))
+    s = gateway_settings(_args("--config", str(cfg), "--kubernetes-models", "--namespace", "a"))
+    assert s.kubernetes_models == KubernetesModels(namespace="a", label_selector="x=y")
+    assert s.port == 9 and [m.name for m in s.models] == ["m"]
+    s = gateway_settings(_args("--config", str(cfg)))  # the file alone: as written
+    assert s.kubernetes_models == KubernetesModels(label_selector="x=y")
+    assert run_gateway(_args()) == 2  # nothing to serve
+    assert run_gateway(_args("--config", str(cfg), "--namespace", "a")) == 2
