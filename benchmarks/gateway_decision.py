@@ -2,7 +2,7 @@
 
     python benchmarks/gateway_decision.py [--instances 64] [--blocks 1000000]
         [--tokens 8192] [--rounds 10000] [--policy conductor] [--no-churn] [--no-pending]
-        [--no-gc-freeze]
+        [--no-gc-freeze] [--groups 1] [--no-hot-tokens]
 
 The index holds ``--blocks`` keys spread over ``--instances`` prefill instances (chained
 prefixes of 512 blocks, every tenth one shared by several instances), queues are non-empty,
@@ -18,7 +18,11 @@ pure-Python task timed between decisions shows how much of the tail is the machi
 decisions (``--churn``, default on) the blocks the chosen instance computes for the
 decided prompt (past its own cached prefix: engines report new blocks only) are stored
 on it and the index's vectorised mirror synced, as the gateway does on every KV-event
-batch; that update is timed and reported apart.
+batch; that update is timed and reported apart. ``--groups G`` puts instance *i* (prefill
+and decode) in group ``i % G`` (engine revisions during a rollout: each decode choice is
+then restricted to the prefill's group); 1, the default, is the usual one-group path.
+After each decision the gateway's hot-prefix token keeper sees it (``--hot-tokens``,
+default on), timed and reported apart.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from mooncake_conductor.engine import Conductor, ConductorConfig
 from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.kernels import warm_up
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
+from mooncake_gateway.hottokens import HotPrefixTokens
+from mooncake_gateway.settings import GatewaySettings
 from mooncake_gateway.validate import _token_ids
 
 BLOCK = 16
@@ -72,6 +78,10 @@ def main() -> int:
                     help="gc.freeze() once set up, as the gateway does (setting gc_freeze)")
     ap.add_argument("--pending", action=argparse.BooleanOptionalAction, default=True,
                     help="the blocks of every queued prefill are pending on its instance")
+    ap.add_argument("--groups", type=int, default=1,
+                    help="instance groups (revisions): instance i is in group i %% G")
+    ap.add_argument("--hot-tokens", action=argparse.BooleanOptionalAction, default=True,
+                    help="time the gateway's hot-prefix token keeper after each decision")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     prng = random.Random(0)
@@ -102,6 +112,11 @@ def main() -> int:
         decode=[DecodeState(iid=i, capacity_tokens=1_000_000) for i in range(a.decode)],
         index=index,
     )
+    for st in [*cluster.prefill, *cluster.decode]:
+        st.group = st.iid % a.groups
+    gw = GatewaySettings()
+    keeper = HotPrefixTokens(cond.config.replication, BLOCK, gw.hot_tokens_rate_share,
+                             gw.hot_tokens_prefixes, gw.hot_tokens_max)
     for d in cluster.decode:  # running batches of different sizes
         d.batch = prng.randint(0, 32)
         d.context_tokens = d.batch * prng.randint(500, 4000)
@@ -131,6 +146,8 @@ def main() -> int:
     lat_decode: list[float] = []
     lat_update: list[float] = []
     lat_fixed: list[float] = []
+    lat_hot: list[float] = []
+    crossed = 0
     gc_hits: set[int] = set()
     if a.gc_freeze:  # as the gateway does once started (setting gc_freeze)
         gc.collect()
@@ -159,6 +176,14 @@ def main() -> int:
         in_decision[0] = False
         lat_keys.append(tk - t)
         lat_all.append(te - t)
+        pl, dc = decision.placement, decision.decode
+        if a.hot_tokens and not decision.rejected:  # as the gateway, after the decision
+            th = time.perf_counter()
+            keeper.observe(keys, pl.reused_blocks, toks, now)
+            lat_hot.append(time.perf_counter() - th)
+        if pl.prefill is not None and dc.decode is not None and \
+                cluster.prefill[pl.prefill].group != cluster.decode[dc.decode].group:
+            crossed += 1
         if a.churn and decision.placement.prefill is not None:
             # the chosen instance's KV events arrive: the blocks it computed (past its
             # own cached prefix; an engine reports new blocks only) are stored, the LRU
@@ -199,6 +224,13 @@ def main() -> int:
           f"{pct(lat_policy, 0.99):7.1f} µs")
     print(f"decode selector   : p50 {pct(lat_decode, 0.5):7.1f} µs  p99 "
           f"{pct(lat_decode, 0.99):7.1f} µs  ({a.decode} decode instances)")
+    if lat_hot:
+        print(f"hot-prefix tokens : p50 {pct(lat_hot, 0.5):7.1f} µs  p99 "
+              f"{pct(lat_hot, 0.99):7.1f} µs  ({keeper.copies} prefixes copied; after the "
+              f"decision, not in it)")
+    if a.groups > 1:
+        print(f"groups            : {a.groups}; decode in another group than the prefill: "
+              f"{crossed} of {len(lat_all)}")
     if lat_update:
         print(f"index update      : p50 {pct(lat_update, 0.5):7.1f} µs  p99 "
               f"{pct(lat_update, 0.99):7.1f} µs  (store the new blocks of a decided prompt "
