@@ -225,6 +225,9 @@ def _argv(
             f"--authorization-kubeconfig={kubeconfig}",
             "--leader-elect=false",
             "--controllers=*",
+            # kwok's heartbeats can lag on a small host starting dozens of pod processes at
+            # once; the default 50 s then marks nodes (and their pods) NotReady for nothing
+            f"--node-monitor-grace-period={settings.node_monitor_grace_s}s",
             f"--service-account-private-key-file={pki.sa_key}",
             f"--root-ca-file={pki.ca_crt}",
             f"--cluster-signing-cert-file={pki.ca_crt}",

@@ -175,6 +175,42 @@ spec:
       phase: Running
 """
 
+#: Keeps Ready nodes' heartbeats fresh (the node lifecycle controller marks a node NotReady,
+#: and its pods with it, once lastHeartbeatTime is older than its grace period). Re-applied
+#: every NODE_HEARTBEAT_S (+ jitter) while the node stays Ready; transition times are kept.
+_NODE_HEARTBEAT_STAGE = """\
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: node-heartbeat
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Node
+  selector:
+    matchExpressions:
+    - key: '.status.conditions.[] | select( .type == "Ready" ) | .status'
+      operator: 'In'
+      values: ['True']
+  delay:
+    durationMilliseconds: {delay_ms}
+    jitterDurationMilliseconds: {jitter_ms}
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      conditions:
+      {{{{ range .status.conditions }}}}
+      - lastHeartbeatTime: {{{{ $now | Quote }}}}
+        lastTransitionTime: {{{{ .lastTransitionTime | Quote }}}}
+        message: {{{{ .message | Quote }}}}
+        reason: {{{{ .reason | Quote }}}}
+        status: {{{{ .status | Quote }}}}
+        type: {{{{ .type | Quote }}}}
+      {{{{ end }}}}
+"""
+NODE_HEARTBEAT_S = 10
+NODE_HEARTBEAT_JITTER_S = 5
+
 _POD_READY_STAGE = """\
 apiVersion: kwok.x-k8s.io/v1alpha1
 kind: Stage
@@ -326,6 +362,9 @@ def kwok_stages(settings: LocalClusterSettings) -> str:
     )
     docs = [
         _NODE_STAGE,
+        _NODE_HEARTBEAT_STAGE.format(delay_ms=NODE_HEARTBEAT_S * 1000,
+                                     jitter_ms=(NODE_HEARTBEAT_S + NODE_HEARTBEAT_JITTER_S)
+                                     * 1000),
         fake_ready,
         runner_start,
         _POD_COMPLETE_STAGE.format(runnable=runnable),

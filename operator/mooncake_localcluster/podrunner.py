@@ -282,6 +282,7 @@ class PodRunner:
         running = self.pods.get(uid)
         if running is not None:
             self._refresh_volumes(running, pod)
+            self._reassert(running, pod)
             return
         status = pod.get("status") or {}
         if not status.get("podIP") or status.get("phase") in ("Succeeded", "Failed"):
@@ -554,6 +555,16 @@ class PodRunner:
             "finishedAt": cp.finished_at,
         }
 
+    @staticmethod
+    def _reassert(running: RunningPod, pod: JsonDict) -> None:
+        """Like a kubelet, own the pod's Ready condition: when someone else changed it (the
+        node lifecycle controller marks pods NotReady while a node's heartbeat lags), the
+        next report writes the runner's view again."""
+        conditions = (pod.get("status") or {}).get("conditions") or []
+        seen = next((c.get("status") for c in conditions if c.get("type") == "Ready"), None)
+        if running.last_status and seen is not None and seen != running.last_status.get("ready"):
+            running.last_status = {}
+
     def _report(self, running: RunningPod) -> None:
         statuses = [self._container_status(cp) for cp in running.containers]
         all_ready = all(cp.ready for cp in running.containers)
@@ -587,7 +598,7 @@ class PodRunner:
                 body,
                 STRATEGIC_PATCH,
             )
-            running.last_status = {"key": key}
+            running.last_status = {"key": key, "ready": ready}
         except ApiError as err:
             if err.status == 404:
                 self._stop_pod(running.uid, "pod gone")

@@ -94,6 +94,9 @@ class LocalClusterSettings(BaseSettings):
     )
 
     ready_timeout_s: float = Field(default=90.0, gt=0)
+    node_monitor_grace_s: int = Field(
+        default=90, gt=0, description="kube-controller-manager's --node-monitor-grace-period: "
+        "how long a fake node's missing heartbeat is tolerated before it is NotReady")
     stop_timeout_s: float = Field(default=10.0, gt=0)
     poll_interval_s: float = Field(default=0.2, gt=0)
     probe_workers: int = Field(

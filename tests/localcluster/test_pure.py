@@ -88,6 +88,7 @@ def test_kwok_stages_parse_and_split_runnable_pods() -> None:
     names = [d["metadata"]["name"] for d in docs]
     assert names == [
         "node-initialize",
+        "node-heartbeat",
         "pod-ready",
         "pod-ip-for-runner",
         "pod-complete",
@@ -97,6 +98,12 @@ def test_kwok_stages_parse_and_split_runnable_pods() -> None:
     exprs = {d["metadata"]["name"]: d["spec"]["selector"]["matchExpressions"] for d in docs}
     assert {"key": runnable, "operator": "In", "values": ["false"]} in exprs["pod-ready"]
     assert {"key": runnable, "operator": "In", "values": ["true"]} in exprs["pod-ip-for-runner"]
+    # Ready nodes keep heartbeating (else the node lifecycle controller marks them and their
+    # pods NotReady after its grace period), well within that period
+    beat = next(d for d in docs if d["metadata"]["name"] == "node-heartbeat")
+    assert beat["spec"]["delay"]["jitterDurationMilliseconds"] < \
+        settings.node_monitor_grace_s * 1000 / 3
+    assert "lastHeartbeatTime: {{ $now" in beat["spec"]["next"]["statusTemplate"]
 
 
 @pytest.mark.parametrize(
