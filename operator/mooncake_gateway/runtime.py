@@ -122,6 +122,8 @@ class ModelRuntime:
                  source: str | None = None) -> None:
         self.cfg = cfg
         self.gw = gw
+        #: wall seconds per modelled second of this model's engines
+        self.time_scale = cfg.time_scale or gw.time_scale
         self.metrics = metrics
         #: where the model's settings come from: a ConfigMap (namespace/name), or None
         #: for the gateway's own settings
@@ -161,7 +163,7 @@ class ModelRuntime:
     # -- clock -----------------------------------------------------------------------------
     def now(self) -> float:
         """The Conductor's clock: modelled seconds (wall / time_scale)."""
-        return time.monotonic() / self.gw.time_scale
+        return time.monotonic() / self.time_scale
 
     def next_rid(self) -> int:
         self._rid += 1
@@ -638,7 +640,7 @@ class ModelRuntime:
             entry: dict[str, Any] = {
                 "model": self.cfg.name, "prefix": f"{prefix:016x}", "blocks": len(keys),
                 "tokens": len(keys) * self.cfg.block_size, "rate_per_s": rate,
-                "rate_per_wall_s": rate / self.gw.time_scale,
+                "rate_per_wall_s": rate / self.time_scale,
                 "holders": [h.pod for h in holders],
                 "holders_predicted_wait_s": {
                     h.pod: self.cluster.prefill[h.iid].wait_time(now) for h in holders},

@@ -649,7 +649,7 @@ class Gateway:
                 continue
             finally:
                 ok = status == 200
-                rt.prefill_done(inst, req, (time.perf_counter() - started) / rt.gw.time_scale,
+                rt.prefill_done(inst, req, (time.perf_counter() - started) / rt.time_scale,
                                 pl.ttft_s if ok else None)
             record["attempts"].append({"prefill": inst.name, "status": status})
             if status == 200 and isinstance(resp, dict):

@@ -127,6 +127,10 @@ class ModelSettings(BaseModel):
         None, description="YAML/JSON file {prefill: [...], decode: [...]} re-read on change "
         "(e.g. a mounted ConfigMap); replaces the lists above",
     )
+    time_scale: float | None = Field(
+        None, gt=0, description="wall seconds per modelled second of this model's engines "
+        "(their --time-scale; default: the gateway's time_scale): the model's Conductor runs "
+        "its clock at wall / time_scale")
     direct: DirectRule = DirectRule()
     index_capacity_blocks: int = Field(
         1 << 20, gt=0, description="index capacity per instance until its metrics tell"

@@ -25,7 +25,7 @@ from mooncake_contract import conventions as c
 from . import engines, names
 from .names import ClusterRef
 from .settings import OperatorSettings
-from .spec import MooncakeClusterSpec, Toleration
+from .spec import EngineKind, MooncakeClusterSpec, Toleration
 
 JsonDict = dict[str, Any]
 #: Annotation on non-pod children: hash of the desired manifest, to patch only on change.
@@ -266,6 +266,9 @@ def gateway_model(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
         "max_model_len": spec.model.max_model_len,
         "default_max_tokens": spec.gateway.default_max_tokens,
         "direct": {"uncached_tokens_below": spec.gateway.direct_below_tokens},
+        # the Conductor's clock runs at the engines' pace (real engines: real time)
+        "time_scale": (spec.engine.simulated.time_scale
+                       if spec.engine.kind is EngineKind.SIMULATED else 1.0),
         "conductor": conductor,
         "kubernetes": {
             "namespace": ref.namespace,

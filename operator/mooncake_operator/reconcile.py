@@ -191,7 +191,9 @@ class Reconciler:
             revision=rev, desired=desired, max_surge=spec.rollout.max_surge,
             drain_timeout_s=spec.rollout.drain_timeout_seconds, pods=pods, registry=registry,
             gateway_gate=spec.gateway.enabled and self.gateway is not None,
-            start_allowed=not spec.store.enabled or store.master_ready,
+            # the first engines wait for the store master; later ones (scale up, rollout)
+            # do not wait on a master that blips: they retry connecting themselves
+            start_allowed=not spec.store.enabled or store.master_ready or bool(pods),
             rollout=status.rollout_state(before), now=now))
         await self._execute(ref, spec, rev, plan, now, emit)
         st = status.compute(status.StatusInput(

@@ -160,6 +160,7 @@ def test_gateway_view_is_a_valid_gateway_model() -> None:
     assert model.kubernetes.prefill_selector == "mooncake.io/cluster=llama,mooncake.io/role=prefill"
     assert model.conductor.policy == "conductor"
     assert model.conductor.slo.tbt_s == 0.1
+    assert model.time_scale == 0.5  # the Conductor's clock at the simulated engines' pace
 
 
 def test_spec_hash_changes_only_with_content() -> None:
