@@ -21,7 +21,7 @@ from .cost import CostModel, CostModelConfig
 from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
 from .policies.base import Placement, PolicyContext, SLOConfig, create_policy, policy_class
 from .replication import HotPrefixTracker, ReplicationAction, ReplicationConfig
-from .state import ClusterState, RequestInfo, board_of
+from .state import ClusterState, PrefillState, RequestInfo, board_of
 
 _NO_ROWS: npt.NDArray[np.intp] = np.empty(0, dtype=np.intp)
 
@@ -88,7 +88,8 @@ class Conductor:
         self.hot = HotPrefixTracker(self.config.replication)
 
     def schedule(self, req: RequestInfo, cluster: ClusterState, now: float) -> Decision:
-        if cluster.grouped():
+        # every state in group 0 (the usual case): one class-attribute read
+        if PrefillState.nonzero_groups and cluster.grouped():
             placement, decode = self._choose_grouped(req, cluster, now)
         else:
             placement = self.policy.choose(req, cluster, now)

@@ -195,6 +195,22 @@ def _column(name: str) -> Any:
     return property(attrgetter(slot), write)
 
 
+def _group_column() -> Any:
+    """The ``group`` column, also counting the states whose group is not 0
+    (:attr:`_Instance.nonzero_groups`): while there are none, no cluster can span two
+    groups, which :meth:`ClusterState.grouped` answers without looking at a board."""
+    column = _column("group")
+    write = column.fset
+
+    def write_group(self: _Instance, value: int) -> None:
+        old = getattr(self, "_group", 0)  # unset on the first write
+        if bool(old) != bool(value):
+            _Instance.nonzero_groups += 1 if value else -1
+        write(self, value)
+
+    return property(column.fget, write_group)
+
+
 class _Instance:
     """What prefill and decode instances share: id, name, whether they are up, their
     group, and their binding to a :class:`Board`.
@@ -208,7 +224,10 @@ class _Instance:
     __slots__ = ("_board", "_group", "_row", "_up", "iid", "name")
     _up: bool  # the slot behind ``up`` (Board.take_down writes it directly)
     up: _Column[bool] = _column("up")
-    group: _Column[int] = _column("group")
+    group: _Column[int] = _group_column()
+    #: states (of any cluster) whose group is not 0 now; a state that is dropped while
+    #: in another group is never subtracted, which only costs the fast path
+    nonzero_groups: ClassVar[int] = 0
 
     def __init__(self, iid: int, name: str, up: bool, group: int = 0) -> None:
         self._board: Board | None = None
@@ -390,10 +409,11 @@ class ClusterState:
     def grouped(self) -> bool:
         """Whether the instances that are up span more than one group (prefill and
         decode both have some up): then a request's prefill and decode instances
-        must share a group. Read from the pools' boards (cached until an ``up`` or
-        ``group`` changes), so the usual one-group case costs two lookups."""
-        if not self.prefill or not self.decode:
-            return False
+        must share a group. While every state is in group 0 (the usual case) that is one
+        class-attribute read; otherwise the pools' boards tell (their live groups are
+        cached until an ``up`` or ``group`` changes)."""
+        if not _Instance.nonzero_groups or not self.prefill or not self.decode:
+            return False  # every state in group 0
         pg = board_of(self.prefill).live_groups
         dg = board_of(self.decode).live_groups
         return len(pg) > 1 or len(dg) > 1 or (bool(pg) and bool(dg) and pg != dg)

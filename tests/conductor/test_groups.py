@@ -171,3 +171,23 @@ def test_take_down_hides_rows_for_one_call_and_restores_the_caches() -> None:
     assert board.live_mask == mask and board.live_groups == groups == {0, 1}
     c.prefill[0].up = False  # a real write drops the cached rows
     assert board.rows_outside(1).tolist() == [2, 4]
+
+
+def test_the_fast_path_counts_states_outside_group_0() -> None:
+    from mooncake_conductor.state import DecodeState, PrefillState
+
+    base = PrefillState.nonzero_groups
+    a, b = PrefillState(0, group=3), DecodeState(0)
+    assert PrefillState.nonzero_groups == base + 1
+    b.group = 2
+    a.group = 5  # nonzero to nonzero: no change
+    assert PrefillState.nonzero_groups == base + 2
+    a.group = 0
+    b.group = 0
+    assert PrefillState.nonzero_groups == base
+    c = cluster(2, decode=1)
+    assert not c.grouped()
+    c.prefill[1].group = 1
+    assert c.grouped() and PrefillState.nonzero_groups == base + 1
+    c.prefill[1].group = 0
+    assert not c.grouped() and PrefillState.nonzero_groups == base
