@@ -193,13 +193,11 @@ class ModelRuntime:
                 insts.append(inst)
                 self._by_url[(role, url)] = inst
                 self._publish_up(inst)
-                group = self.group_of(ep.revision)
-                if role is Role.PREFILL:
+                if role is Role.PREFILL:  # its group: set by refresh() when it matters
                     self.cluster.prefill.append(
-                        PrefillState(iid=inst.iid, name=ep.label, up=False, group=group))
+                        PrefillState(iid=inst.iid, name=ep.label, up=False))
                 else:
-                    self.cluster.decode.append(
-                        DecodeState(iid=inst.iid, name=ep.label, up=False, group=group))
+                    self.cluster.decode.append(DecodeState(iid=inst.iid, name=ep.label, up=False))
                 self._join(inst)
                 continue
             inst = inst_or_none
@@ -240,10 +238,11 @@ class ModelRuntime:
         self.feeder_of(inst.role).reset(inst.iid)
 
     def group_of(self, revision: str) -> int:
-        """The core's group id of an engine revision (ids in order of first sight)."""
+        """The core's group id of an engine revision while revisions are mixed (ids from
+        1 in order of first sight; 0 is everyone's while one revision serves)."""
         group = self._groups.get(revision)
         if group is None:
-            group = self._groups[revision] = len(self._groups)
+            group = self._groups[revision] = len(self._groups) + 1
         return group
 
     def refresh(self) -> None:
@@ -262,7 +261,8 @@ class ModelRuntime:
             up = inst.eligible and (not paired or inst.role is Role.DECODE
                                     or inst.endpoint.revision in decode_revisions)
             st = self._state(inst)
-            group = self.group_of(inst.endpoint.revision)
+            # one revision serving: everything in group 0, the core's fast path
+            group = self.group_of(inst.endpoint.revision) if paired else 0
             if st.group != group:
                 st.group = group
             if inst.routable != up or st.up != up:

@@ -322,12 +322,14 @@ def test_prefill_waits_for_a_decode_of_its_revision() -> None:
     rt.mark_health(rt.decode[1], True)
     assert new.routable
     states = rt.cluster.prefill + rt.cluster.decode
-    assert [s.group for s in states] == [0, 1, 0, 1] and rt.cluster.grouped()
+    assert [s.group for s in states] == [1, 2, 1, 2] and rt.cluster.grouped()
     rt.set_endpoints(Role.DECODE, [_ep(4, "new")])  # the old decode leaves
     assert not old.routable and new.routable and not rt.cluster.grouped()
-    # one revision left everywhere: no pairing rule (a revision-less model included)
+    # one revision left everywhere: no pairing rule, every state back in group 0 (the
+    # core's fast path)
     rt.set_endpoints(Role.PREFILL, [_ep(2, "new")])
     assert new.routable and not rt.cluster.grouped()
+    assert [s.group for s in states] == [0, 0, 0, 0]
 
 
 # -- unique blocks ----------------------------------------------------------------------------
