@@ -21,8 +21,9 @@ on it and the index's vectorised mirror synced, as the gateway does on every KV-
 batch; that update is timed and reported apart. ``--groups G`` puts instance *i* (prefill
 and decode) in group ``i % G`` (engine revisions during a rollout: each decode choice is
 then restricted to the prefill's group); 1, the default, is the usual one-group path.
-After each decision the gateway's hot-prefix token keeper sees it (``--hot-tokens``,
-default on), timed and reported apart.
+The Conductor's hot-prefix tracker is the gateway's, which also keeps the token ids of
+prefixes about to be hot (``--hot-tokens``, default on; ``--no-hot-tokens``: the core's
+plain tracker), inside the timed decision as in the gateway.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def main() -> int:
     ap.add_argument("--groups", type=int, default=1,
                     help="instance groups (revisions): instance i is in group i %% G")
     ap.add_argument("--hot-tokens", action=argparse.BooleanOptionalAction, default=True,
-                    help="time the gateway's hot-prefix token keeper after each decision")
+                    help="the gateway's tracker that keeps hot prefixes' tokens (in the "
+                    "timed decision); off: the core's plain tracker")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     prng = random.Random(0)
@@ -117,6 +119,8 @@ def main() -> int:
     gw = GatewaySettings()
     keeper = HotPrefixTokens(cond.config.replication, BLOCK, gw.hot_tokens_rate_share,
                              gw.hot_tokens_prefixes, gw.hot_tokens_max)
+    if a.hot_tokens:  # the gateway's tracker, which also keeps hot prefixes' tokens
+        cond.hot = keeper
     for d in cluster.decode:  # running batches of different sizes
         d.batch = prng.randint(0, 32)
         d.context_tokens = d.batch * prng.randint(500, 4000)
@@ -146,7 +150,6 @@ def main() -> int:
     lat_decode: list[float] = []
     lat_update: list[float] = []
     lat_fixed: list[float] = []
-    lat_hot: list[float] = []
     crossed = 0
     gc_hits: set[int] = set()
     if a.gc_freeze:  # as the gateway does once started (setting gc_freeze)
@@ -171,16 +174,14 @@ def main() -> int:
         tk = time.perf_counter()
         req = RequestInfo(rid=i, arrival=now, input_tokens=len(toks), output_tokens=128,
                           keys=keys, block_tokens=BLOCK, key_array=key_array)
+        keeper.prompt = toks  # as the gateway hands the prompt to its tracker
         decision = cond.schedule(req, cluster, now)
+        keeper.prompt = None
         te = time.perf_counter()
         in_decision[0] = False
         lat_keys.append(tk - t)
         lat_all.append(te - t)
         pl, dc = decision.placement, decision.decode
-        if a.hot_tokens and not decision.rejected:  # as the gateway, after the decision
-            th = time.perf_counter()
-            keeper.observe(keys, pl.reused_blocks, toks, now)
-            lat_hot.append(time.perf_counter() - th)
         if pl.prefill is not None and dc.decode is not None and \
                 cluster.prefill[pl.prefill].group != cluster.decode[dc.decode].group:
             crossed += 1
@@ -224,10 +225,9 @@ def main() -> int:
           f"{pct(lat_policy, 0.99):7.1f} µs")
     print(f"decode selector   : p50 {pct(lat_decode, 0.5):7.1f} µs  p99 "
           f"{pct(lat_decode, 0.99):7.1f} µs  ({a.decode} decode instances)")
-    if lat_hot:
-        print(f"hot-prefix tokens : p50 {pct(lat_hot, 0.5):7.1f} µs  p99 "
-              f"{pct(lat_hot, 0.99):7.1f} µs  ({keeper.copies} prefixes copied; after the "
-              f"decision, not in it)")
+    if a.hot_tokens:
+        print(f"hot-prefix tokens : kept by the tracker in the decision ({keeper.copies} "
+              f"prefixes copied, {keeper.kept()} kept)")
     if a.groups > 1:
         print(f"groups            : {a.groups}; decode in another group than the prefill: "
               f"{crossed} of {len(lat_all)}")

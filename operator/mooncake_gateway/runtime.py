@@ -132,6 +132,7 @@ class ModelRuntime:
         self.conductor = Conductor(cfg.conductor)
         self.cost = self.conductor.cost
         self.hot_tokens = self._hot_tokens()
+        self.conductor.hot = self.hot_tokens  # the tracker that also keeps tokens
         #: called when an instance joins (the gateway checks its health at once)
         self.on_join: Callable[[Instance], None] | None = None
         self.endpoints: EndpointSource | None = None
@@ -430,10 +431,9 @@ class ModelRuntime:
         self.cfg = cfg
         self.conductor = Conductor(cfg.conductor)
         self.cost = self.conductor.cost
-        if old.config.replication == cfg.conductor.replication:
-            self.conductor.hot = old.hot
-        else:
+        if old.config.replication != cfg.conductor.replication:
             self.hot_tokens = self._hot_tokens()
+        self.conductor.hot = self.hot_tokens
 
     # -- scraped metrics -------------------------------------------------------------------
     def apply_stats(self, inst: Instance, stats: EngineStats) -> None:

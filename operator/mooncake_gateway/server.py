@@ -524,7 +524,7 @@ class Gateway:
         t0 = time.perf_counter()
         key_array = block_keys_array(tokens, cfg.block_size, rt.seed)
         req = rt.request_info(len(tokens), key_array, max_tokens)
-        decision, record = self._decide(rt, req, explain, t0)
+        decision, record = self._decide(rt, req, tokens, explain, t0)
         if decision.rejected:
             reason = decision.reject_reason or "rejected"
             self.metrics.rejections.labels(cfg.name, reason).inc()
@@ -533,7 +533,6 @@ class Gateway:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         pl = decision.placement
         assert pl.prefill is not None
-        rt.hot_tokens.observe(req.keys, pl.reused_blocks, tokens, req.arrival)
         # what the chosen instance holds now (pending prefixes and fetches not counted: the
         # engines cannot pull blocks from a peer, so the gateway runs a fetch as a recompute)
         held = rt.index.match(pl.prefill, req.keys)
@@ -564,11 +563,16 @@ class Gateway:
         return await self._decode(request, rt, req, decision, data, p, kvp, record, headers,
                                   arrived, explain, group)
 
-    def _decide(self, rt: ModelRuntime, req: RequestInfo, explain: bool,
+    def _decide(self, rt: ModelRuntime, req: RequestInfo, tokens: Tokens, explain: bool,
                 t0: float) -> tuple[Decision, dict[str, Any]]:
         now = req.arrival
         rt.drain(now)
-        decision = rt.conductor.schedule(req, rt.cluster, now)
+        hot = rt.hot_tokens
+        hot.prompt = tokens  # a prefix that gets hot by this request keeps its tokens
+        try:
+            decision = rt.conductor.schedule(req, rt.cluster, now)
+        finally:
+            hot.prompt = None
         took = time.perf_counter() - t0
         rt.m.decision.observe(took)
         pl, dc = decision.placement, decision.decode

@@ -364,50 +364,64 @@ def test_unique_blocks_counts_blocks_only_one_instance_holds(mirrored: bool,
 
 
 # -- hot-prefix tokens ------------------------------------------------------------------------
+def _feed(tracker: HotPrefixTracker, keys: list[int], blocks: int, prompt: Any,
+          now: float) -> None:
+    if isinstance(tracker, HotPrefixTokens):
+        tracker.prompt = prompt  # as the gateway does around schedule()
+    tracker.record(keys, now, blocks)
+    if isinstance(tracker, HotPrefixTokens):
+        tracker.prompt = None
+
+
 def test_token_ids_are_kept_for_prefixes_about_to_be_hot() -> None:
     cfg = ReplicationConfig(half_life_s=10.0, min_rate_per_s=0.2, min_blocks=2)
     bs = 4
-    tracker = HotPrefixTracker(cfg)
-    keeper = HotPrefixTokens(cfg, bs, rate_share=0.5, max_prefixes=8, max_tokens=10_000)
-    exact = HotPrefixTokens(cfg, bs, rate_share=1.0, max_prefixes=8, max_tokens=10_000)
+    plain = HotPrefixTracker(cfg)
+    early = HotPrefixTokens(cfg, bs, rate_share=0.5, max_prefixes=8, max_tokens=10_000)
+    exact = HotPrefixTokens(cfg, bs, rate_share=1.0, max_prefixes=64, max_tokens=10_000)
     r = random.Random(5)
     prompts = {p: np.arange(p * 1000, p * 1000 + 12 * bs, dtype=np.int64) for p in range(6)}
     keys = {p: [p * 100 + i for i in range(12)] for p in prompts}
     now = 0.0
-    for _ in range(300):
+    decisions = 300
+    for _ in range(decisions):
         now += r.random() * 2
         p = r.choice([0, 0, 0, 0, 1, 1, 2, 3, 4, 5])  # 0 hot, 1 warm, the rest cold
         blocks = r.randint(1, 12)
-        tracker.record(keys[p], now, blocks)
-        keeper.observe(keys[p], blocks, prompts[p], now)
-        exact.observe(keys[p], blocks, prompts[p], now)
-        for prefix, _rate, pkeys in tracker.hot(now):
+        for t in (plain, early, exact):
+            _feed(t, keys[p], blocks, prompts[p], now)
+        hot = plain.hot(now)
+        assert early.hot(now) == exact.hot(now) == hot  # still the core's tracker
+        for prefix, _rate, pkeys in hot:
             # every hot prefix's tokens are there, copied when it first qualified
             toks = exact.tokens(prefix)
             assert toks is not None
-            n = len(pkeys)
-            assert toks.tolist() == prompts[pkeys[0] // 100][: n * bs].tolist()
-            assert keeper.tokens(prefix) is not None
-    assert len(keeper) <= 8
-    assert keeper.copies >= exact.copies and keeper.copies < 300 // 4  # not per request
+            assert toks.tolist() == prompts[pkeys[0] // 100][: len(pkeys) * bs].tolist()
+    assert early.kept() <= 8
+    assert early.copies >= exact.copies and early.copies < decisions // 4  # not per request
     cold = [k for p in (3, 4, 5) for k in keys[p]]
     assert not any(exact.tokens(k) is not None for k in cold)
+    # no prompt handed over (the tracker used on its own): nothing kept
+    alone = HotPrefixTokens(cfg, bs, rate_share=0.5, max_prefixes=8, max_tokens=10_000)
+    for i in range(20):
+        alone.record(keys[0], float(i), 12)
+    assert alone.hot(20.0) and alone.kept() == 0
 
 
 def test_hot_token_memory_is_bounded() -> None:
     cfg = ReplicationConfig(half_life_s=10.0, min_rate_per_s=0.01, min_blocks=1)
     keeper = HotPrefixTokens(cfg, 4, rate_share=1.0, max_prefixes=3, max_tokens=20)
     for p in range(10):
-        keeper.observe([p], 1, np.arange(4, dtype=np.int64) + p, float(p))
-    assert len(keeper) == 3 and keeper.kept_tokens == 12
+        _feed(keeper, [p], 1, np.arange(4, dtype=np.int64) + p, float(p))
+    assert keeper.kept() == 3 and keeper.kept_tokens == 12
     assert keeper.tokens(9) is not None and keeper.tokens(6) is None
-    keeper.observe([100, 101, 102, 103, 104, 105], 6, np.arange(24, dtype=np.int64), 11.0)
+    _feed(keeper, [100, 101, 102, 103, 104, 105], 6, np.arange(24, dtype=np.int64), 11.0)
     assert keeper.tokens(105) is None  # longer than the whole budget: not kept
-    keeper.observe([200, 201, 202, 203], 4, np.arange(16, dtype=np.int64), 12.0)
+    _feed(keeper, [200, 201, 202, 203], 4, np.arange(16, dtype=np.int64), 12.0)
     assert keeper.tokens(203) is not None and keeper.kept_tokens <= 20
     off = HotPrefixTokens(cfg, 4, rate_share=1.0, max_prefixes=0, max_tokens=20)
-    off.observe([1], 1, np.arange(4, dtype=np.int64), 0.0)
-    assert len(off) == 0
+    _feed(off, [1], 1, np.arange(4, dtype=np.int64), 0.0)
+    assert off.kept() == 0
 
 
 # -- the command line -------------------------------------------------------------------------
