@@ -107,9 +107,10 @@ class Instance:
         return self.endpoint.pod or self.endpoint.label
 
 
-def _wire(ep: Endpoint) -> tuple[str, str | None, str | None, str]:
-    """What a connection to the engine depends on (a change means a new engine)."""
-    return ep.url, ep.kv_events, ep.kv_replay, ep.kv_topic
+def _engine(ep: Endpoint) -> tuple[str, str | None, str | None, str, str]:
+    """What identifies the engine behind an endpoint: its sockets and its pod (another
+    pod at a recycled IP and port is a new engine, registered anew)."""
+    return ep.url, ep.kv_events, ep.kv_replay, ep.kv_topic, ep.pod
 
 
 #: settings of a model that can change without a new runtime (index, keys, membership
@@ -204,8 +205,8 @@ class ModelRuntime:
             inst = inst_or_none
             if inst.endpoint == ep and inst.listed:
                 continue
-            if inst.listed and _wire(inst.endpoint) != _wire(ep):
-                self._leave(inst)  # other sockets behind the same URL: a new engine
+            if inst.listed and _engine(inst.endpoint) != _engine(ep):
+                self._leave(inst)  # other sockets or another pod behind the URL
             renamed = inst.endpoint.label != ep.label
             if renamed:
                 self._drop_gauges(inst)

@@ -267,6 +267,10 @@ def test_an_instance_is_routable_once_registered_and_not_while_draining() -> Non
     assert not p.routable and not p.registered and p.down
     rt.mark_health(p, True)
     assert p.routable and p.registered
+    rt.set_endpoints(Role.PREFILL, [_ep(1, pod="ns/other")])  # another pod, same IP
+    assert not p.routable and not p.registered and joined[-1] == p.name
+    rt.mark_health(p, True)
+    assert p.routable
     rt.set_endpoints(Role.PREFILL, [])  # left; comes back as a new engine
     assert not p.listed and not p.routable
     rt.set_endpoints(Role.PREFILL, [_ep(1)])
