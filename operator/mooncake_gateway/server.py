@@ -559,7 +559,14 @@ class Gateway:
         if not direct:
             assert dec is not None
             group = rt.cluster.decode[dec].group
-            kvp = await self._prefill(rt, req, decision, data, p, record, group)
+            # the request is the decode instance's from the decision on: counted in flight
+            # while its prefill runs, so a draining decode pod is not retired under it
+            chosen = rt.decode[dec]
+            chosen.inflight += 1
+            try:
+                kvp = await self._prefill(rt, req, decision, data, p, record, group)
+            finally:
+                chosen.inflight -= 1
         return await self._decode(request, rt, req, decision, data, p, kvp, record, headers,
                                   arrived, explain, group)
 

@@ -158,3 +158,29 @@ def test_client_disconnect_aborts_the_upstream_request() -> None:
             wait_for(lambda: d.metric("vllm:num_requests_running") == 0)
             wait_for(lambda: g.state()["decode"][0]["inflight"] == 0)
             assert _complete(g.url)  # still serving
+
+
+def test_decode_instance_counts_a_request_in_flight_from_its_decision() -> None:
+    """The operator retires a draining decode pod once the gateway reports nothing in
+    flight on it: a request decided for it whose prefill still runs must count."""
+    import threading
+
+    slow = ("--time-scale", "1.0", "--max-model-len", "65536")
+    with run_worker(*slow) as pf, run_worker(*FAST) as d, \
+            run_gateway([model_config([pf], [d])], time_scale=1.0) as g:
+        wait_for(lambda: all(i["routable"] for role in ("prefill", "decode")
+                             for i in g.state()[role]))
+        long_prompt = " ".join(f"w{i}" for i in range(12000))  # ~1.5 s of prefill
+        t = threading.Thread(target=_complete, args=(g.url, long_prompt, 2))
+        t.start()
+        try:
+            def both() -> bool:
+                views = {i["role"]: i for m in g.get("/conductor/registry")["models"]
+                         for i in m["instances"]}
+                return views["prefill"]["inflight"] == 1 and \
+                    views["decode"]["inflight"] == 1
+            wait_for(both, timeout=5.0)
+        finally:
+            t.join(60)
+        views = [i for m in g.get("/conductor/registry")["models"] for i in m["instances"]]
+        assert all(i["inflight"] == 0 for i in views)
