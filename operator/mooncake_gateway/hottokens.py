@@ -9,8 +9,8 @@ request, its first ``blocks`` keys), a prefix whose decayed rate has reached
 ``rate_share`` of the hot threshold — hot, or about to be — gets the request's tokens
 copied, once, into an LRU bounded in prefixes and in tokens. The gateway hands the
 request's tokens over in :attr:`HotPrefixTokens.prompt` for the length of the ``schedule``
-call. Per decision that is one lookup in the entry ``record`` has just updated (warm in
-the cache) and one in the LRU: no second rate to keep.
+call. Per decision that is one lookup of the entry ``record`` has just updated (warm in
+the cache) and a comparison; the LRU is touched only for prefixes past the threshold.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy.typing as npt
 from mooncake_conductor.replication import HotPrefixTracker, ReplicationConfig
 
 TokenArray = npt.NDArray[np.int64]
+_record = HotPrefixTracker.record
 
 
 class HotPrefixTokens(HotPrefixTracker):
@@ -30,6 +31,7 @@ class HotPrefixTokens(HotPrefixTracker):
         super().__init__(config)
         self.block_size = block_size
         self.threshold = rate_share * config.min_rate_per_s
+        self.min_blocks = config.min_blocks
         self.max_prefixes = max_prefixes
         self.max_tokens = max_tokens
         #: the tokens of the request being scheduled (set around ``schedule``)
@@ -41,25 +43,28 @@ class HotPrefixTokens(HotPrefixTracker):
     def record(self, keys: list[int] | tuple[int, ...], now: float,
                blocks: int | None = None,
                key_array: npt.NDArray[np.uint64] | None = None) -> None:
-        super().record(keys, now, blocks, key_array)
+        _record(self, keys, now, blocks, key_array)  # the tracker's own (no super() lookup)
         prompt = self.prompt
-        if prompt is None or not self.max_prefixes:
+        if prompt is None:
             return
         n = len(keys) if blocks is None else min(blocks, len(keys))
-        if n < self.config.min_blocks:
+        if n < self.min_blocks:
             return
         prefix = keys[n - 1]
+        # the entry record() has just counted (in the cache): most prefixes stop here,
+        # without touching the kept tokens
+        entry = self._tracked.get(prefix)
+        if entry is None or entry.rate < self.threshold:
+            return
         kept = self._tokens
         if prefix in kept:
             kept.move_to_end(prefix)
-            return
-        entry = self._tracked.get(prefix)  # what record() just counted
-        if entry is not None and entry.rate >= self.threshold:
+        else:
             self._keep(prefix, prompt[: n * self.block_size])
 
     def _keep(self, prefix: int, tokens: TokenArray) -> None:
         n = len(tokens)
-        if n > self.max_tokens:
+        if n > self.max_tokens or not self.max_prefixes:
             return
         kept = self._tokens
         kept[prefix] = tokens.copy()  # the request's array is not held on to
