@@ -142,8 +142,11 @@ def plan(pods: list[PodView], registry: Registry | None, hot: list[HotEntry],
     desired = assign_replicas(
         [HotPrefix(h.prefix, h.rate_per_s, h.blocks, h.holders) for h in hot], live,
         current, replication_config(hp))
-    for name in sorted(current):  # pods that left the live set keep nothing
-        desired.setdefault(name, frozenset())
+    hot_ids = {h.prefix for h in hot}
+    for name in sorted(current):
+        # a pod the gateway does not route to right now (a failed health check, a restart)
+        # keeps what is still hot; a pod that is gone drops out of ``current`` with it
+        desired.setdefault(name, frozenset(p for p in current[name] if p in hot_ids))
     changed = [n for n in sorted(desired) if desired[n] != current.get(n, frozenset())]
     # removals of cold prefixes and additions alike count against the rate limit
     for name in changed[:hp.max_patches_per_interval]:

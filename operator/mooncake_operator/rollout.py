@@ -14,10 +14,11 @@ Rules:
   first (surge); old ones are retired only when every new pod of *both* pools is
   registered in the gateway (healthy and subscribed to its KV events, not merely Ready),
   and the step advances only when the retired pods are gone.
-- **Retire** = drain, then delete. A pod that serves nothing is deleted at once. Else the
+- **Retire** = drain, then delete. A pod that is not Ready is deleted at once. Else the
   operator annotates it ``mooncake.io/drain=true``; the gateway stops sending it new
-  requests; the pod is deleted once the gateway reports it unroutable with nothing in
-  flight, or after the drain timeout.
+  requests (for good: a drained pod is never routed to again); the pod is deleted once
+  the gateway reports it unroutable with nothing in flight (requests count from their
+  decision on), or after the drain timeout.
 - A pod that finished (Succeeded/Failed) is deleted and replaced.
 """
 
@@ -95,16 +96,11 @@ def free_ordinals(taken: set[int], count: int) -> list[int]:
     return out
 
 
-def serves(p: PodView, registry: Registry | None, gateway_gate: bool) -> bool:
-    """The pod takes traffic (or, with no gateway, could)."""
-    if not p.ready:
-        return False
-    if not gateway_gate:
-        return True
-    if registry is None:
-        return True  # unknown: assume it does, so it is drained, not cut
-    g = registry.get(p.name)
-    return g is not None and (g.routable or g.inflight > 0)
+def serves(p: PodView) -> bool:
+    """The pod may take traffic: it is Ready, so the gateway may route to it at any moment
+    (a registry snapshot saying otherwise can be stale by the time a pod is deleted), and
+    it leaves by draining. A pod that is not Ready takes no traffic and leaves at once."""
+    return p.ready
 
 
 def usable(p: PodView, registry: Registry | None, gateway_gate: bool) -> bool:
@@ -121,11 +117,12 @@ def victim_order(pods: list[PodView], registry: Registry | None, gateway_gate: b
                  ) -> list[PodView]:
     """Pods in the order they should leave (cache-aware)."""
 
-    def key(p: PodView) -> tuple[int, int, int, int]:
+    def key(p: PodView) -> tuple[int, int, int, int, int]:
         g = registry.get(p.name) if registry is not None else None
         unique = g.unique_blocks if g else 0
         blocks = g.index_blocks if g else 0
-        return (1 if serves(p, registry, gateway_gate) else 0, unique, blocks, -p.ordinal)
+        registered = g is not None and g.registered
+        return (1 if serves(p) else 0, 1 if registered else 0, unique, blocks, -p.ordinal)
 
     return sorted(pods, key=key)
 
@@ -146,7 +143,7 @@ def drained(p: PodView, inp: PoolInput) -> bool:
 
 def _retire(pods: list[PodView], count: int, inp: PoolInput, plan: PoolPlan) -> None:
     for p in victim_order(pods, inp.registry, inp.gateway_gate)[:max(0, count)]:
-        if serves(p, inp.registry, inp.gateway_gate):
+        if serves(p):
             plan.drain.append(p)
         else:
             plan.delete.append(p)

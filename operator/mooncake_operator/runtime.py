@@ -100,7 +100,7 @@ async def controller_round(state: OperatorState, ref: ClusterRef, outcome: Outco
     for prefix, pod in plan.added:
         emit("Normal", "ReplicaAssigned", f"hot prefix {prefix} -> {pod}")
     for prefix, pod in plan.removed:
-        emit("Normal", "ReplicaRemoved", f"prefix {prefix} cooled down; released by {pod}")
+        emit("Normal", "ReplicaRemoved", f"hot prefix {prefix} released by {pod} (cooled)")
     HOT_PREFIXES.labels(ref.key).set(len(plan.status))
     shape = tuple((h.prefix, tuple(h.pods)) for h in plan.status)
     if state.hot_written.get(ref.key) != shape:
@@ -147,6 +147,8 @@ async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: St
                 if message != last_error:  # one Event per new error, not per retry
                     emit("Warning", "ReconcileError", message[:1000])
                     last_error = message
+            if next_controller > 0:  # wake up for the controller's next round too
+                interval = max(0.0, min(interval, next_controller - clock()))
             await _sleep(wake, interval, s.event_debounce_s)
     finally:
         state.wakeups.pop(ref.key, None)

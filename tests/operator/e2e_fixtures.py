@@ -95,7 +95,6 @@ def run_operator(kubeconfig: Path, tmp: Path) -> Iterator[Operator]:
                MOONCAKE_OPERATOR_METRICS_PORT=str(metrics_port),
                MOONCAKE_OPERATOR_RESYNC_INTERVAL_S="5",
                MOONCAKE_OPERATOR_BUSY_INTERVAL_S="0.5",
-               MOONCAKE_GATEWAY_HEALTH_INTERVAL_S="0.5",
                MOONCAKE_GATEWAY_TIME_SCALE="0.1")
     argv = [sys.executable, "-m", "mooncake_cli", "operator", "run", "--install-crd",
             "--gateway", "--gateway-port", str(gw_port), "--log-level", "INFO"]

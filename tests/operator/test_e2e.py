@@ -35,7 +35,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.store]
 TIME_SCALE = 0.1
 MODEL = "llama3-70b-sim"
 REPLAY_REQUESTS = 300
-REPLAY_SPEED = 2.0
+#: ~1.5 requests per second of ~14k-token prompts: what this 2-core host sustains with the
+#: control plane, 13 pod processes, the operator and the gateway beside the replayer
+REPLAY_SPEED = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,8 @@ def llama(operator: Operator, k8s_cluster: Any) -> Clusters:
     ns = "e2e"
     cl = Clusters(k8s_cluster.http(), ns)
     path = Path(k8s_cluster.state_dir) / "llama.yaml"
-    path.write_text(json.dumps(_example()))
+    # admission off: every replayed request is served (no 429s), so "0 failed" means all
+    path.write_text(json.dumps(_example(conductor__admission=False)))
     _kubectl(k8s_cluster, "apply", "-n", ns, "-f", str(path))
     cl.wait_ready("llama", timeout=240)
     return cl
@@ -146,7 +149,7 @@ def test_two_clusters_one_gateway(llama: Clusters, operator: Operator,
                                   k8s_cluster: Any) -> None:
     other = Clusters(k8s_cluster.http(), "e2e-two")
     obj = _example(model__name="mistral-sim", prefill__replicas=1, decode__replicas=1,
-                   store__enabled=False)
+                   prefill__gpusPerReplica=1, decode__gpusPerReplica=1, store__enabled=False)
     obj["metadata"]["name"] = "mistral"
     other.create(obj)
     other.wait_ready("mistral")
@@ -272,17 +275,31 @@ def test_unhonourable_specs_degrade_without_restarting_the_operator(
     cl = Clusters(k8s_cluster.http(), "e2e-bad")
     pid = operator.proc.pid
     cases = {
-        "too-many-gpus": (_example(prefill__gpusPerReplica=16, store__enabled=False),
+        "too-many-gpus": (_example(prefill__gpusPerReplica=16, decode__gpusPerReplica=1,
+                                   store__enabled=False),
                           "InsufficientGPUCapacity"),
         "no-such-nodes": (_example(decode__nodeSelector={"mooncake.io/pool": "tpu"},
-                                   store__enabled=False), "NoMatchingNodes"),
-        "bad-params": (_example(conductor__params={"no_such_weight": 3}, store__enabled=False),
+                                   prefill__gpusPerReplica=1, store__enabled=False),
+                          "NoMatchingNodes"),
+        "bad-params": (_example(conductor__params={"no_such_weight": 3}, store__enabled=False,
+                                prefill__gpusPerReplica=1, decode__gpusPerReplica=1),
                        "InvalidSpec"),
     }
     for name, (obj, _reason) in cases.items():
         obj["metadata"]["name"] = name
         obj["spec"]["model"]["name"] = f"{name}-sim"
         cl.create(obj)
+    try:
+        _check_degraded(cl, cases, operator, pid)
+    finally:
+        for name in cases:
+            cl.delete(name)
+        for name in cases:
+            cl.wait_gone(name)
+
+
+def _check_degraded(cl: Clusters, cases: dict[str, Any], operator: Operator,
+                    pid: int) -> None:
     for name, (_obj, reason) in cases.items():
         wait_for(lambda n=name, r=reason: cl.condition(n, "Degraded") == ("True", r), 90,
                  f"{name} Degraded/{reason}")
@@ -291,16 +308,17 @@ def test_unhonourable_specs_degrade_without_restarting_the_operator(
                    for e in cl.events(name)), name
     assert operator.proc.poll() is None and operator.proc.pid == pid
     # a fix heals it
-    cl.patch("bad-params", {"conductor": {"params": {}}})
+    cl.patch("bad-params", {"conductor": {"params": {"no_such_weight": None}}})  # merge patch
     wait_for(lambda: cl.condition("bad-params", "Degraded")[0] == "False", 60, "healed")
-    for name in cases:
-        cl.delete(name)
+    cl.wait_ready("bad-params")
 
 
 def test_deleting_the_cluster_removes_everything_it_owned(operator: Operator,
                                                           k8s_cluster: Any) -> None:
     cl = Clusters(k8s_cluster.http(), "e2e-del")
-    obj = _example(prefill__replicas=1, decode__replicas=1, model__name="gone-sim")
+    obj = _example(prefill__replicas=1, decode__replicas=1, model__name="gone-sim",
+                   prefill__gpusPerReplica=1, decode__gpusPerReplica=1,
+                   store__nodeSelector={"kubernetes.io/hostname": "gpu-decode-1"})
     obj["metadata"]["name"] = "gone"
     cl.create(obj)
     cl.wait_ready("gone")
@@ -320,7 +338,7 @@ def test_deleting_the_cluster_removes_everything_it_owned(operator: Operator,
                     out.append(f"{kind}/{o['metadata']['name']}")
         return out
 
-    assert len(owned()) >= 6
+    assert len(owned()) >= 7  # 2 pods, store Service/Deployment/ReplicaSet/pods/DaemonSet, ...
     cl.delete("gone")
     cl.wait_gone("gone")
     wait_for(lambda: owned() == [], 90, "every owned object gone")
@@ -329,8 +347,13 @@ def test_deleting_the_cluster_removes_everything_it_owned(operator: Operator,
         "the other cluster still served")
 
 
-HOT_PREFIX_TOKENS = 8192
-HOT_SUFFIX_TOKENS = 512
+#: long enough that recomputing it elsewhere (~3 modelled s) costs more than queueing at
+#: its holder for a while: the holder gets loaded before the policy spills on its own
+HOT_PREFIX_TOKENS = 16384
+#: ~0.32 s of modelled prefill after the cached prefix (the whole prompt: ~1.35 s), so at
+#: HOT_RATE the holder is loaded but still the best place, until a replica exists
+HOT_SUFFIX_TOKENS = 2048
+HOT_RATE_PER_S = 3.5
 
 
 async def _hot_traffic(url: str, model: str, prefix: list[int], rate_per_s: float,
@@ -363,16 +386,28 @@ async def _hot_traffic(url: str, model: str, prefix: list[int], rate_per_s: floa
 def test_hot_prefix_is_replicated_then_released(operator: Operator, k8s_cluster: Any) -> None:
     cl = Clusters(k8s_cluster.http(), "e2e-hot")
     model = "hot-sim"
+    # real-time engines: the holder's queue is real work; thresholds low enough that a
+    # loaded holder is a hot spot, a short half-life so the prefix cools within the test
     obj = _example(model__name=model, prefill__replicas=3, decode__replicas=1,
-                   prefill__gpusPerReplica=1, decode__gpusPerReplica=1, store__enabled=False,
-                   conductor__hotPrefixes={"intervalSeconds": 2, "minRatePerSecond": 0.1,
-                                           "halfLifeSeconds": 10, "loadRatio": 1.0,
-                                           "loadFloorSeconds": 0.0, "maxReplicas": 2})
+                   prefill__gpusPerReplica=1, decode__gpusPerReplica=1,
+                   store__nodeSelector={"kubernetes.io/hostname": "gpu-decode-0"},
+                   engine__simulated__timeScale=1.0,
+                   conductor__hotPrefixes={"intervalSeconds": 2, "minRatePerSecond": 0.2,
+                                           "halfLifeSeconds": 4, "loadRatio": 1.0,
+                                           "loadFloorSeconds": 0.0, "maxReplicas": 2,
+                                           "maxAnnotationBytes": 200000})
     obj["metadata"]["name"] = "hot"
     cl.create(obj)
+    try:
+        _hot_scenario(cl, model, operator.gateway_url)
+    finally:
+        cl.delete("hot")
+        cl.wait_gone("hot")
+
+
+def _hot_scenario(cl: Clusters, model: str, url: str) -> None:
     cl.wait_ready("hot")
     prefix = [300 + (i * 7919) % 90_000 for i in range(HOT_PREFIX_TOKENS)]
-    url = operator.gateway_url
 
     def annotated() -> dict[str, str]:
         out = {}
@@ -388,16 +423,16 @@ def test_hot_prefix_is_replicated_then_released(operator: Operator, k8s_cluster:
         return {h.rpartition("/")[2] for item in items for h in item.get("holders", [])}
 
     # 1. a hot prefix loads its one holder: the controller names a second pod
-    asyncio.run(_hot_traffic(url, model, prefix, 6.0, lambda: bool(annotated()), 120))
+    asyncio.run(_hot_traffic(url, model, prefix, HOT_RATE_PER_S, lambda: bool(annotated()), 120))
     target = wait_for(annotated, 30, "a replica annotation")
     (target_pod,) = target
     # 2. that pod warms it; its KV events make it a holder in the gateway's index
-    asyncio.run(_hot_traffic(url, model, prefix, 6.0,
+    asyncio.run(_hot_traffic(url, model, prefix, HOT_RATE_PER_S,
                              lambda: target_pod in holders(), 60))
     assert target_pod in holders()
     # 3. hot-prefix requests are served by both
     since = time.time()
-    asyncio.run(_hot_traffic(url, model, prefix, 6.0, lambda: False, 20))
+    asyncio.run(_hot_traffic(url, model, prefix, HOT_RATE_PER_S, lambda: False, 20))
     decisions = http_json(f"{url}/conductor/decisions?model={model}&limit=1000")
     served = [d["prefill"].rpartition("/")[2] for d in decisions
               if d["time"] >= since and d.get("held_blocks", 0) * 16 >= HOT_PREFIX_TOKENS - 16]
@@ -409,4 +444,3 @@ def test_hot_prefix_is_replicated_then_released(operator: Operator, k8s_cluster:
     wait_for(lambda: not annotated(), 90, "the replica entry removed once cold")
     reasons = {e["reason"] for e in cl.events("hot")}
     assert {"ReplicaAssigned", "ReplicaRemoved"} <= reasons
-    cl.delete("hot")

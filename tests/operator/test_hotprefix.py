@@ -84,3 +84,12 @@ def test_parse_hot_accepts_gateway_shapes() -> None:
     (h,) = hpx.parse_hot(data)
     assert (h.prefix, h.holders, h.tokens, h.keys) == ("00ab", frozenset({"p-0"}), [1, 2], [10])
     assert hpx.parse_hot(None) == []
+
+
+def test_a_pod_briefly_unroutable_keeps_its_replicas() -> None:
+    value = format_replicas([ReplicaSpec("aa", tokens=[1])])
+    pods = prefill(2, p1=value)
+    names = [p.name for p in pods]
+    reg = registry({names[0]: 0.2})  # the gateway does not list pod 1 right now
+    plan = hpx.plan(pods, reg, [hot("aa", [names[0]])], HP, store=False)
+    assert plan.patches == {} and plan.status[0].pods == [names[1]]
