@@ -19,6 +19,18 @@ from collections.abc import Iterator
 from typing import Any
 
 GATEWAY_STOP_TIMEOUT_S = 10.0
+#: prctl option: the signal a child gets when its parent dies
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """In the gateway child (Linux): be sent SIGTERM when the operator process dies, so a
+    killed operator leaves no gateway behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -30,7 +42,7 @@ def _gateway_beside(args: argparse.Namespace) -> Iterator[None]:
             "--host", args.gateway_host, "--port", str(args.gateway_port)]
     for ns in args.namespace or []:
         argv += ["--namespace", ns]
-    proc = subprocess.Popen(argv)
+    proc = subprocess.Popen(argv, preexec_fn=_die_with_parent)
     os.environ.setdefault("MOONCAKE_OPERATOR_GATEWAY_URL",
                           f"http://{args.gateway_host}:{args.gateway_port}")
     try:

@@ -286,8 +286,6 @@ class StoreMaster(_Model):
     """The Mooncake Store master (mooncake_master): a Deployment of one and its Service."""
 
     rpc_port: int = Field(50051, ge=1, le=65535, description="RPC port.")
-    metadata_port: int = Field(8080, ge=1, le=65535, description=(
-        "HTTP metadata server port (transfer-engine handshakes)."))
     metrics_port: int = Field(9003, ge=1, le=65535, description="Metrics port.")
     lease_ttl_ms: int = Field(5000, ge=1, le=3_600_000, description=(
         "Lease of a stored object in milliseconds before it may be evicted or removed."))

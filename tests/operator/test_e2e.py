@@ -386,9 +386,12 @@ async def _hot_traffic(url: str, model: str, prefix: list[int], rate_per_s: floa
 def test_hot_prefix_is_replicated_then_released(operator: Operator, k8s_cluster: Any) -> None:
     cl = Clusters(k8s_cluster.http(), "e2e-hot")
     model = "hot-sim"
-    # real-time engines: the holder's queue is real work; thresholds low enough that a
-    # loaded holder is a hot spot, a short half-life so the prefix cools within the test
+    # real-time engines: the holder's queue is real work; a cache-affinity policy that lets
+    # the holder queue up to 4 cold prefills before it spills (so the hot spot is the
+    # controller's to fix, not the policy's); thresholds low enough that a loaded holder is
+    # a hot spot, a short half-life so the prefix cools within the test
     obj = _example(model__name=model, prefill__replicas=3, decode__replicas=1,
+                   conductor__policy="local-cache-aware", conductor__params={"slack": 4},
                    prefill__gpusPerReplica=1, decode__gpusPerReplica=1,
                    store__nodeSelector={"kubernetes.io/hostname": "gpu-decode-0"},
                    engine__simulated__timeScale=1.0,
@@ -422,7 +425,17 @@ def _hot_scenario(cl: Clusters, model: str, url: str) -> None:
         items = data if isinstance(data, list) else data.get("hot_prefixes", [])
         return {h.rpartition("/")[2] for item in items for h in item.get("holders", [])}
 
-    # 1. a hot prefix loads its one holder: the controller names a second pod
+    # 0. one request puts the prefix on one pod
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=120)
+    client.completions.create(model=model, prompt=prefix + [256] * HOT_SUFFIX_TOKENS,
+                              max_tokens=1)
+    def cached() -> list[str]:
+        data = http_json(f"{url}/conductor/registry?model={model}")
+        return [i["pod"] for m in data["models"] for i in m["instances"]
+                if i["role"] == "prefill" and i["index_blocks"] >= HOT_PREFIX_TOKENS // 16]
+
+    assert len(wait_for(cached, 10, "the prefix in one pod's KV events")) == 1
+    # 1. hot-prefix traffic loads that holder: the controller names a second pod
     asyncio.run(_hot_traffic(url, model, prefix, HOT_RATE_PER_S, lambda: bool(annotated()), 120))
     target = wait_for(annotated, 30, "a replica annotation")
     (target_pod,) = target
