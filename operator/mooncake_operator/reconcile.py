@@ -182,10 +182,18 @@ class Reconciler:
             live.get(f"DaemonSet/{names.store_nodes(ref.name)}"),
             by_role.get(c.ROLE_STORE_MASTER, []), by_role.get(c.ROLE_STORE_NODE, []))
         registry = None
+        conflict: status.Problem | None = None
         if spec.gateway.enabled and self.gateway is not None:
             data = await self.gateway.registry(spec.model.served)
             if data is not None:
                 registry = observe.registry_from_json(data, spec.model.served, ref.namespace)
+            ours = f"{ref.namespace}/{names.gateway_configmap(ref.name)}"
+            if registry is not None and registry.source and registry.source != ours:
+                conflict = status.Problem(
+                    "ServedNameConflict",
+                    f"the gateway serves model {spec.model.served!r} from {registry.source} "
+                    f"(the older claim wins); give this cluster another model.servedName")
+                registry = None
         desired = {role: spec.pool(role).replicas for role in rollout.ROLES}
         plan = rollout.plan(rollout.PoolInput(
             revision=rev, desired=desired, max_surge=spec.rollout.max_surge,
@@ -204,7 +212,7 @@ class Reconciler:
             served_model=spec.model.served, store=store,
             store_address=f"{names.store_service(ref.name)}.{ref.namespace}.svc:"
                           f"{spec.store.master.rpc_port}",
-            plan=plan, invalid=None, hot_prefixes=list(before.hot_prefixes),
+            plan=plan, invalid=conflict, hot_prefixes=list(before.hot_prefixes),
             previous=before, gpu_resource=self.settings.gpu_resource,
             crash_restarts=self.settings.crash_loop_restarts, now=now))
         if before.rollout is None and st.rollout is not None:

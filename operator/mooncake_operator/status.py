@@ -4,7 +4,8 @@ Conditions (``metav1.Condition``), with reasons that tell the causes apart:
 
 - ``Ready`` — True when every desired pod of the current revision is Ready and registered
   in the gateway, no pod of an older revision is left and the store is ready. Else False
-  with the first that applies of: ``InvalidSpec``, ``InsufficientGPUCapacity``,
+  with the first that applies of: ``InvalidSpec`` (or ``ServedNameConflict``: another
+  cluster's model has this name in the gateway), ``InsufficientGPUCapacity``,
   ``NoMatchingNodes``, ``Unschedulable``, ``EngineCrashLooping``, ``StoreNotReady``
   (``StoreDegraded`` when the store cannot come up), ``RolloutInProgress``,
   ``GatewayUnreachable``, ``Scaling``, ``EngineNotReady``.
@@ -118,7 +119,7 @@ class StatusInput:
     store: StoreView
     store_address: str
     plan: ro.PoolPlan
-    invalid: Problem | None
+    invalid: Problem | None  # a spec the operator cannot honour (or a served-name conflict)
     hot_prefixes: list[HotPrefixStatus]
     previous: MooncakeClusterStatus
     gpu_resource: str

@@ -118,6 +118,14 @@ def test_apply_example_gives_a_ready_serving_cluster(llama: Clusters, operator: 
     # a Ready transition was announced
     reasons = {e["reason"] for e in llama.events("llama")}
     assert {"CreatedPods", "AllReady"} <= reasons
+    # the operator's Prometheus metrics
+    import urllib.request
+
+    with urllib.request.urlopen(operator.metrics_url, timeout=5) as r:
+        metrics = r.read().decode()
+    assert 'mooncake_operator_reconciles_total{outcome="ok"}' in metrics
+    assert 'mooncake_operator_api_writes_total{kind="Pod",verb="create"}' in metrics or \
+        'mooncake_operator_api_writes_total{verb="create",kind="Pod"}' in metrics
 
 
 def test_a_reconcile_with_nothing_to_change_writes_nothing(llama: Clusters,
@@ -271,7 +279,7 @@ def test_operator_restart_mid_rollout_adopts_and_finishes(llama: Clusters,
 
 
 def test_unhonourable_specs_degrade_without_restarting_the_operator(
-        operator: Operator, k8s_cluster: Any) -> None:
+        llama: Clusters, operator: Operator, k8s_cluster: Any) -> None:
     cl = Clusters(k8s_cluster.http(), "e2e-bad")
     pid = operator.proc.pid
     cases = {
@@ -284,10 +292,15 @@ def test_unhonourable_specs_degrade_without_restarting_the_operator(
         "bad-params": (_example(conductor__params={"no_such_weight": 3}, store__enabled=False,
                                 prefill__gpusPerReplica=1, decode__gpusPerReplica=1),
                        "InvalidSpec"),
+        # the same served name as the e2e cluster's, which claimed it first
+        "same-name": (_example(prefill__replicas=1, decode__replicas=1, store__enabled=False,
+                               prefill__gpusPerReplica=1, decode__gpusPerReplica=1),
+                      "ServedNameConflict"),
     }
     for name, (obj, _reason) in cases.items():
         obj["metadata"]["name"] = name
-        obj["spec"]["model"]["name"] = f"{name}-sim"
+        if name != "same-name":
+            obj["spec"]["model"]["name"] = f"{name}-sim"
         cl.create(obj)
     try:
         _check_degraded(cl, cases, operator, pid)
