@@ -560,6 +560,20 @@ def format_status(data: dict[str, object]) -> str:
     return json.dumps(data, indent=2)
 
 
+def open_state(state_dir: Path, log: Callable[[str], None]
+               ) -> tuple[LocalClusterSettings, StatePaths, ClusterInfo] | None:
+    """What a helper process of a running cluster (pod runner, service proxy) starts from:
+    the settings ``up`` used, the state paths and ``cluster.json`` (``None``, logged, when
+    there is none)."""
+    settings = read_settings(state_dir)
+    paths = StatePaths(state_dir)
+    info = load_info(paths)
+    if info is None:
+        log(f"no cluster.json in {state_dir}")
+        return None
+    return settings, paths, info
+
+
 def read_settings(state_dir: Path) -> LocalClusterSettings:
     """The settings ``up`` used, for the pod runner (a separate process)."""
     raw = json.loads((state_dir / "settings.json").read_text())

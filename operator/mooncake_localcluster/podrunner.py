@@ -36,12 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_localcluster import podspec, procs, services, volumes, watching
-from mooncake_localcluster.cluster import (
-    StatePaths,
-    kube_client,
-    load_info,
-    read_settings,
-)
+from mooncake_localcluster.cluster import StatePaths, kube_client, open_state
 from mooncake_localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
 from mooncake_localcluster.settings import LocalClusterSettings
 
@@ -691,12 +686,10 @@ class PodRunner:
 
 def main(state_dir: Path) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    settings = read_settings(state_dir)
-    paths = StatePaths(state_dir)
-    info = load_info(paths)
-    if info is None:
-        log.error("no cluster.json in %s", state_dir)
+    opened = open_state(state_dir, log.error)
+    if opened is None:
         return 1
+    settings, paths, info = opened
     runner = PodRunner(settings, paths, kube_client(paths, info.server))
 
     def _stop(signum: int, frame: object) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_localcluster import services, watching
-from mooncake_localcluster.cluster import StatePaths, kube_client, load_info, read_settings
+from mooncake_localcluster.cluster import kube_client, open_state
 from mooncake_localcluster.kubehttp import KubeHttp
 from mooncake_localcluster.settings import LocalClusterSettings
 
@@ -257,12 +257,10 @@ class ServiceProxy:
 
 def main(state_dir: Path) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    settings = read_settings(state_dir)
-    paths = StatePaths(state_dir)
-    info = load_info(paths)
-    if info is None:
-        log.error("no cluster.json in %s", state_dir)
+    opened = open_state(state_dir, log.error)
+    if opened is None:
         return 1
+    settings, paths, info = opened
     proxy = ServiceProxy(
         settings, kube_client(paths, info.server), (info.host, info.ports["apiserver"])
     )

@@ -6,14 +6,7 @@ KEYS = list(range(10))
 
 
 def test_hot_prefix_on_loaded_holder_is_copied_to_the_coolest_instance() -> None:
-    c = cluster(4)
-    c.index.store(0, KEYS)
-    queue(c.prefill[0], 20.0)
-    queue(c.prefill[1], 2.0)
-    queue(c.prefill[3], 1.0)
-    tr = HotPrefixTracker(ReplicationConfig())
-    for t in range(30):
-        tr.record(KEYS, float(t))
+    tr, c, _keys = _hot_cluster()
     actions = tr.plan(c, 30.0)
     assert len(actions) == 1
     a = actions[0]
