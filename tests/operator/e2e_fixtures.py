@@ -25,6 +25,8 @@ from mooncake_localcluster.kubehttp import ApiError, KubeHttp
 from .manifests import EXAMPLES
 
 GROUP_PATH = "/apis/mooncake.io/v1alpha1"
+#: one line per end-to-end scenario, printed in pytest's summary (tests/operator/conftest.py)
+REPORTS: list[str] = []
 HOST = "127.0.0.1"
 
 

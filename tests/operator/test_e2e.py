@@ -21,6 +21,7 @@ from mooncake_gateway.replay import ReplayConfig, replay
 from mooncake_sim.trace import bundled_trace, load_trace
 
 from .e2e_fixtures import (
+    REPORTS,
     Clusters,
     Operator,
     gateway_pods,
@@ -196,6 +197,7 @@ def _report(name: str, res: dict[str, Any], **extra: Any) -> None:
     line = {"scenario": name, "requests": res.get("requests"), "completed": res.get("completed"),
             "rejected": res.get("rejected"), "failed": res.get("failed"),
             "errors": res.get("errors"), **extra}
+    REPORTS.append(json.dumps(line))
     print(f"\nE2E {json.dumps(line)}")
 
 
