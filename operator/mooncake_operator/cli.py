@@ -21,6 +21,8 @@ from typing import Any
 GATEWAY_STOP_TIMEOUT_S = 10.0
 #: prctl option: the signal a child gets when its parent dies
 PR_SET_PDEATHSIG = 1
+CRD_READY_TIMEOUT_S = 60.0
+CRD_POLL_S = 0.2
 
 
 def _die_with_parent() -> None:
@@ -55,17 +57,36 @@ def _gateway_beside(args: argparse.Namespace) -> Iterator[None]:
             proc.kill()
 
 
-def install_crd() -> None:
-    """Server-side apply of the CRD (large CRDs overflow client-side apply's annotation)."""
+def install_crd(timeout_s: float = CRD_READY_TIMEOUT_S) -> None:
+    """Server-side apply of the CRD (large CRDs overflow client-side apply's annotation),
+    then wait until the API server serves it: kopf scans the API once at startup and would
+    otherwise miss a group that is not in discovery yet, and serve nothing."""
     import json
+    import time
 
     from . import crd
-    from .kube import Kube, api_client_from_env
+    from .kube import Kube, KubeError, api_client_from_env
 
     kube = Kube(api_client_from_env(), "mooncake-operator")
-    kube._call("PATCH", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.CRD_NAME}",
-               json.dumps(crd.crd()), "application/apply-patch+yaml",
+    path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.CRD_NAME}"
+    kube._call("PATCH", path, json.dumps(crd.crd()), "application/apply-patch+yaml",
                {"fieldManager": "mooncake-operator", "force": "true"})
+    deadline = time.monotonic() + timeout_s
+    while True:
+        conds = (kube._call("GET", path).get("status") or {}).get("conditions") or []
+        established = any(c.get("type") == "Established" and c.get("status") == "True"
+                          for c in conds)
+        if established:
+            try:
+                served = kube._call("GET", f"/apis/{crd.GROUP}/{crd.VERSION}")
+            except KubeError:
+                served = None
+            if served and any(r.get("name") == crd.PLURAL
+                              for r in served.get("resources") or []):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"CRD {crd.CRD_NAME} not served after {timeout_s:.0f} s")
+        time.sleep(CRD_POLL_S)
 
 
 def run(args: argparse.Namespace) -> int:

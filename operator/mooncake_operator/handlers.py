@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -24,7 +25,9 @@ from .settings import OperatorSettings
 log = logging.getLogger(__name__)
 STATE: OperatorState | None = None
 OUR_LABELS = {c.LABEL_MANAGED_BY: c.MANAGED_BY}
-#: seconds kopf waits for a daemon to stop before cancelling it
+#: seconds kopf gives a daemon to see its stop flag and return before cancelling it
+DAEMON_STOP_GRACE_S = 5.0
+#: seconds kopf then waits for the cancelled daemon
 DAEMON_CANCELLATION_S = 10.0
 
 
@@ -74,9 +77,22 @@ def _emitter(body: Mapping[str, Any]) -> Any:
     return emit
 
 
-@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, cancellation_timeout=DAEMON_CANCELLATION_S)
-async def cluster_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, **_: Any) -> None:
-    await run_cluster(_state(), body, stopped, _emitter)
+@kopf.daemon(crd.GROUP, crd.VERSION, crd.PLURAL, cancellation_backoff=DAEMON_STOP_GRACE_S,
+             cancellation_timeout=DAEMON_CANCELLATION_S)
+async def cluster_daemon(body: kopf.Body, meta: kopf.Meta, stopped: kopf.DaemonStopped,
+                         **_: Any) -> None:
+    state = _state()
+    key = f"{meta.get('namespace')}/{meta.get('name')}"
+
+    async def on_stop() -> None:  # the loop sleeps on its wake-up event: wake it to exit
+        await stopped.wait()
+        state.stop(key)
+
+    watcher = asyncio.create_task(on_stop())
+    try:
+        await run_cluster(state, body, stopped, _emitter)
+    finally:
+        watcher.cancel()
 
 
 @kopf.on.event(crd.GROUP, crd.VERSION, crd.PLURAL)

@@ -12,6 +12,7 @@ are, so a bad edit never takes a serving cluster down.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -249,11 +250,15 @@ class Reconciler:
 
     async def _execute(self, ref: ClusterRef, spec: MooncakeClusterSpec, rev: str,
                        plan: rollout.PoolPlan, now: float, emit: Emit) -> None:
-        created = []
-        for role, ordinal in plan.create:
-            pod = builders.engine_pod(ref, spec, self.settings, role, rev, ordinal)
-            if await self.kube.create(pod) is not None:
-                created.append(pod["metadata"]["name"])
+        pods = [builders.engine_pod(ref, spec, self.settings, role, rev, ordinal)
+                for role, ordinal in plan.create]
+        limit = asyncio.Semaphore(self.settings.max_parallel_writes)
+
+        async def create(pod: JsonDict) -> str | None:
+            async with limit:
+                return pod["metadata"]["name"] if await self.kube.create(pod) else None
+
+        created = [n for n in await asyncio.gather(*(create(p) for p in pods)) if n]
         if created:
             emit("Normal", "CreatedPods", f"created {', '.join(created)}")
         for p in plan.drain:

@@ -34,7 +34,7 @@ MAX_BACKOFF_S = 60.0
 
 
 class Stopped(Protocol):
-    """kopf's daemon stop flag (truthy once the daemon must exit)."""
+    """A stop flag: truthy once the daemon must exit."""
 
     def __bool__(self) -> bool: ...
 
@@ -56,6 +56,12 @@ class OperatorState:
         gateway = GatewayClient(settings.gateway_url, settings.gateway_timeout_s)
         return cls(settings, kube, gateway, Reconciler(kube, gateway, settings))
 
+    def stop(self, key: str) -> None:
+        """Wake a cluster's loop to see its stop flag."""
+        ev = self.wakeups.get(key)
+        if ev is not None:
+            ev.set()
+
     def wake(self, namespace: str | None, name: str | None) -> None:
         if namespace and name:
             ev = self.wakeups.get(f"{namespace}/{name}")
@@ -68,6 +74,8 @@ class OperatorState:
 
 
 async def _sleep(wake: asyncio.Event, seconds: float, debounce: float) -> None:
+    """Until ``wake`` is set (an event, or the stop: the caller sets it then too) or
+    ``seconds`` pass."""
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(wake.wait(), timeout=seconds)
     if wake.is_set() and debounce > 0:
@@ -111,7 +119,8 @@ async def controller_round(state: OperatorState, ref: ClusterRef, outcome: Outco
 async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: Stopped,
                       emit_for: Callable[[Mapping[str, Any]], Emit],
                       clock: Callable[[], float] = time.monotonic) -> None:
-    """Reconcile one cluster until ``stopped``."""
+    """Reconcile one cluster until ``stopped`` (whoever sets it also sets the cluster's
+    wake-up event, :meth:`OperatorState.stop`, so the loop does not sleep through it)."""
     snapshot: JsonDict = copy.deepcopy(dict(body))
     ref = cluster_ref(snapshot)
     wake = state.wakeups.setdefault(ref.key, asyncio.Event())

@@ -40,6 +40,9 @@ class OperatorSettings(BaseSettings):
         "reconcile this often while a cluster is progressing (creating, rolling, draining)"))
     event_debounce_s: float = Field(0.2, ge=0, description=(
         "wait this long after a pod event before reconciling, to batch bursts"))
+    max_parallel_writes: int = Field(16, ge=1, description=(
+        "pod creations in flight at once (a 32+32 cluster is made in a few round trips, "
+        "not 64 in a row)"))
     crash_loop_restarts: int = Field(3, ge=1, description=(
         "an engine container restarted this often is reported as crash-looping (Degraded)"))
     annotations_mount: str = Field("/etc/mooncake/podinfo", description=(
