@@ -299,8 +299,8 @@ class Gateway:
             want = cat.served.get(name)
             if want is None:
                 log.info("model %s (%s) is no longer served", name, rt.source)
+                await rt.close()  # its series go before /v1/models stops listing it
                 del self.models[name]
-                await rt.close()
                 continue
             source, cfg = want
             if cfg == rt.cfg or rt.can_swap(cfg):
