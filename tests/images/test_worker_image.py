@@ -181,6 +181,13 @@ def test_worker_never_needs_the_operator_or_the_gateway() -> None:
 
 
 def test_pins_are_exact_and_each_a_closure() -> None:
+    try:  # the closure is read from installed metadata: the store extra too
+        metadata.distribution(KNOWN["mooncake"])
+    except metadata.PackageNotFoundError:
+        reason = "Mooncake's wheel is not installed (pip install -e '.[dev,store]')"
+        if os.environ.get("MOONCAKE_REQUIRE_STORE") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
     operator_pins, worker_pins = pins.read(pins.OPERATOR_FILE), pins.read(pins.WORKER_FILE)
     assert pins.main(["--check"]) == 0, "run `python images/pins.py --write`"
     # pyproject's specifiers hold for what the images install
