@@ -142,8 +142,11 @@ def register(subparsers: Any) -> None:
     r.add_argument("--log-level", default="INFO")
     r.set_defaults(handler=run)
     cp = sub.add_parser("crd", help="print the MooncakeCluster CRD (generated from the models)")
-    cp.add_argument("--write", action="store_true", help="write crds/ of this checkout")
-    cp.add_argument("--check", action="store_true", help="exit 1 when crds/ is out of date")
+    cp.add_argument("--write", action="store_true",
+                    help="write crds/ and the chart's charts/mooncake-operator/crds/ of this "
+                    "checkout")
+    cp.add_argument("--check", action="store_true",
+                    help="exit 1 when crds/ or the chart's copy is out of date")
     cp.add_argument("--reference", action="store_true", help=(
         "the configuration reference rendered from the CRD (docs/reference.md) instead: "
         "print it, --write it or --check it"))
