@@ -3,11 +3,11 @@
 It watches pods bound to the fake nodes. For a runnable pod (image contains one of
 ``settings.runnable_image_substrings`` or label ``mooncake.io/runnable: "true"``) kwok
 only assigns the pod IP (see ``manifests.kwok_stages``); this runner then starts each
-container's command+args (or the image entrypoint from ``settings.image_entrypoints`` +
-args) locally with the kubelet's Service variables, keeps downward-API, configMap and
-secret volumes materialized (and refreshed) in a per-pod directory, reports container
-states, readiness and exit codes by patching the pod status, restarts per
-``restartPolicy`` and stops the processes when the pod goes.
+container's command+args (or the image entrypoint, from ``images/*/Dockerfile`` and
+``settings.image_entrypoints``, + args) locally with the kubelet's Service variables,
+keeps downward-API, configMap and secret volumes materialized (and refreshed) in a
+per-pod directory, reports container states, readiness and exit codes by patching the pod
+status, restarts per ``restartPolicy`` and stops the processes when the pod goes.
 
 Scale: one loop thread handles watch events and a status tick at most every ``TICK_S``;
 readiness probes and process stops run in thread pools, so a slow probe or a container
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mooncake_localcluster import podspec, procs, services, volumes, watching
+from mooncake_localcluster import images, podspec, procs, services, volumes, watching
 from mooncake_localcluster.cluster import StatePaths, kube_client, open_state
 from mooncake_localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
 from mooncake_localcluster.settings import LocalClusterSettings
@@ -180,6 +180,9 @@ class PodRunner:
         self.prober = ThreadPoolExecutor(settings.probe_workers, thread_name_prefix="probe")
         self.stopper = ThreadPoolExecutor(STOP_WORKERS, thread_name_prefix="stop")
         self.last_tick = 0.0
+        self.entrypoints = images.entrypoint_table(
+            settings.images_dir or images.find_images_dir(), settings.image_entrypoints
+        )
 
     # ----- watching -----------------------------------------------------------------
     def _emitter(self, resource: str) -> watching.Emit:
@@ -431,7 +434,7 @@ class PodRunner:
             }
         )
         rewrites = self._rewrites(pod, running, container)
-        entrypoint = podspec.image_entrypoint(cp.image, self.settings.image_entrypoints)
+        entrypoint = podspec.image_entrypoint(cp.image, self.entrypoints)
         spec = podspec.process_spec(
             pod, container, implicit, rewrites, self._env_maps(pod, container), entrypoint
         )
@@ -446,7 +449,7 @@ class PodRunner:
             cp.finished_at = cp.started_at
             cp.message = (
                 f"no command, and image {cp.image!r} matches no entry of image_entrypoints"
-                f" ({sorted(self.settings.image_entrypoints)}): nothing to run"
+                f" ({sorted(self.entrypoints)}): nothing to run"
             )
             return
         env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_SERVICE_PREFIXES)}
