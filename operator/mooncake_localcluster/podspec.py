@@ -237,3 +237,50 @@ def is_runnable(pod: JsonDict, image_substrings: tuple[str, ...], runnable_label
         return True
     containers = (pod.get("spec") or {}).get("containers") or []
     return any(sub in str(c.get("image", "")) for c in containers for sub in image_substrings)
+
+
+CONFIGMAPS = "configmaps"
+SECRETS = "secrets"
+TOKEN_SOURCE = "serviceAccountToken"
+
+
+def projected_refs(volume: JsonDict) -> list[tuple[str, str]]:
+    """(resource, name) of each configMap and secret source of a ``projected`` volume."""
+    refs = []
+    for source in (volume.get("projected") or {}).get("sources") or []:
+        if source.get("configMap"):
+            refs.append((CONFIGMAPS, str(source["configMap"].get("name", ""))))
+        if source.get("secret"):
+            refs.append((SECRETS, str(source["secret"].get("name", ""))))
+    return refs
+
+
+def projected_files(
+    pod: JsonDict,
+    volume: JsonDict,
+    objects: Mapping[tuple[str, str], JsonDict],
+    tokens: Mapping[int, str],
+) -> dict[str, bytes]:
+    """Relative path -> content for a ``projected`` volume.
+
+    ``objects`` holds the ConfigMaps/Secrets by (resource, name) (``{}`` or absent when
+    they do not exist), ``tokens`` the token of each ``serviceAccountToken`` source by its
+    index in ``sources``. ``clusterTrustBundle`` and ``podCertificate`` sources are not
+    supported (nothing is written for them).
+    """
+    files: dict[str, bytes] = {}
+    for index, source in enumerate((volume.get("projected") or {}).get("sources") or []):
+        if source.get("configMap"):
+            ref = source["configMap"]
+            obj = objects.get((CONFIGMAPS, str(ref.get("name", "")))) or {}
+            files.update(key_files(ref.get("items"), config_map_data(obj)))
+        elif source.get("secret"):
+            ref = source["secret"]
+            obj = objects.get((SECRETS, str(ref.get("name", "")))) or {}
+            files.update(key_files(ref.get("items"), secret_data(obj)))
+        elif source.get("downwardAPI"):
+            downward = downward_api_files(pod, source)
+            files.update({k: v.encode() for k, v in downward.items()})
+        elif source.get(TOKEN_SOURCE) and index in tokens:
+            files[str(source[TOKEN_SOURCE].get("path", "token"))] = tokens[index].encode()
+    return files
