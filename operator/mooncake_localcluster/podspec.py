@@ -130,16 +130,21 @@ class MountRewrite:
 
 
 def rewrite_paths(text: str, rewrites: list[MountRewrite]) -> str:
-    for rw in sorted(rewrites, key=lambda r: len(r.mount_path), reverse=True):
-        prefix = rw.mount_path.rstrip("/")
-        if not prefix:
-            continue
-        text = re.sub(
-            re.escape(prefix) + r"(?=/|$|[\s:;,=\"'])",
-            rw.local_dir.replace("\\", "\\\\"),
-            text,
-        )
-    return text
+    """Each mount path in ``text`` -> its local directory, in one pass.
+
+    A mount path counts where it is a whole path: not preceded by a path character (so
+    ``/var/tmp`` is no ``/tmp``) and followed by ``/``, the end or a separator. The
+    longest mount path wins, and replaced text is never scanned again, so a local
+    directory that itself starts with a mount path (``/tmp/...`` with a ``/tmp`` mount)
+    stays as it is.
+    """
+    by_path = {rw.mount_path.rstrip("/"): rw.local_dir for rw in rewrites}
+    by_path.pop("", None)
+    if not by_path:
+        return text
+    alternatives = "|".join(re.escape(p) for p in sorted(by_path, key=len, reverse=True))
+    pattern = r"(?<![\w.~/-])(" + alternatives + r")(?=/|$|[\s:;,=\"'])"
+    return re.sub(pattern, lambda m: by_path[m.group(1)], text)
 
 
 @dataclass
@@ -176,16 +181,21 @@ def process_spec(
     """
     env = container_env(pod, container, implicit, config_maps)
     env = {key: rewrite_paths(value, rewrites) for key, value in env.items()}
+
+    def arg(text: object) -> str:
+        # The literal is rewritten, then expanded with the (already rewritten) env: a
+        # path is rewritten once, never again inside a value that was.
+        return expand(rewrite_paths(str(text), rewrites), env)
+
     command = container.get("command") or []
     if command:
-        argv = [expand(str(a), env) for a in command]
+        argv = [arg(a) for a in command]
     elif entrypoint is not None:
-        argv = list(entrypoint)
+        argv = [rewrite_paths(a, rewrites) for a in entrypoint]
     else:
         argv = []
     if argv:
-        argv += [expand(str(a), env) for a in (container.get("args") or [])]
-    argv = [rewrite_paths(a, rewrites) for a in argv]
+        argv += [arg(a) for a in (container.get("args") or [])]
     working_dir = container.get("workingDir")
     cwd = rewrite_paths(working_dir, rewrites) if working_dir else None
     return ProcessSpec(argv=argv, env=env, cwd=cwd, rewrites=rewrites)
