@@ -1,8 +1,9 @@
 """Give one container process its own view of a few fixed paths, then exec it.
 
-The pod runner starts a container as ``unshare --mount [--user --map-root-user] python
-mountns.py --stage DIR [--bind|--ro-bind SRC DST]... -- ARGV...``. In the fresh, private
-mount namespace this script bind-mounts each SRC (a per-pod directory or file) onto DST
+The pod runner starts a container as ``unshare --mount --uts [--user --map-root-user]
+python mountns.py --stage DIR [--hostname NAME] [--bind|--ro-bind SRC DST]... --
+ARGV...``. In the fresh, private mount namespace this script bind-mounts each SRC (a
+per-pod directory or file) onto DST, sets the hostname (the pod's, as a kubelet does)
 and then execs ARGV, so ``/var/run/secrets/kubernetes.io/serviceaccount`` and
 ``/etc/hosts`` show this pod's files while every other process keeps the host's.
 
@@ -25,6 +26,7 @@ import ctypes.util
 import os
 import stat
 import sys
+from typing import NamedTuple
 
 MOUNT_FAILED_EXIT = 125
 NOT_FOUND_EXIT = 127
@@ -118,8 +120,10 @@ def command(
     argv: list[str],
     python: str = sys.executable,
     as_root: bool | None = None,
+    hostname: str | None = None,
 ) -> list[str]:
-    """The argv that runs ``argv`` in its own mount namespace with ``binds`` in place.
+    """The argv that runs ``argv`` in its own mount namespace with ``binds`` in place
+    (and, given ``hostname``, its own UTS namespace with that hostname).
 
     Without root (``as_root`` defaults to the effective uid being 0) the namespace needs a
     user namespace too, where the process is root (``--map-root-user``): it can mount there
@@ -130,23 +134,37 @@ def command(
     if as_root is None:
         as_root = os.geteuid() == 0
     out = [shutil.which("unshare") or "unshare", "--mount", "--propagation", "private"]
+    if hostname:
+        out.append("--uts")
     if not as_root:
         out += ["--user", "--map-root-user"]
     out += [python, "-I", "-S", os.path.abspath(__file__), "--stage", stage]
+    if hostname:
+        out += ["--hostname", hostname]
     for source, target, read_only in binds:
         out += ["--ro-bind" if read_only else "--bind", source, target]
     return [*out, "--", *argv]
 
 
-def parse(argv: list[str]) -> tuple[str, list[Bind], list[str]]:
-    """(stage, [(source, target, read_only)], command) from this script's arguments."""
-    stage = ""
+class Args(NamedTuple):
+    stage: str
+    binds: list[Bind]
+    command: list[str]
+    hostname: str = ""
+
+
+def parse(argv: list[str]) -> Args:
+    """This script's arguments."""
+    stage = hostname = ""
     binds: list[Bind] = []
     i = 0
     while i < len(argv) and argv[i] != "--":
         flag = argv[i]
-        if flag == "--stage" and i + 1 < len(argv):
-            stage = argv[i + 1]
+        if flag in ("--stage", "--hostname") and i + 1 < len(argv):
+            if flag == "--stage":
+                stage = argv[i + 1]
+            else:
+                hostname = argv[i + 1]
             i += 2
         elif flag in ("--bind", "--ro-bind") and i + 2 < len(argv):
             binds.append((argv[i + 1], argv[i + 2], flag == "--ro-bind"))
@@ -155,18 +173,27 @@ def parse(argv: list[str]) -> tuple[str, list[Bind], list[str]]:
             raise MountError(f"bad argument {flag!r}")
     command = argv[i + 1 :]
     if not stage or not command:
-        raise MountError("usage: mountns.py --stage DIR [--bind|--ro-bind SRC DST]... -- ARGV")
-    return stage, binds, command
+        raise MountError(
+            "usage: mountns.py --stage DIR [--hostname NAME] [--bind|--ro-bind SRC DST]..."
+            " -- ARGV"
+        )
+    return Args(stage, binds, command, hostname)
 
 
 def main(argv: list[str]) -> int:
     try:
-        stage, binds, argv = parse(argv)
+        args = parse(argv)
+        argv = args.command
         # Nothing we mount may leak back to the host (unshare makes it private too).
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
         covered: list[str] = []
-        for source, target, read_only in binds:
-            bind(source, target, stage, read_only, covered)
+        for source, target, read_only in args.binds:
+            bind(source, target, args.stage, read_only, covered)
+        if args.hostname:
+            name = os.fsencode(args.hostname)
+            if _libc.sethostname(name, ctypes.c_size_t(len(name))) != 0:
+                err = ctypes.get_errno()
+                raise MountError(f"sethostname {args.hostname!r}: {os.strerror(err)}")
     except (MountError, OSError) as err:
         print(f"{ERROR_PREFIX} {err}", file=sys.stderr, flush=True)
         return MOUNT_FAILED_EXIT

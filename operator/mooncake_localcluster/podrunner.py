@@ -604,6 +604,7 @@ class PodRunner:
             [(str(check / "sa"), mountns.SERVICE_ACCOUNT_DIR, True)],
             str(check / "stage"),
             ["cat", target],
+            hostname="mount-ns-check",
         )
         try:
             done = subprocess.run(argv, capture_output=True, timeout=30, check=False)
@@ -696,7 +697,9 @@ class PodRunner:
         ns_error = self.mount_ns_error()
         if ns_error is None:
             stage = running.directory / "mount-stage" / cp.name
-            argv = mountns.command([*volume_binds, *hosts_bind], str(stage), argv)
+            argv = mountns.command(
+                [*volume_binds, *hosts_bind], str(stage), argv, hostname=services.pod_hostname(pod)
+            )
             cp.in_mount_ns = True
         elif volume_binds:
             # Never fall back to something else: the pod asked for these files there.

@@ -208,15 +208,29 @@ def service_hostnames(service: JsonDict, pod_namespace: str) -> list[str]:
     return names
 
 
+MAX_HOSTNAME = 63
+
+
+def pod_hostname(pod: JsonDict) -> str:
+    """The kubelet's hostname for a pod: ``spec.hostname``, else the pod name cut to 63
+    characters with trailing ``-`` and ``.`` removed."""
+    spec = pod.get("spec") or {}
+    if spec.get("hostname"):
+        return str(spec["hostname"])
+    name = str((pod.get("metadata") or {}).get("name", ""))
+    return name[:MAX_HOSTNAME].rstrip("-.")
+
+
 def hosts_file(pod: JsonDict, services: Iterable[JsonDict]) -> str:
     """``/etc/hosts`` for a container of ``pod``: the kubelet's managed file (localhost,
-    the pod's IP and hostname, ``hostAliases``), then, since there is no cluster DNS, one
-    line per Service with a ClusterIP (every namespace) with its DNS names."""
+    the pod's IP and hostname (:func:`pod_hostname`), ``hostAliases``), then, since
+    there is no cluster DNS, one line per Service with a ClusterIP (every namespace) with
+    its DNS names."""
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     lines = [HOSTS_HEADER.rstrip("\n")]
     ip = str((pod.get("status") or {}).get("podIP") or "")
-    hostname = str(spec.get("hostname") or meta.get("name", ""))
+    hostname = pod_hostname(pod)
     if ip and hostname:
         names = [hostname]
         if spec.get("subdomain"):

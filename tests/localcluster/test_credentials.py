@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import errno
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,10 @@ def test_hosts_file_names_the_pod_and_every_service() -> None:
     # Same namespace: the short name too.
     assert lines[-1].endswith("\tgateway.mooncake\tgateway")
     assert "headless" not in text
+    assert services.pod_hostname(_pod()) == "op-0"
+    long_name = _pod()
+    long_name["metadata"]["name"] = "a" * 62 + "-b"
+    assert services.pod_hostname(long_name) == "a" * 62
     sub = services.hosts_file(_pod(hostname="h", subdomain="s"), [])
     assert "127.1.1.7\th.s.mooncake.svc.cluster.local\th" in sub.splitlines()
 
@@ -271,13 +276,14 @@ def test_admission_plugins_stay_on(tmp_path: Path) -> None:
 # ----- the mount namespace helper ------------------------------------------------------
 def test_mountns_command_and_arguments() -> None:
     binds = [("/s/sa", SA_DIR, True), ("/s/hosts", "/etc/hosts", False)]
-    root = mountns.command(binds, "/s/stage", ["app", "--x"], python="py", as_root=True)
-    assert root[1:4] == ["--mount", "--propagation", "private"]
+    root = mountns.command(binds, "/s/stage", ["app", "--x"], python="py", as_root=True,
+                           hostname="op-0")
+    assert root[1:5] == ["--mount", "--propagation", "private", "--uts"]
     assert "--map-root-user" not in root
     user = mountns.command(binds, "/s/stage", ["app"], python="py", as_root=False)
-    assert user[4:6] == ["--user", "--map-root-user"]
+    assert user[4:6] == ["--user", "--map-root-user"] and "--uts" not in user
     script_args = root[root.index(os.path.abspath(mountns.__file__)) + 1 :]
-    assert mountns.parse(script_args) == ("/s/stage", binds, ["app", "--x"])
+    assert mountns.parse(script_args) == mountns.Args("/s/stage", binds, ["app", "--x"], "op-0")
     with pytest.raises(mountns.MountError):
         mountns.parse(["--bind", "a"])
 
@@ -294,7 +300,7 @@ def test_mountns_shows_the_files_at_the_fixed_path_only_inside(tmp_path: Path) -
     sa.mkdir()
     (sa / "token").write_text("inside")
     hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.9 kubernetes.default.svc\n")
+    hosts.write_text("127.0.0.9 kubernetes.default.svc\n127.1.1.7 op-0\n")
     before = os.path.exists(SA_DIR)
     outside = set(os.listdir("/var/run"))
     script = (
@@ -306,9 +312,11 @@ def test_mountns_shows_the_files_at_the_fixed_path_only_inside(tmp_path: Path) -
         "except OSError as err:\n"
         "    print(err.errno)\n"
         "print(' '.join(os.listdir('/var/run')))\n"
+        "print(socket.gethostname(), socket.gethostbyname(socket.gethostname()))\n"
     )
     binds = [(str(sa), SA_DIR, True), (str(hosts), "/etc/hosts", False)]
-    argv = mountns.command(binds, str(tmp_path / "stage"), [sys.executable, "-c", script])
+    argv = mountns.command(binds, str(tmp_path / "stage"), [sys.executable, "-c", script],
+                           hostname="op-0")
     out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
@@ -317,6 +325,8 @@ def test_mountns_shows_the_files_at_the_fixed_path_only_inside(tmp_path: Path) -
     assert lines[2] == str(errno.EROFS)  # mounted read-only, like the kubelet's
     # /var/run still shows what it held, plus secrets/ when that was missing.
     assert set(lines[3].split()) == outside | {"secrets"}
+    assert lines[4] == "op-0 127.1.1.7"  # the pod's hostname, resolving to its IP
+    assert socket.gethostname() != "op-0"
     assert os.path.exists(SA_DIR) == before  # the host never saw it
 
 
