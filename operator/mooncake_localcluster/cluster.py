@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import socket
 import ssl
@@ -38,6 +39,9 @@ PORT_NAMES = ("etcd", "etcd_peer", "apiserver", "controller_manager", "scheduler
 # Start order; `down` stops in reverse.
 PROCESS_ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 HTTP_PROBE_TIMEOUT_S = 2.0
+REQUIRED_ADMISSION_PLUGINS = ("ServiceAccount", "PodSecurity")
+KUBERNETES_SERVICE_WAIT_S = 15.0
+UNPRIVILEGED_PORT_START = Path("/proc/sys/net/ipv4/ip_unprivileged_port_start")
 
 
 @dataclass(frozen=True)
@@ -209,6 +213,9 @@ def _argv(
             f"--client-ca-file={pki.ca_crt}",
             f"--service-cluster-ip-range={settings.service_range()}",
             "--authorization-mode=RBAC",
+            # Both are on by default; named so that no flag here ever turns them off: pods
+            # get their ServiceAccount's token volume, namespaces enforce Pod Security.
+            f"--enable-admission-plugins={','.join(REQUIRED_ADMISSION_PLUGINS)}",
             f"--service-account-issuer={SERVICE_ACCOUNT_ISSUER}",
             f"--service-account-key-file={pki.sa_pub}",
             f"--service-account-signing-key-file={pki.sa_key}",
@@ -483,6 +490,7 @@ def _start(
             start_helper(helper, paths, fds)
         for name in ("kube-controller-manager", "kube-scheduler"):
             _wait(name, _ready_check(name, settings, paths, ports), settings, paths, name)
+        _wait_kubernetes_service(settings, log)
         _wait("nodes", lambda: _nodes_ready(client, settings), settings, paths, "kwok")
     except BaseException:
         log(f"start failed; stopping what was started (logs in {paths.logs})")
@@ -491,6 +499,34 @@ def _start(
     log(f"local cluster {settings.name!r} up in {time.monotonic() - started:.1f}s: {server}")
     log(f"kubeconfig: {paths.kubeconfig}")
     return info
+
+
+def _wait_kubernetes_service(settings: LocalClusterSettings, log: Log) -> None:
+    """Pods reach the API server at the ``kubernetes`` ClusterIP:443: wait until the
+    service proxy serves it, when it can (else the pod runner hands pods the API server's
+    own address, see ``podrunner``)."""
+    address = (settings.kubernetes_service_ip(), KUBERNETES_SERVICE_PORT)
+    if can_bind_port(KUBERNETES_SERVICE_PORT):
+        deadline = time.monotonic() + KUBERNETES_SERVICE_WAIT_S
+        while time.monotonic() < deadline:
+            if procs.listening(*address):
+                return
+            time.sleep(settings.poll_interval_s)
+    log(
+        f"the service proxy does not serve {address[0]}:{address[1]} (port 443 needs root or"
+        " a lowered net.ipv4.ip_unprivileged_port_start): pods get the API server's own"
+        " address in KUBERNETES_SERVICE_HOST/PORT"
+    )
+
+
+def can_bind_port(port: int) -> bool:
+    """Whether this process may listen on ``port`` (root, or a low enough
+    ``net.ipv4.ip_unprivileged_port_start``)."""
+    try:
+        start = int(UNPRIVILEGED_PORT_START.read_text())
+    except (OSError, ValueError):
+        start = 1024
+    return port >= start or os.geteuid() == 0
 
 
 def start_helper(name: str, paths: StatePaths, pass_fds: list[int] | None = None) -> None:

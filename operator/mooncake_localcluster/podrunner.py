@@ -3,11 +3,18 @@
 It watches pods bound to the fake nodes. For a runnable pod (image contains one of
 ``settings.runnable_image_substrings`` or label ``mooncake.io/runnable: "true"``) kwok
 only assigns the pod IP (see ``manifests.kwok_stages``); this runner then starts each
-container's command+args (or the image entrypoint from ``settings.image_entrypoints`` +
-args) locally with the kubelet's Service variables, keeps downward-API, configMap and
-secret volumes materialized (and refreshed) in a per-pod directory, reports container
-states, readiness and exit codes by patching the pod status, restarts per
-``restartPolicy`` and stops the processes when the pod goes.
+container's command+args (or the image entrypoint, from ``images/*/Dockerfile`` and
+``settings.image_entrypoints``, + args) locally with the kubelet's Service variables,
+keeps downward-API, configMap, secret and projected volumes materialized (and refreshed)
+in a per-pod directory, reports container states, readiness and exit codes by patching the pod
+status, restarts per ``restartPolicy`` and stops the processes when the pod goes.
+
+Credentials like a kubelet's: a projected ``serviceAccountToken`` source gets a real token
+for the pod's ServiceAccount from the TokenRequest API (refreshed at 80% of its
+lifetime, see ``tokens``), and each container runs in its own mount namespace
+(``mountns``) where the mounts under ``/var/run/secrets/`` and a managed ``/etc/hosts``
+are bind-mounted at their real paths, so in-cluster clients find the token, the CA and
+the namespace where they look. Pod processes never get the admin kubeconfig.
 
 Scale: one loop thread handles watch events and a status tick at most every ``TICK_S``;
 readiness probes and process stops run in thread pools, so a slow probe or a container
@@ -29,19 +36,35 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mooncake_localcluster import podspec, procs, services, volumes, watching
-from mooncake_localcluster.cluster import StatePaths, kube_client, open_state
+from mooncake_localcluster import (
+    images,
+    mountns,
+    podspec,
+    procs,
+    services,
+    tokens,
+    volumes,
+    watching,
+)
+from mooncake_localcluster.cluster import (
+    KUBERNETES_SERVICE_PORT,
+    StatePaths,
+    kube_client,
+    open_state,
+)
 from mooncake_localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
 from mooncake_localcluster.settings import LocalClusterSettings
 
 log = logging.getLogger("mooncake.localcluster.podrunner")
 JsonDict = dict[str, Any]
+Known = dict[tuple[str, str], JsonDict] | None  # objects by (resource, name), already at hand
 
 TICK_S = 0.25
 PROBE_INTERVAL_CAP_S = 1.0
@@ -50,8 +73,14 @@ BACKOFF_MAX_S = 30.0
 RETRY_DELAY_S = 1.0
 NO_COMMAND_EXIT = 127
 STOP_WORKERS = 8
-# Variables a parent cluster may have set for the runner itself: never inherited.
-INHERITED_SERVICE_PREFIXES = ("KUBERNETES_SERVICE_", "KUBERNETES_PORT")
+# Variables a parent cluster (or the user who ran `up`) may have set for the runner
+# itself: never inherited. A pod process talks to the API server with its own token only.
+INHERITED_PREFIXES = ("KUBERNETES_SERVICE_", "KUBERNETES_PORT", "KUBECONFIG")
+# Mounts at these paths (and below) are bind-mounted for real in the container's mount
+# namespace, the rest are rewritten in command/args/env (see ``podspec.MountRewrite``).
+BIND_MOUNT_ROOTS = ("/var/run/secrets", "/run/secrets")
+HOSTS_PATH = "/etc/hosts"
+TOKEN_RETRY_S = 10.0
 
 PODS = "pods"
 SERVICES = "services"
@@ -59,6 +88,7 @@ CONFIGMAPS = "configmaps"
 SECRETS = "secrets"
 # A volume source kind -> (resource, the field naming the object).
 SOURCE_REFS = {"configMap": (CONFIGMAPS, "name"), "secret": (SECRETS, "secretName")}
+KUBERNETES_PORT_NAME = "https"
 # Probes must reach the pod IP directly, whatever *_proxy variables say.
 _NO_PROXY_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -84,6 +114,7 @@ class ContainerProc:
     last_terminated: JsonDict | None = None
     message: str = ""
     probe_future: Future[bool] | None = None
+    in_mount_ns: bool = False
 
 
 @dataclass
@@ -99,6 +130,11 @@ class RunningPod:
     meta_digest: str = ""
     last_status: JsonDict = field(default_factory=dict)
     done: bool = False
+    pod: JsonDict = field(default_factory=dict)  # the latest object seen
+    # (volume name, source index) -> the token of a serviceAccountToken source
+    issued_tokens: dict[tuple[str, int], tokens.Token] = field(default_factory=dict)
+    token_retry_at: float = 0.0  # monotonic: no refresh attempt before this
+    mount_errors: dict[str, str] = field(default_factory=dict)  # volume name -> why
 
 
 def _link_nested_mounts(rewrites: list[podspec.MountRewrite]) -> None:
@@ -158,6 +194,31 @@ def volume_ref(volume: JsonDict) -> tuple[str, str] | None:
     return None
 
 
+def volume_refs(volume: JsonDict) -> list[tuple[str, str]]:
+    """(resource, object name) of every ConfigMap/Secret a volume shows (projected too)."""
+    ref = volume_ref(volume)
+    return [ref] if ref is not None else podspec.projected_refs(volume)
+
+
+def is_bind_mount(mount_path: str) -> bool:
+    """Whether the runner bind-mounts a volume at its real path (``BIND_MOUNT_ROOTS``)."""
+    path = mount_path.rstrip("/")
+    return any(path == root or path.startswith(root + "/") for root in BIND_MOUNT_ROOTS)
+
+
+def mount_error_message(log_path: Path) -> str:
+    """The mount helper's error line from a container log ('' when there is none)."""
+    try:
+        with open(log_path, "rb") as log_file:
+            log_file.seek(0, os.SEEK_END)
+            log_file.seek(max(0, log_file.tell() - 4096))
+            tail = log_file.read().decode(errors="replace")
+    except OSError:
+        return ""
+    lines = [ln for ln in tail.splitlines() if ln.startswith(mountns.ERROR_PREFIX)]
+    return lines[-1] if lines else ""
+
+
 def source_files(volume: JsonDict, resource: str, obj: JsonDict) -> dict[str, bytes]:
     """The files of a configMap/secret volume, from the object (``{}`` if absent)."""
     if resource == CONFIGMAPS:
@@ -180,6 +241,12 @@ class PodRunner:
         self.prober = ThreadPoolExecutor(settings.probe_workers, thread_name_prefix="probe")
         self.stopper = ThreadPoolExecutor(STOP_WORKERS, thread_name_prefix="stop")
         self.last_tick = 0.0
+        self.entrypoints = images.entrypoint_table(
+            settings.images_dir or images.find_images_dir(), settings.image_entrypoints
+        )
+        self._mount_ns_error: str | None = None
+        self._mount_ns_checked = False
+        self._kubernetes_served = False
 
     # ----- watching -----------------------------------------------------------------
     def _emitter(self, resource: str) -> watching.Emit:
@@ -260,6 +327,9 @@ class PodRunner:
                 for volume in running.volumes:
                     if volume_ref(volume) == (resource, name):
                         self._write_volume(running, volume, source_files(volume, resource, item))
+                    elif (resource, name) in podspec.projected_refs(volume):
+                        known = {(resource, name): item}
+                        self._materialize_volume(running.pod, running, volume, known)
 
     def _runnable(self, pod: JsonDict) -> bool:
         return podspec.is_runnable(
@@ -276,6 +346,7 @@ class PodRunner:
             return
         running = self.pods.get(uid)
         if running is not None:
+            running.pod = pod
             self._refresh_volumes(running, pod)
             self._reassert(running, pod)
             return
@@ -305,10 +376,47 @@ class PodRunner:
             return {k: v.decode(errors="replace") for k, v in podspec.secret_data(obj).items()}
         return {k: str(v) for k, v in (obj.get("data") or {}).items()}
 
-    def _volume_files(self, pod: JsonDict, volume: JsonDict) -> dict[str, bytes] | None:
+    def _token(self, running: RunningPod, pod: JsonDict, key: tuple[str, int],
+               source: JsonDict) -> str:
+        """The cached token of a serviceAccountToken source, or a new one when due."""
+        cached = running.issued_tokens.get(key)
+        if cached is not None and not cached.refresh_due(time.time()):
+            return cached.token
+        response = self.client.post(tokens.request_path(pod), tokens.token_request(pod, source))
+        token = tokens.token_from_response(response)
+        running.issued_tokens[key] = token
+        log.info(
+            "%s/%s: token for serviceaccount %s (volume %s), refresh in %.0f s",
+            running.namespace, running.name, tokens.service_account(pod), key[0],
+            token.refresh_at() - time.time(),
+        )
+        return token.token
+
+    def _projected_files(
+        self, running: RunningPod, pod: JsonDict, volume: JsonDict, known: Known = None
+    ) -> dict[str, bytes]:
+        """A projected volume's files; ``known`` objects (just seen by a watch) are not
+        fetched again, and a token is only requested when there is none or it is due."""
+        objects = dict(known or {})
+        for resource, name in podspec.projected_refs(volume):
+            if (resource, name) not in objects:
+                objects[(resource, name)] = self._fetch(running.namespace, resource, name)
+        found: dict[int, str] = {}
+        for index, source in enumerate((volume.get("projected") or {}).get("sources") or []):
+            if source.get(podspec.TOKEN_SOURCE):
+                key = (str(volume["name"]), index)
+                found[index] = self._token(running, pod, key, source[podspec.TOKEN_SOURCE])
+        return podspec.projected_files(pod, volume, objects, found)
+
+    def _volume_files(
+        self, pod: JsonDict, volume: JsonDict, running: RunningPod | None = None,
+        known: Known = None,
+    ) -> dict[str, bytes] | None:
         if "downwardAPI" in volume:
             files = podspec.downward_api_files(pod, volume)
             return {k: v.encode() for k, v in files.items()}
+        if "projected" in volume and running is not None:
+            return self._projected_files(running, pod, volume, known)
         ref = volume_ref(volume)
         if ref is None:
             return None
@@ -329,14 +437,51 @@ class PodRunner:
                 "%s/%s: volume %s: %s", running.namespace, running.name, volume["name"], err
             )
 
+    def _materialize_volume(
+        self, pod: JsonDict, running: RunningPod, volume: JsonDict, known: Known = None
+    ) -> bool:
+        """Write one volume's files; a failed token request is kept in ``mount_errors``
+        (a container that mounts the volume then fails to start with it) and the old
+        files stay."""
+        name = str(volume["name"])
+        (running.directory / "volumes" / name).mkdir(parents=True, exist_ok=True)
+        try:
+            files = self._volume_files(pod, volume, running, known)
+        except (ApiError, OSError, ValueError, KeyError) as err:
+            if "projected" not in volume:
+                raise
+            running.mount_errors[name] = f"MountVolume.SetUp failed for volume {name!r}: {err}"
+            log.warning("%s/%s: %s", running.namespace, running.name,
+                        running.mount_errors[name])
+            return False
+        running.mount_errors.pop(name, None)
+        if files is not None:
+            self._write_volume(running, volume, files)
+        return True
+
     def _materialize(self, pod: JsonDict, running: RunningPod, only_downward: bool) -> None:
         for volume in running.volumes:
-            if only_downward and "downwardAPI" not in volume:
+            if only_downward and not self._has_downward(volume):
                 continue
-            (running.directory / "volumes" / volume["name"]).mkdir(parents=True, exist_ok=True)
-            files = self._volume_files(pod, volume)
-            if files is not None:
-                self._write_volume(running, volume, files)
+            self._materialize_volume(pod, running, volume)
+
+    @staticmethod
+    def _has_downward(volume: JsonDict) -> bool:
+        sources = (volume.get("projected") or {}).get("sources") or []
+        return "downwardAPI" in volume or any(s.get("downwardAPI") for s in sources)
+
+    def _refresh_tokens(self, running: RunningPod) -> None:
+        """Like the kubelet's token manager: a new token once 80% of the old one's lifetime
+        has passed (failed attempts are retried every ``TOKEN_RETRY_S``)."""
+        now = time.time()
+        if not running.issued_tokens or time.monotonic() < running.token_retry_at:
+            return
+        due = {name for (name, _), token in running.issued_tokens.items() if token.refresh_due(now)}
+        for volume in running.volumes:
+            if volume["name"] in due and not self._materialize_volume(
+                running.pod, running, volume
+            ):
+                running.token_retry_at = time.monotonic() + TOKEN_RETRY_S
 
     @staticmethod
     def _meta_digest(pod: JsonDict) -> str:
@@ -375,13 +520,13 @@ class PodRunner:
             restart_policy=spec.get("restartPolicy", "Always"),
             volumes=list(spec.get("volumes") or []),
             meta_digest=self._meta_digest(pod),
+            pod=pod,
         )
         self._materialize(pod, running, only_downward=False)
         self.pods[uid] = running
         for volume in running.volumes:
-            ref = volume_ref(volume)
-            if ref is not None:
-                self.volume_users.setdefault((ref[0], running.namespace, ref[1]), set()).add(uid)
+            for resource, name in volume_refs(volume):
+                self.volume_users.setdefault((resource, running.namespace, name), set()).add(uid)
         for cp in running.containers:
             self._start_container(running, pod, cp)
         self._report(running)
@@ -417,7 +562,86 @@ class PodRunner:
         """The kubelet's Service variables for a container of ``pod``, as of now."""
         links = (pod.get("spec") or {}).get("enableServiceLinks", True) is not False
         namespace = str(pod["metadata"]["namespace"])
-        return services.pod_service_env(namespace, links, self.services.values())
+        env = services.pod_service_env(namespace, links, self.services.values())
+        if not self._kubernetes_reachable():
+            env.update(self._direct_apiserver_env())
+        return env
+
+    def _kubernetes_reachable(self) -> bool:
+        """Whether the service proxy serves ``kubernetes`` on its ClusterIP:443 (it cannot
+        bind port 443 without root or a lowered ``ip_unprivileged_port_start``)."""
+        if not self._kubernetes_served:
+            ip = self.settings.kubernetes_service_ip()
+            self._kubernetes_served = procs.listening(ip, KUBERNETES_SERVICE_PORT)
+        return self._kubernetes_served
+
+    def _direct_apiserver_env(self) -> dict[str, str]:
+        """``KUBERNETES_SERVICE_*`` pointing straight at the API server (its serving cert
+        lists that address too): the fallback when the ClusterIP's port 443 is not served."""
+        url = urllib.parse.urlsplit(self.client.server)
+        direct = {
+            "metadata": {"name": services.MASTER_SERVICE},
+            "spec": {
+                "clusterIP": url.hostname,
+                "ports": [{"name": KUBERNETES_PORT_NAME, "port": url.port}],
+            },
+        }
+        return services.service_env([direct])
+
+    def mount_ns_error(self) -> str | None:
+        """Why containers cannot get their own mount namespace here (None: they can).
+
+        Checked once, by running the real thing: a bind onto the service-account path."""
+        if self._mount_ns_checked:
+            return self._mount_ns_error
+        self._mount_ns_checked = True
+        check = self.paths.root / "mount-ns-check"
+        shutil.rmtree(check, ignore_errors=True)
+        (check / "sa").mkdir(parents=True)
+        (check / "sa" / "token").write_text("ok")
+        target = f"{mountns.SERVICE_ACCOUNT_DIR}/token"
+        argv = mountns.command(
+            [(str(check / "sa"), mountns.SERVICE_ACCOUNT_DIR, True)],
+            str(check / "stage"),
+            ["cat", target],
+            hostname="mount-ns-check",
+        )
+        try:
+            done = subprocess.run(argv, capture_output=True, timeout=30, check=False)
+            output = (done.stdout + done.stderr).decode(errors="replace").strip()
+            if done.returncode != 0 or done.stdout.decode() != "ok":
+                self._mount_ns_error = f"{' '.join(argv[:6])} ... failed: {output[-500:]}"
+        except (OSError, subprocess.TimeoutExpired) as err:
+            self._mount_ns_error = f"cannot run {argv[0]!r}: {err}"
+        if self._mount_ns_error:
+            log.error("containers get no mount namespace: %s", self._mount_ns_error)
+        shutil.rmtree(check, ignore_errors=True)
+        return self._mount_ns_error
+
+    def _binds(
+        self, pod: JsonDict, running: RunningPod, cp: ContainerProc
+    ) -> tuple[list[mountns.Bind], list[mountns.Bind]]:
+        """(the volume mounts under ``BIND_MOUNT_ROOTS``, the managed ``/etc/hosts``)."""
+        volume_binds: list[mountns.Bind] = []
+        for mount in cp.container.get("volumeMounts") or []:
+            if not is_bind_mount(str(mount["mountPath"])):
+                continue
+            local = running.directory / "volumes" / mount["name"]
+            if mount.get("subPath"):
+                local = local / mount["subPath"]
+            read_only = bool(mount.get("readOnly"))
+            volume_binds.append((str(local), str(mount["mountPath"]), read_only))
+        hosts = running.directory / "hosts"
+        tmp = hosts.with_suffix(".tmp")
+        tmp.write_text(services.hosts_file(pod, self.services.values()))
+        tmp.replace(hosts)
+        return volume_binds, [(str(hosts), HOSTS_PATH, False)]
+
+    def _cannot_start(self, running: RunningPod, cp: ContainerProc, message: str) -> None:
+        """The container could not be set up: reported like an exit, restarted per policy."""
+        cp.message = message
+        log.warning("%s/%s container %s: %s", running.namespace, running.name, cp.name, message)
+        self._exited(running, cp, NO_COMMAND_EXIT, keep_message=True)
 
     def _start_container(self, running: RunningPod, pod: JsonDict, cp: ContainerProc) -> None:
         container = cp.container
@@ -430,8 +654,11 @@ class PodRunner:
                 "NODE_NAME": str((pod.get("spec") or {}).get("nodeName", "")),
             }
         )
-        rewrites = self._rewrites(pod, running, container)
-        entrypoint = podspec.image_entrypoint(cp.image, self.settings.image_entrypoints)
+        rewrites = [
+            rw for rw in self._rewrites(pod, running, container)
+            if not is_bind_mount(rw.mount_path)
+        ]
+        entrypoint = podspec.image_entrypoint(cp.image, self.entrypoints)
         spec = podspec.process_spec(
             pod, container, implicit, rewrites, self._env_maps(pod, container), entrypoint
         )
@@ -441,26 +668,52 @@ class PodRunner:
         cp.ready = False
         cp.probe_future = None
         cp.last_probe = 0.0
+        cp.in_mount_ns = False
         if not spec.argv:
             cp.exit_code = NO_COMMAND_EXIT
             cp.finished_at = cp.started_at
             cp.message = (
                 f"no command, and image {cp.image!r} matches no entry of image_entrypoints"
-                f" ({sorted(self.settings.image_entrypoints)}): nothing to run"
+                f" ({sorted(self.entrypoints)}): nothing to run"
             )
             return
-        env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_SERVICE_PREFIXES)}
+        # Like the kubelet, a volume that could not be set up keeps the container from
+        # starting (retried at each restart).
+        mounted = {m["name"] for m in container.get("volumeMounts") or []}
+        for volume in running.volumes:
+            if volume["name"] in mounted and volume["name"] in running.mount_errors:
+                self._materialize_volume(pod, running, volume)
+        errors = [running.mount_errors[n] for n in sorted(mounted) if n in running.mount_errors]
+        if errors:
+            self._cannot_start(running, cp, "; ".join(errors))
+            return
+        volume_binds, hosts_bind = self._binds(pod, running, cp)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(INHERITED_PREFIXES)}
         python_dir = str(Path(sys.executable).parent)
         env["PATH"] = python_dir + os.pathsep + env.get("PATH", "")
-        env["KUBECONFIG"] = str(self.paths.kubeconfig)
         env.update(spec.env)
         argv0 = shutil.which(spec.argv[0], path=env["PATH"]) or spec.argv[0]
+        argv = [argv0, *spec.argv[1:]]
+        ns_error = self.mount_ns_error()
+        if ns_error is None:
+            stage = running.directory / "mount-stage" / cp.name
+            argv = mountns.command(
+                [*volume_binds, *hosts_bind], str(stage), argv, hostname=services.pod_hostname(pod)
+            )
+            cp.in_mount_ns = True
+        elif volume_binds:
+            # Never fall back to something else: the pod asked for these files there.
+            paths = ", ".join(target for _, target, _ in volume_binds)
+            self._cannot_start(
+                running, cp, f"cannot mount {paths}: no mount namespace ({ns_error})"
+            )
+            return
         log_path = running.directory / f"{cp.name}.log"
         name = f"{running.uid}-{cp.name}"
         try:
             cp.proc = procs.start(
                 name,
-                [argv0, *spec.argv[1:]],
+                argv,
                 log_path,
                 self.paths.pod_pids,
                 env=env,
@@ -492,13 +745,12 @@ class PodRunner:
         if running is None:
             return
         for volume in running.volumes:
-            ref = volume_ref(volume)
-            if ref is not None:
-                users = self.volume_users.get((ref[0], running.namespace, ref[1]))
+            for resource, name in volume_refs(volume):
+                users = self.volume_users.get((resource, running.namespace, name))
                 if users is not None:
                     users.discard(uid)
                     if not users:
-                        del self.volume_users[(ref[0], running.namespace, ref[1])]
+                        del self.volume_users[(resource, running.namespace, name)]
         # In the background: one container that ignores SIGTERM must not stall the loop.
         self.stopper.submit(self._stop_containers, running, why)
 
@@ -626,6 +878,7 @@ class PodRunner:
                         continue
                     self._probe(running, cp)
             if running.uid in self.pods:
+                self._refresh_tokens(running)
                 self._report(running)
 
     def _get_pod(self, running: RunningPod) -> JsonDict | None:
@@ -634,9 +887,15 @@ class PodRunner:
         except ApiError:
             return None
 
-    def _exited(self, running: RunningPod, cp: ContainerProc, code: int) -> None:
+    def _exited(
+        self, running: RunningPod, cp: ContainerProc, code: int, keep_message: bool = False
+    ) -> None:
         cp.exit_code = code if code >= 0 else 128 - code
         cp.finished_at = _now()
+        if not keep_message:
+            cp.message = ""
+            if cp.in_mount_ns and code == mountns.MOUNT_FAILED_EXIT:
+                cp.message = mount_error_message(running.directory / f"{cp.name}.log")
         cp.ready = False
         cp.probe_future = None
         if cp.record is not None:

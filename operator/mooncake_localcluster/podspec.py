@@ -130,16 +130,21 @@ class MountRewrite:
 
 
 def rewrite_paths(text: str, rewrites: list[MountRewrite]) -> str:
-    for rw in sorted(rewrites, key=lambda r: len(r.mount_path), reverse=True):
-        prefix = rw.mount_path.rstrip("/")
-        if not prefix:
-            continue
-        text = re.sub(
-            re.escape(prefix) + r"(?=/|$|[\s:;,=\"'])",
-            rw.local_dir.replace("\\", "\\\\"),
-            text,
-        )
-    return text
+    """Each mount path in ``text`` -> its local directory, in one pass.
+
+    A mount path counts where it is a whole path: not preceded by a path character (so
+    ``/var/tmp`` is no ``/tmp``) and followed by ``/``, the end or a separator. The
+    longest mount path wins, and replaced text is never scanned again, so a local
+    directory that itself starts with a mount path (``/tmp/...`` with a ``/tmp`` mount)
+    stays as it is.
+    """
+    by_path = {rw.mount_path.rstrip("/"): rw.local_dir for rw in rewrites}
+    by_path.pop("", None)
+    if not by_path:
+        return text
+    alternatives = "|".join(re.escape(p) for p in sorted(by_path, key=len, reverse=True))
+    pattern = r"(?<![\w.~/-])(" + alternatives + r")(?=/|$|[\s:;,=\"'])"
+    return re.sub(pattern, lambda m: by_path[m.group(1)], text)
 
 
 @dataclass
@@ -176,16 +181,21 @@ def process_spec(
     """
     env = container_env(pod, container, implicit, config_maps)
     env = {key: rewrite_paths(value, rewrites) for key, value in env.items()}
+
+    def arg(text: object) -> str:
+        # The literal is rewritten, then expanded with the (already rewritten) env: a
+        # path is rewritten once, never again inside a value that was.
+        return expand(rewrite_paths(str(text), rewrites), env)
+
     command = container.get("command") or []
     if command:
-        argv = [expand(str(a), env) for a in command]
+        argv = [arg(a) for a in command]
     elif entrypoint is not None:
-        argv = list(entrypoint)
+        argv = [rewrite_paths(a, rewrites) for a in entrypoint]
     else:
         argv = []
     if argv:
-        argv += [expand(str(a), env) for a in (container.get("args") or [])]
-    argv = [rewrite_paths(a, rewrites) for a in argv]
+        argv += [arg(a) for a in (container.get("args") or [])]
     working_dir = container.get("workingDir")
     cwd = rewrite_paths(working_dir, rewrites) if working_dir else None
     return ProcessSpec(argv=argv, env=env, cwd=cwd, rewrites=rewrites)
@@ -237,3 +247,50 @@ def is_runnable(pod: JsonDict, image_substrings: tuple[str, ...], runnable_label
         return True
     containers = (pod.get("spec") or {}).get("containers") or []
     return any(sub in str(c.get("image", "")) for c in containers for sub in image_substrings)
+
+
+CONFIGMAPS = "configmaps"
+SECRETS = "secrets"
+TOKEN_SOURCE = "serviceAccountToken"
+
+
+def projected_refs(volume: JsonDict) -> list[tuple[str, str]]:
+    """(resource, name) of each configMap and secret source of a ``projected`` volume."""
+    refs = []
+    for source in (volume.get("projected") or {}).get("sources") or []:
+        if source.get("configMap"):
+            refs.append((CONFIGMAPS, str(source["configMap"].get("name", ""))))
+        if source.get("secret"):
+            refs.append((SECRETS, str(source["secret"].get("name", ""))))
+    return refs
+
+
+def projected_files(
+    pod: JsonDict,
+    volume: JsonDict,
+    objects: Mapping[tuple[str, str], JsonDict],
+    tokens: Mapping[int, str],
+) -> dict[str, bytes]:
+    """Relative path -> content for a ``projected`` volume.
+
+    ``objects`` holds the ConfigMaps/Secrets by (resource, name) (``{}`` or absent when
+    they do not exist), ``tokens`` the token of each ``serviceAccountToken`` source by its
+    index in ``sources``. ``clusterTrustBundle`` and ``podCertificate`` sources are not
+    supported (nothing is written for them).
+    """
+    files: dict[str, bytes] = {}
+    for index, source in enumerate((volume.get("projected") or {}).get("sources") or []):
+        if source.get("configMap"):
+            ref = source["configMap"]
+            obj = objects.get((CONFIGMAPS, str(ref.get("name", "")))) or {}
+            files.update(key_files(ref.get("items"), config_map_data(obj)))
+        elif source.get("secret"):
+            ref = source["secret"]
+            obj = objects.get((SECRETS, str(ref.get("name", "")))) or {}
+            files.update(key_files(ref.get("items"), secret_data(obj)))
+        elif source.get("downwardAPI"):
+            downward = downward_api_files(pod, source)
+            files.update({k: v.encode() for k, v in downward.items()})
+        elif source.get(TOKEN_SOURCE) and index in tokens:
+            files[str(source[TOKEN_SOURCE].get("path", "token"))] = tokens[index].encode()
+    return files

@@ -185,3 +185,70 @@ def proxied(service: JsonDict) -> bool:
 def is_master(service: JsonDict) -> bool:
     meta = service.get("metadata") or {}
     return meta.get("namespace") == DEFAULT_NAMESPACE and meta.get("name") == MASTER_SERVICE
+
+
+HOSTS_HEADER = """# Kubernetes-managed hosts file.
+127.0.0.1\tlocalhost
+::1\tlocalhost ip6-localhost ip6-loopback
+fe00::0\tip6-localnet
+fe00::0\tip6-mcastprefix
+fe00::1\tip6-allnodes
+fe00::2\tip6-allrouters
+"""
+CLUSTER_DOMAIN = "cluster.local"
+
+
+def service_hostnames(service: JsonDict, pod_namespace: str) -> list[str]:
+    """The names cluster DNS (with a pod's search path) would resolve to the ClusterIP."""
+    meta = service.get("metadata") or {}
+    name, ns = str(meta.get("name", "")), str(meta.get("namespace", ""))
+    names = [f"{name}.{ns}.svc.{CLUSTER_DOMAIN}", f"{name}.{ns}.svc", f"{name}.{ns}"]
+    if ns == pod_namespace:
+        names.append(name)
+    return names
+
+
+MAX_HOSTNAME = 63
+
+
+def pod_hostname(pod: JsonDict) -> str:
+    """The kubelet's hostname for a pod: ``spec.hostname``, else the pod name cut to 63
+    characters with trailing ``-`` and ``.`` removed."""
+    spec = pod.get("spec") or {}
+    if spec.get("hostname"):
+        return str(spec["hostname"])
+    name = str((pod.get("metadata") or {}).get("name", ""))
+    return name[:MAX_HOSTNAME].rstrip("-.")
+
+
+def hosts_file(pod: JsonDict, services: Iterable[JsonDict]) -> str:
+    """``/etc/hosts`` for a container of ``pod``: the kubelet's managed file (localhost,
+    the pod's IP and hostname (:func:`pod_hostname`), ``hostAliases``), then, since
+    there is no cluster DNS, one line per Service with a ClusterIP (every namespace) with
+    its DNS names."""
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    lines = [HOSTS_HEADER.rstrip("\n")]
+    ip = str((pod.get("status") or {}).get("podIP") or "")
+    hostname = pod_hostname(pod)
+    if ip and hostname:
+        names = [hostname]
+        if spec.get("subdomain"):
+            ns = meta.get("namespace", "")
+            names.insert(0, f"{hostname}.{spec['subdomain']}.{ns}.svc.{CLUSTER_DOMAIN}")
+        lines.append(ip + "\t" + "\t".join(names))
+    aliases = spec.get("hostAliases") or []
+    if aliases:
+        lines += ["", "# Entries added by HostAliases."]
+        for alias in aliases:
+            lines.append(str(alias.get("ip", "")) + "\t" + "\t".join(alias.get("hostnames") or []))
+    namespace = str(meta.get("namespace", ""))
+    entries = []
+    for service in services:
+        cip = cluster_ip(service)
+        if cip is not None:
+            entries.append(cip + "\t" + "\t".join(service_hostnames(service, namespace)))
+    if entries:
+        lines += ["", "# Services (no cluster DNS here): the ones that existed at container start."]
+        lines += sorted(entries)
+    return "\n".join(lines) + "\n"

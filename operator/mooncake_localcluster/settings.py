@@ -89,7 +89,15 @@ class LocalClusterSettings(BaseSettings):
         default_factory=lambda: {"mooncake-operator": ["mooncake-operator"]},
         description=(
             "image-name substring -> the image's ENTRYPOINT argv; a container without"
-            " `command` runs entrypoint + args (the longest matching substring wins)"
+            " `command` runs entrypoint + args (the longest matching substring wins); added"
+            " to the entries read from images_dir's Dockerfiles, replacing one of the same name"
+        ),
+    )
+    images_dir: Path | None = Field(
+        default=None,
+        description=(
+            "where images/<dir>/Dockerfile build ghcr.io/mooncake-operator/<dir>: their last"
+            " ENTRYPOINT joins image_entrypoints; defaults to the repository's images/"
         ),
     )
 

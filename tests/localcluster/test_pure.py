@@ -202,6 +202,32 @@ def test_rewrite_paths_respects_boundaries() -> None:
     assert podspec.rewrite_paths("--config=/etc/cfg", rewrites) == "--config=/L/cfg"
 
 
+def test_rewrite_paths_once_even_when_a_local_dir_starts_with_a_mount_path() -> None:
+    # A writable /tmp emptyDir (restricted pods with a read-only root) next to the
+    # annotations mount, with the pod's local dirs under /tmp themselves.
+    local = "/tmp/pytest-of-root/pytest-1/localcluster0/pods/e2e_p_1234/volumes"
+    rewrites = [
+        podspec.MountRewrite("/etc/mooncake/podinfo", f"{local}/podinfo"),
+        podspec.MountRewrite("/tmp", f"{local}/tmp"),
+    ]
+    file = "/etc/mooncake/podinfo/annotations"
+    assert podspec.rewrite_paths(file, rewrites) == f"{local}/podinfo/annotations"
+    assert podspec.rewrite_paths("/tmp/x /var/tmp/y", rewrites) == f"{local}/tmp/x /var/tmp/y"
+    container = {
+        "command": ["app", "--annotations-file", file, "--scratch=$(SCRATCH)", "$(INFO)"],
+        "env": [{"name": "INFO", "value": file}, {"name": "SCRATCH", "value": "/tmp"}],
+    }
+    spec = podspec.process_spec(POD, container, {}, rewrites)
+    assert spec.argv == [
+        "app", "--annotations-file", f"{local}/podinfo/annotations",
+        f"--scratch={local}/tmp", f"{local}/podinfo/annotations",
+    ]
+    assert spec.env["INFO"] == f"{local}/podinfo/annotations"
+    assert podspec.process_spec(POD, {"args": ["/tmp"]}, {}, rewrites, None, ["/tmp/run"]).argv == [
+        f"{local}/tmp/run", f"{local}/tmp"
+    ]
+
+
 def test_downward_api_and_config_map_files() -> None:
     volume = {
         "name": "podinfo",
