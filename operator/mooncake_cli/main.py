@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "mooncake_worker.storenode",
     "mooncake_gateway.cli",
     "mooncake_operator.cli",
+    "mooncake_cli.demo",
 )
 
 
