@@ -10,6 +10,10 @@ pods reach the store through its Service.
 The *revision* is a hash over both pools' pod templates (not their replica counts), so
 whatever changes what an engine runs — image, arguments, model, resources, placement —
 changes it, and the rollout replaces both pools in step.
+
+Every pod meets the Pod Security Standard ``restricted`` (see :mod:`.engines`; RDMA is the
+one exception) and mounts no ServiceAccount token unless the spec names an account: no
+generated pod calls the Kubernetes API.
 """
 
 from __future__ import annotations
@@ -87,7 +91,9 @@ def pod_template(ref: ClusterRef, spec: MooncakeClusterSpec, settings: OperatorS
             {"path": engines.ANNOTATIONS_FILE,
              "fieldRef": {"fieldPath": "metadata.annotations"}},
             {"path": engines.LABELS_FILE, "fieldRef": {"fieldPath": "metadata.labels"}},
-        ]}}],
+        ]}}, *engines.engine_volumes(spec)],
+        "securityContext": engines.pod_security_context(),
+        "automountServiceAccountToken": bool(pool.pod_overrides.service_account_name),
         "tolerations": _tolerations(pool.tolerations, settings),
         "restartPolicy": "Always",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
@@ -176,6 +182,8 @@ def store_master_deployment(ref: ClusterRef, spec: MooncakeClusterSpec,
         "env": [engines.pod_ip_env()],
         "ports": [{"name": "rpc", "containerPort": m.rpc_port, "protocol": "TCP"},
                   {"name": "metrics", "containerPort": m.metrics_port, "protocol": "TCP"}],
+        "volumeMounts": [engines.tmp_mount()],
+        "securityContext": engines.security_context(),
         "readinessProbe": {"tcpSocket": {"port": "rpc"},
                            "periodSeconds": STORE_READINESS_PERIOD_S},
     }
@@ -193,6 +201,9 @@ def store_master_deployment(ref: ClusterRef, spec: MooncakeClusterSpec,
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {"containers": [container],
+                         "volumes": [engines.tmp_volume()],
+                         "securityContext": engines.pod_security_context(),
+                         "automountServiceAccountToken": False,
                          "terminationGracePeriodSeconds": TERMINATION_GRACE_S},
             },
         },
@@ -215,6 +226,8 @@ def store_daemonset(ref: ClusterRef, spec: MooncakeClusterSpec,
                  "--protocol", st.protocol.value],
         "env": [engines.pod_ip_env()],
         "ports": [{"name": "http", "containerPort": st.client_port, "protocol": "TCP"}],
+        "volumeMounts": [engines.tmp_mount()],
+        "securityContext": engines.security_context(engines.rdma_capabilities(spec)),
         "resources": {"requests": {"memory": memory}, "limits": {"memory": memory}},
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
                            "periodSeconds": STORE_READINESS_PERIOD_S},
@@ -222,6 +235,9 @@ def store_daemonset(ref: ClusterRef, spec: MooncakeClusterSpec,
     labels = names.labels(ref.name, c.ROLE_STORE_NODE)
     pod_spec: JsonDict = {
         "containers": [container],
+        "volumes": [engines.tmp_volume()],
+        "securityContext": engines.pod_security_context(),
+        "automountServiceAccountToken": False,
         "tolerations": _tolerations(st.tolerations, settings),
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
     }

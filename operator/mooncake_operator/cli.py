@@ -109,7 +109,16 @@ def crd_command(args: argparse.Namespace) -> int:
     from . import crd
 
     argv = (["--write"] if args.write else []) + (["--check"] if args.check else [])
+    if args.reference:
+        return reference_command(argv)
     return crd.main(argv)
+
+
+def reference_command(argv: list[str]) -> int:
+    """``crd --reference``: docs/reference.md, rendered from the CRD, instead of it."""
+    from . import crdref
+
+    return crdref.main(argv)
 
 
 def register(subparsers: Any) -> None:
@@ -133,6 +142,12 @@ def register(subparsers: Any) -> None:
     r.add_argument("--log-level", default="INFO")
     r.set_defaults(handler=run)
     cp = sub.add_parser("crd", help="print the MooncakeCluster CRD (generated from the models)")
-    cp.add_argument("--write", action="store_true", help="write crds/ of this checkout")
-    cp.add_argument("--check", action="store_true", help="exit 1 when crds/ is out of date")
+    cp.add_argument("--write", action="store_true",
+                    help="write crds/ and the chart's charts/mooncake-operator/crds/ of this "
+                    "checkout")
+    cp.add_argument("--check", action="store_true",
+                    help="exit 1 when crds/ or the chart's copy is out of date")
+    cp.add_argument("--reference", action="store_true", help=(
+        "the configuration reference rendered from the CRD (docs/reference.md) instead: "
+        "print it, --write it or --check it"))
     cp.set_defaults(handler=crd_command)

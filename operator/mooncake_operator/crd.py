@@ -41,6 +41,9 @@ CRD_NAME = f"{PLURAL}.{GROUP}"
 CRD_FILE = f"{GROUP}_{PLURAL}.yaml"
 #: Where the committed CRD lives, relative to the repository root.
 CRD_DIR = "crds"
+#: The Helm chart's copy (Helm installs ``crds/`` of a chart; it cannot reach outside the
+#: chart): written and checked together with :data:`CRD_DIR`'s.
+CHART_CRD_DIR = "charts/mooncake-operator/crds"
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Ready", "type": "string",
@@ -241,32 +244,48 @@ def render() -> str:
     return HEADER + yaml.safe_dump(crd(), sort_keys=False, width=100, allow_unicode=True)
 
 
+def repo_root() -> Path:
+    """The source checkout this module runs from."""
+    return Path(__file__).resolve().parents[2]
+
+
 def default_path() -> Path:
     """``crds/`` of the source checkout this module runs from."""
-    return Path(__file__).resolve().parents[2] / CRD_DIR / CRD_FILE
+    return repo_root() / CRD_DIR / CRD_FILE
+
+
+def chart_path() -> Path:
+    """The Helm chart's copy in the source checkout this module runs from."""
+    return repo_root() / CHART_CRD_DIR / CRD_FILE
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="render the MooncakeCluster CRD")
-    parser.add_argument("--write", action="store_true", help=f"write {CRD_DIR}/{CRD_FILE}")
+    parser.add_argument("--write", action="store_true",
+                        help=f"write {CRD_DIR}/{CRD_FILE} and the chart's copy in "
+                        f"{CHART_CRD_DIR}/")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 when the committed file differs")
-    parser.add_argument("--path", type=Path, default=None)
+                        help="exit 1 when a committed copy differs")
+    parser.add_argument("--path", type=Path, default=None,
+                        help="write or check this file only")
     args = parser.parse_args(argv)
-    path = args.path or default_path()
+    paths = [args.path] if args.path else [default_path(), chart_path()]
     text = render()
     if args.write:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
-        print(f"wrote {path}")
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}")
         return 0
     if args.check:
-        current = path.read_text(encoding="utf-8") if path.exists() else ""
-        if current != text:
+        stale = [p for p in paths
+                 if (p.read_text(encoding="utf-8") if p.exists() else "") != text]
+        for path in stale:
             print(f"{path} is out of date: run `mooncake-operator operator crd --write`",
                   file=sys.stderr)
+        if stale:
             return 1
-        print(f"{path} is up to date")
+        print("up to date: " + ", ".join(str(p) for p in paths))
         return 0
     sys.stdout.write(text)
     return 0

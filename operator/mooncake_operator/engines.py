@@ -12,6 +12,13 @@
 
 Flags follow the engines' documentation at the versions named in ``docs/operator.md``;
 they cannot run here (no GPU), so golden-manifest tests pin what we generate.
+
+Every pod meets the Pod Security Standard ``restricted`` (``docs/helm.md`` lists each
+field): non-root UID 65532, seccomp ``RuntimeDefault``, no privilege escalation, every
+capability dropped, a read-only root filesystem with an ``emptyDir`` on ``/tmp`` (numba's
+cache, Mooncake's glog files) — except, with ``store.protocol: rdma``, the containers that
+register memory with the NIC (real engines, store nodes): they add ``IPC_LOCK``, which no
+Pod Security level but ``privileged`` allows.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from mooncake_contract import conventions as c
 
 from . import names
 from .settings import OperatorSettings
-from .spec import EngineKind, MooncakeClusterSpec, quantity_bytes
+from .spec import EngineKind, MooncakeClusterSpec, StoreProtocol, quantity_bytes
 
 JsonDict = dict[str, Any]
 #: Where the downward-API annotations file appears inside the mount.
@@ -44,6 +51,71 @@ WORKER_SUBCOMMAND = "worker"
 VLLM_COMMAND = ["vllm", "serve"]
 SGLANG_COMMAND = ["python3", "-m", "sglang.launch_server"]
 LOOPBACK = "127.0.0.1"
+
+# -- Pod Security "restricted" -------------------------------------------------------------------
+#: UID and GID every generated pod runs as (the images' non-root user; distroless' nonroot)
+NONROOT_ID = 65532
+#: A writable /tmp on a read-only root filesystem (numba's cache, Mooncake's glog files)
+TMP_VOLUME = "tmp"
+TMP_MOUNT = "/tmp"
+#: numba's cache of compiled kernels (block keys of long prompts): under the writable /tmp
+#: (by default numba writes beside the installed sources, read-only in a container)
+NUMBA_CACHE_DIR = f"{TMP_MOUNT}/numba-cache"
+#: Real engines: shared memory for NCCL and torch's worker processes (a container's own
+#: /dev/shm is 64 MiB) and a writable home for their caches (Hugging Face downloads, torch
+#: compile, triton, flashinfer JIT)
+SHM_VOLUME = "dshm"
+SHM_MOUNT = "/dev/shm"
+HOME_VOLUME = "home"
+HOME_MOUNT = "/home/mooncake"
+#: torch names its compile cache after ``getpass.getuser()``, which fails for a UID with no
+#: passwd entry unless ``USER`` is set
+ENGINE_USER = "mooncake"
+#: The one capability RDMA transfers need: registering (pinning) memory with the NIC beyond
+#: RLIMIT_MEMLOCK. Outside every Pod Security level but privileged.
+RDMA_CAPABILITIES = ("IPC_LOCK",)
+
+
+def pod_security_context() -> JsonDict:
+    """The pod-level half of ``restricted``: non-root, seccomp RuntimeDefault."""
+    return {"runAsNonRoot": True, "runAsUser": NONROOT_ID, "runAsGroup": NONROOT_ID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def security_context(add_capabilities: tuple[str, ...] = ()) -> JsonDict:
+    """The container-level half: no escalation, read-only root, every capability dropped
+    (``add_capabilities``: only for RDMA, which leaves ``restricted``)."""
+    caps: JsonDict = {"drop": ["ALL"]}
+    if add_capabilities:
+        caps["add"] = list(add_capabilities)
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": caps}
+
+
+def rdma_capabilities(spec: MooncakeClusterSpec) -> tuple[str, ...]:
+    """What a Mooncake transfer client of this cluster adds: ``IPC_LOCK`` over RDMA."""
+    return RDMA_CAPABILITIES if spec.store.protocol is StoreProtocol.RDMA else ()
+
+
+def tmp_volume() -> JsonDict:
+    return {"name": TMP_VOLUME, "emptyDir": {}}
+
+
+def tmp_mount() -> JsonDict:
+    return {"name": TMP_VOLUME, "mountPath": TMP_MOUNT}
+
+
+def numba_env() -> JsonDict:
+    return {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}
+
+
+def engine_volumes(spec: MooncakeClusterSpec) -> list[JsonDict]:
+    """The emptyDirs of an engine pod (besides its downward-API volume)."""
+    out = [tmp_volume()]
+    if spec.engine.kind is not EngineKind.SIMULATED:
+        out += [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
+                {"name": HOME_VOLUME, "emptyDir": {}}]
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,9 +233,10 @@ def _worker_container(spec: MooncakeClusterSpec, role: str, settings: OperatorSe
         "image": image,
         "imagePullPolicy": pull,
         "args": worker_args(spec, role, settings, store, relay),
-        "env": _env(spec, role) if not relay else [pod_ip_env()],
+        "env": _env(spec, role, [numba_env()]) if not relay else [pod_ip_env(), numba_env()],
         "ports": _ports(spec),
-        "volumeMounts": [_mount(settings)],
+        "volumeMounts": [_mount(settings), tmp_mount()],
+        "securityContext": security_context(),
         **_probes("http"),
     }
     if not relay:
@@ -234,14 +307,18 @@ def engine_containers(spec: MooncakeClusterSpec, role: str, settings: OperatorSe
         command, args = VLLM_COMMAND, vllm_args(spec, role, store)
     else:
         command, args = SGLANG_COMMAND, sglang_args(spec, role, store)
+    home = [{"name": "HOME", "value": HOME_MOUNT}, {"name": "USER", "value": ENGINE_USER}]
     engine: JsonDict = {
         "name": "engine",
         "image": spec.engine.image,
         "command": list(command),
         "args": args,
-        "env": _env(spec, role, _mooncake_env(spec, store, namespace)),
+        "env": _env(spec, role, home + _mooncake_env(spec, store, namespace)),
         "ports": [{"name": "engine-http", "containerPort": spec.engine.ports.engine_http,
                    "protocol": "TCP"}],
+        "volumeMounts": [tmp_mount(), {"name": SHM_VOLUME, "mountPath": SHM_MOUNT},
+                         {"name": HOME_VOLUME, "mountPath": HOME_MOUNT}],
+        "securityContext": security_context(rdma_capabilities(spec)),
         "resources": _resources(spec, role, settings),
         "readinessProbe": {"httpGet": {"path": "/health", "port": "engine-http"},
                            "periodSeconds": READINESS_PERIOD_S,

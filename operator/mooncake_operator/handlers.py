@@ -43,10 +43,15 @@ def login(**kwargs: Any) -> Any:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
-@kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
-    global STATE
-    ours = OperatorSettings()
+def configure_kopf(settings: kopf.OperatorSettings, ours: OperatorSettings) -> None:
+    """kopf's settings for this operator.
+
+    Watching some namespaces (``operator run -n NS``, the chart's default), kopf's
+    scanning is off: it would list namespaces and watch CRDs, both cluster-scoped, and
+    only warn when forbidden. The chart's namespaced Role grants neither
+    (:mod:`.permissions`); the CRD is found through API discovery, open to every
+    authenticated user. Serving every namespace, kopf keeps scanning on, to notice a
+    CRD installed or upgraded after it started."""
     settings.persistence.finalizer = ours.finalizer
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=ours.annotation_prefix)
@@ -54,6 +59,14 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         prefix=ours.annotation_prefix)
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
+    settings.scanning.disabled = not settings.peering.clusterwide
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    global STATE
+    ours = OperatorSettings()
+    configure_kopf(settings, ours)
     if ours.metrics_port:
         from prometheus_client import start_http_server
 

@@ -12,9 +12,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from . import __version__
 
-#: The project's image: the ``mooncake-operator`` CLI as ENTRYPOINT, the worker, the
-#: gateway, and Mooncake Store's binaries from the PyPI wheel.
-DEFAULT_IMAGE = f"ghcr.io/mooncake-operator/mooncake-operator:{__version__}"
+#: The worker image (``images/worker/``) of this release: the ``mooncake-operator`` CLI as
+#: ENTRYPOINT, the worker (simulated engine, relay and agent beside real engines), the store
+#: node, and Mooncake Store's ``mooncake_master`` from its PyPI wheel. The operator and the
+#: gateway run from the operator image (``ghcr.io/mooncake-operator/operator``).
+DEFAULT_IMAGE = f"ghcr.io/mooncake-operator/worker:{__version__}"
 
 
 class OperatorSettings(BaseSettings):

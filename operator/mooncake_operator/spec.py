@@ -182,8 +182,9 @@ class EngineSpec(_Model):
         "simulated (our worker, no GPU needed), vllm or sglang. Real engines run with the "
         "worker beside them as a relay and pod agent."))
     image: str | None = Field(None, min_length=1, max_length=512, description=(
-        "Engine container image. Defaults to the operator's own image for simulated; "
-        "required for vllm and sglang."))
+        "Engine container image. Defaults to the worker image the operator is configured "
+        "with (ghcr.io/mooncake-operator/worker) for simulated; required for vllm and "
+        "sglang."))
     image_pull_policy: str | None = Field(None, pattern=r"^(Always|IfNotPresent|Never)$",
                                           description="Image pull policy of the engine.")
     extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(
@@ -306,8 +307,8 @@ class StoreSpec(_Model):
     enabled: bool = Field(True, description=(
         "Deploy a Mooncake Store and hand KV cache between prefill and decode through it."))
     image: str | None = Field(None, min_length=1, max_length=512, description=(
-        "Image with mooncake_master and the store-node client (default: the operator's "
-        "image)."))
+        "Image with mooncake_master and the store-node client (default: the worker image "
+        "the operator is configured with)."))
     master: StoreMaster = Field(default_factory=StoreMaster, description="The store master.")
     segment_size: QuantityString = Field("4Gi", description=(
         "Memory each store node lends to the pool (its global segment); must be below "

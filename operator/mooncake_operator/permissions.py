@@ -1,0 +1,99 @@
+"""Every Kubernetes API permission the operator pod needs: the one table the chart's RBAC
+follows.
+
+The operator pod runs two processes under one ServiceAccount: the operator (kopf and
+:class:`~.kube.Kube`) and the gateway sidecar (``gateway --kubernetes-models``). Each
+:class:`Rule` below names who uses it and where. ``tests/charts/test_rbac.py`` renders the
+chart and checks its Role (and, in cluster-wide mode, its ClusterRole) equals this table;
+it also *derives* the permissions from the code — kopf's handler registry, every request the
+reconciler and the Conductor controller make against a recording fake API, and the calls
+of the gateway's watches — and checks they equal this table too. So the chart can neither
+miss a permission the code needs nor keep one it no longer uses.
+
+What is deliberately absent:
+
+- Secrets: no code reads one (the gateway has no authentication yet).
+- CustomResourceDefinitions, in the default namespaced mode: the CRD comes from the chart's
+  ``crds/`` (or ``kubectl apply --server-side -f crds/``); ``operator run --install-crd``
+  is for local runs with an admin kubeconfig. kopf finds the CRD through API discovery,
+  which every authenticated user may read; in namespaced mode it does not scan
+  namespaces or watch CRDs (:func:`~.handlers.configure_kopf` turns scanning off), so
+  the operator needs nothing cluster-scoped.
+- Namespaces, nodes, leases, kopf's peering objects: ``operator run`` is
+  ``--standalone`` (no peering) and the chart runs exactly one replica.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import crd
+
+#: RBAC verbs in the order the chart lists them.
+VERB_ORDER = ("get", "list", "watch", "create", "patch", "delete")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One resource's verbs, and where the code uses each."""
+
+    api_group: str
+    resource: str
+    verbs: tuple[str, ...]
+    why: str
+
+    def triples(self) -> set[tuple[str, str, str]]:
+        return {(self.api_group, self.resource, v) for v in self.verbs}
+
+
+#: Namespaced permissions: a Role in the release namespace (default), or the same rules in
+#: a ClusterRole when the operator watches every namespace (``rbac.clusterWide``).
+RULES: tuple[Rule, ...] = (
+    Rule(crd.GROUP, crd.PLURAL, ("list", "watch", "patch"),
+         "kopf lists and watches MooncakeClusters (handlers.cluster_daemon, cluster_changed) "
+         "and patches them to add and remove its finalizer (daemons need one)"),
+    Rule(crd.GROUP, f"{crd.PLURAL}/status", ("patch",),
+         "reconcile.Reconciler._write_status and write_hot_prefixes: status merge patches"),
+    Rule("", "pods", ("list", "watch", "create", "patch", "delete"),
+         "kopf watches pods (handlers.child_changed); reconcile lists a cluster's pods, "
+         "creates engine pods, patches the drain annotation and deletes drained pods; "
+         "runtime.controller_round lists prefill pods and patches mooncake.io/replicas; "
+         "the gateway lists and watches each model's pods (discovery.KubernetesPodSource)"),
+    Rule("", "services", ("get", "list", "create", "patch", "delete"),
+         "reconcile.Reconciler._apply_children: the store Service (get, create, patch when "
+         "its hash changed, list + delete when no longer wanted)"),
+    Rule("", "configmaps", ("get", "list", "watch", "create", "patch", "delete"),
+         "reconcile.Reconciler._apply_children: the {cluster}-gateway ConfigMap (get, "
+         "create, patch, list + delete); the gateway lists and watches the labelled "
+         "ConfigMaps (catalog.ConfigMapWatch)"),
+    Rule("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete"),
+         "kopf watches them (handlers.child_changed); reconcile.Reconciler._apply_children: "
+         "the store master Deployment"),
+    Rule("apps", "daemonsets", ("get", "list", "watch", "create", "patch", "delete"),
+         "kopf watches them (handlers.child_changed); reconcile.Reconciler._apply_children: "
+         "the store-node DaemonSet"),
+    Rule("", "events", ("create",),
+         "kopf posts the Events handlers emit (kopf.event in handlers._emitter)"),
+)
+
+#: Cluster-scoped permissions, only in cluster-wide mode: kopf's resource observer watches
+#: CRDs so that it notices a CRD installed or upgraded after it started (with scanning on,
+#: kopf's default for an operator that serves every namespace).
+CLUSTER_WIDE_RULES: tuple[Rule, ...] = (
+    Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"),
+         "kopf's resource observer (cluster-wide mode only; off in namespaced mode)"),
+)
+
+
+def triples(rules: tuple[Rule, ...]) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) for every verb of every rule."""
+    out: set[tuple[str, str, str]] = set()
+    for r in rules:
+        out |= r.triples()
+    return out
+
+
+def rbac_rules(rules: tuple[Rule, ...]) -> list[dict[str, list[str]]]:
+    """The table as a Role's ``rules`` (one entry per resource)."""
+    return [{"apiGroups": [r.api_group], "resources": [r.resource],
+             "verbs": sorted(r.verbs, key=VERB_ORDER.index)} for r in rules]
