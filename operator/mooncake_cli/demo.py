@@ -44,6 +44,8 @@ REPO = Path(__file__).resolve().parents[2]
 #: the restricted Pod Security Standard, enforced in the demo's namespace
 PSS_LABELS = {"pod-security.kubernetes.io/enforce": "restricted",
               "pod-security.kubernetes.io/warn": "restricted"}
+#: the port name of the chart's gateway Service
+GATEWAY_PORT_NAME = "http"
 FIRST_BUILD = "the first build of Kubernetes from Go modules takes 20-40 min on 2 cores"
 
 
@@ -256,9 +258,10 @@ def _install(tools: Tools, st: DemoSettings, embedded: bool) -> None:
     argv = [tools.helm, "upgrade", "--install", st.release, str(st.chart), "-n", ns,
             "--wait", "--timeout", st.chart_timeout]
     if embedded:
-        # the embedded cluster runs pods as local processes: the images need not exist
-        argv += ["--set", "operator.image.pullPolicy=Never",
-                 "--set", "worker.image.pullPolicy=Never"]
+        # pods are local processes sharing the host's network: each listens on its own
+        # loopback pod IP, not on 0.0.0.0
+        argv += ["--set", "operator.bindAddress=$(POD_IP)",
+                 "--set", "gateway.bindAddress=$(POD_IP)"]
     tools.run(argv, f"helm release {ns}/{st.release}",
               f"helm status {st.release} -n {ns}; kubectl -n {ns} describe pods")
 
@@ -317,15 +320,16 @@ def _wait_ready(tools: Tools, st: DemoSettings, facts: ExampleFacts, con: Consol
 def _gateway_url(tools: Tools, st: DemoSettings, embedded: bool) -> Iterator[str]:
     """The gateway's address: its ClusterIP on the embedded cluster (the service proxy
     serves the loopback range), a ``kubectl port-forward`` otherwise."""
-    sel = (f"app.kubernetes.io/instance={st.release},"
-           "app.kubernetes.io/component=gateway")
-    svcs = tools.get_json("-n", st.namespace, "services", "-l", sel,
-                          obj=f"services -l {sel}")["items"]
+    sel = f"app.kubernetes.io/instance={st.release}"
+    svcs = [s for s in tools.get_json("-n", st.namespace, "services", "-l", sel,
+                                      obj=f"services -l {sel}")["items"]
+            if any(p.get("name") == GATEWAY_PORT_NAME for p in s["spec"]["ports"])]
     if not svcs:
         raise DemoError("the chart made no gateway Service", f"services -l {sel}",
                         f"helm status {st.release} -n {st.namespace}")
     svc = svcs[0]
-    port = int(svc["spec"]["ports"][0]["port"])
+    port = next(int(p["port"]) for p in svc["spec"]["ports"]
+                if p.get("name") == GATEWAY_PORT_NAME)
     if embedded:
         yield f"http://{svc['spec']['clusterIP']}:{port}"
         return
