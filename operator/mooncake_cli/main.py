@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES: tuple[str, ...] = (
     "mooncake_worker.storenode",
     "mooncake_gateway.cli",
     "mooncake_operator.cli",
+    "mooncake_cli.demo",
 )
 
 PROJECT_PREFIX = "mooncake_"

@@ -17,6 +17,7 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,17 +34,21 @@ TBT_TOP_SHARE = 0.1
 BLOCK_SALT = 0x5EED_B10C
 
 
-def block_tokens(hash_id: int, size: int = TRACE_BLOCK_TOKENS) -> np.ndarray[Any, Any]:
-    rng = np.random.Generator(np.random.PCG64([BLOCK_SALT, hash_id & ((1 << 63) - 1)]))
+def block_tokens(hash_id: int, size: int = TRACE_BLOCK_TOKENS,
+                 salt: int = BLOCK_SALT) -> np.ndarray[Any, Any]:
+    """The token ids of trace block ``hash_id``; another ``salt`` gives the same trace
+    shape with prefixes no cache has seen (a second replay starts cold)."""
+    rng = np.random.Generator(np.random.PCG64([salt, hash_id & ((1 << 63) - 1)]))
     return rng.integers(FIRST_ID, VOCAB_SIZE, size=size, dtype=np.int64)
 
 
-def prompt_tokens(rec: TraceRecord, cache: dict[int, np.ndarray[Any, Any]]) -> list[int]:
+def prompt_tokens(rec: TraceRecord, cache: dict[int, np.ndarray[Any, Any]],
+                  salt: int = BLOCK_SALT) -> list[int]:
     parts = []
     for h in rec.hash_ids:
         b = cache.get(h)
         if b is None:
-            b = cache[h] = block_tokens(h)
+            b = cache[h] = block_tokens(h, salt=salt)
         parts.append(b)
     return [int(t) for t in np.concatenate(parts)[: rec.input_length]]
 
@@ -67,6 +72,12 @@ class ReplayConfig:
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
     timeout_s: float = 600.0
+    #: seeds the block tokens: replays with different salts share no prefix
+    salt: int = BLOCK_SALT
+    #: called with the number of requests finished so far, after each one
+    on_done: Callable[[int], None] | None = None
+    #: add each served request's TTFT (``ttft_samples_s``) to the results
+    keep_samples: bool = False
 
 
 async def _state(session: aiohttp.ClientSession, url: str, model: str) -> dict[str, Any]:
@@ -134,7 +145,8 @@ async def replay(records: list[TraceRecord], cfg: ReplayConfig) -> dict[str, Any
                 model = str((await r.json())["data"][0]["id"])
         cache: dict[int, np.ndarray[Any, Any]] = {}
         bodies = [
-            json.dumps({"model": model, "prompt": prompt_tokens(rec, cache), "stream": True,
+            json.dumps({"model": model, "prompt": prompt_tokens(rec, cache, cfg.salt),
+                        "stream": True,
                         "max_tokens": max(1, min(rec.output_length, cfg.max_output_tokens))},
                        separators=(",", ":")).encode()
             for rec in records
@@ -144,8 +156,17 @@ async def replay(records: list[TraceRecord], cfg: ReplayConfig) -> dict[str, Any
         t0 = time.perf_counter() + 0.1
         base = records[0].timestamp_ms if records else 0.0
         started = time.perf_counter()
+        finished = 0
+
+        async def one(body: bytes, at: float, out: Outcome) -> None:
+            nonlocal finished
+            await _one(session, cfg, body, at, out)
+            finished += 1
+            if cfg.on_done is not None:
+                cfg.on_done(finished)
+
         await asyncio.gather(*(
-            _one(session, cfg, body, t0 + (rec.timestamp_ms - base) / 1000.0 / cfg.speed, out)
+            one(body, t0 + (rec.timestamp_ms - base) / 1000.0 / cfg.speed, out)
             for rec, body, out in zip(records, bodies, outs, strict=True)
         ))
         wall = time.perf_counter() - started
@@ -179,4 +200,5 @@ def results(records: list[TraceRecord], outs: list[Outcome], before: dict[str, A
         "token_hit_ratio_predicted": pred_reused / pred_prompt if pred_prompt else 0.0,
         "prefill_gpu_seconds": ta["prefill_seconds"] - tb["prefill_seconds"],
         "wall_seconds": wall,
+        **({"ttft_samples_s": [o.ttft_s for o in served]} if cfg.keep_samples else {}),
     }
