@@ -59,7 +59,7 @@ class DemoSettings(BaseSettings):
     chart: Path = Field(REPO / "charts" / "mooncake-operator", description="the chart")
     example: Path = Field(REPO / "examples" / "clusters" / "simulated.yaml",
                           description="the MooncakeCluster applied")
-    requests: int = Field(200, gt=0, description="requests replayed per policy")
+    requests: int = Field(120, gt=0, description="requests replayed per policy")
     utilization: float = Field(0.8, gt=0, description=(
         "replay speed: this share of the prefill pool's compute with no reuse (the paper's "
         "cost model)"))
@@ -237,10 +237,21 @@ def _check_store_prereqs() -> None:
     if shutil.which("mooncake_master") is None:
         raise DemoError("Mooncake Store's mooncake_master is not installed", "mooncake_master",
                         "python3 -m pip install -e '.[dev,store]'")
-    libs = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False)
-    if "libibverbs.so.1" not in libs.stdout:
+    if _has_libibverbs():
+        return
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        print("      installing libibverbs1 (Mooncake's transfer engine links it)", flush=True)
+        for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq",
+                                                    "libibverbs1"]):
+            subprocess.run(argv, capture_output=True, check=False)
+    if not _has_libibverbs():
         raise DemoError("libibverbs1 is missing (the store's transfer engine links it)",
                         "libibverbs.so.1", "sudo apt-get install libibverbs1")
+
+
+def _has_libibverbs() -> bool:
+    libs = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False)
+    return "libibverbs.so.1" in libs.stdout
 
 
 def _install(tools: Tools, st: DemoSettings, embedded: bool) -> None:
@@ -558,7 +569,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "report", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--use-current-context", action="store_true",
                    help="use the current kubeconfig's cluster instead of the embedded one")
-    p.add_argument("--requests", type=int, help="requests replayed per policy (200)")
+    p.add_argument("--requests", type=int, help="requests replayed per policy (120)")
     p.add_argument("--baseline", help="policy compared with conductor (least-load)")
     p.add_argument("--utilization", type=float,
                    help="prefill pool load the replay speed aims at (0.8)")
