@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -95,7 +96,7 @@ class Install:
 
     # -- reads ----------------------------------------------------------------------------------
     def pods(self, selector: str = "") -> list[dict[str, Any]]:
-        q = f"?labelSelector={urllib.request.quote(selector)}" if selector else ""
+        q = f"?labelSelector={urllib.parse.quote(selector)}" if selector else ""
         items: list[dict[str, Any]] = self.http.get(f"/api/v1/namespaces/{NS}/pods{q}")["items"]
         self.seen_pod_uids |= {p["metadata"]["uid"] for p in items}
         return items
@@ -337,7 +338,7 @@ def test_a_missing_verb_is_reported_and_the_cluster_recovers(llama: Install) -> 
         assert f'User "{SA_USER}" cannot create resource "pods"' in msg, msg
         assert f"POST /api/v1/namespaces/{NS}/pods" in msg, msg
         assert llama.condition("Ready")["reason"] == "Forbidden"
-        q = urllib.request.quote(f"involvedObject.name={CLUSTER},reason=Forbidden")
+        q = urllib.parse.quote(f"involvedObject.name={CLUSTER},reason=Forbidden")
         events = llama.http.get(f"/api/v1/namespaces/{NS}/events?fieldSelector={q}")["items"]
         assert events and all(e["type"] == "Warning" for e in events), events
         # the operator did not crash: the same pod, no container restarted, still serving
