@@ -34,10 +34,13 @@ KINDS: dict[str, tuple[str, str]] = {
 
 
 class KubeError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"{status}: {message}")
+    """An API error: its HTTP status, the API's message and the request (``VERB path``)."""
+
+    def __init__(self, status: int, message: str, request: str = "") -> None:
+        super().__init__(f"{status}: {message}" + (f" ({request})" if request else ""))
         self.status = status
         self.message = message
+        self.request = request
 
 
 def _status_error(status: int, data: bytes | None) -> Exception:
@@ -91,7 +94,7 @@ class Kube:
                 message = json.loads(raw).get("message", raw)
             except (ValueError, AttributeError):
                 message = str(raw)
-            raise KubeError(int(status), str(message)) from None
+            raise KubeError(int(status), str(message), f"{method} {url}") from None
         return json.loads(data) if data else None
 
     def _send(self, method: str, url: str, body: Any, headers: dict[str, str],

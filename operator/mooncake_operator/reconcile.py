@@ -284,9 +284,23 @@ class Reconciler:
                 cond.type == status.READY and cond.status.value == "False"
                 and cond.reason in ("InvalidSpec", "InsufficientGPUCapacity",
                                     "NoMatchingNodes", "Unschedulable", "EngineCrashLooping",
-                                    "StoreDegraded"))
+                                    "StoreDegraded", "Forbidden"))
             emit("Warning" if bad else "Normal", cond.reason,
                  f"{cond.type}={cond.status.value}: {cond.message}")
+
+    async def report(self, body: JsonDict, problem: status.Problem, emit: Emit) -> None:
+        """Write ``problem`` as ``Degraded`` (and ``Ready`` False with its reason), the rest
+        of the status as it was: for what stopped a reconcile half-way, such as a 403 from
+        the API server. The next reconcile that gets through computes the conditions
+        afresh, so the problem clears itself once fixed."""
+        ref = cluster_ref(body)
+        before = parse_status(body)
+        st = before.model_copy(update={
+            "observed_generation": ref.generation,
+            "conditions": self._invalid_conditions(before, problem, ref.generation,
+                                                   self.clock()),
+        })
+        await self._write_status(ref, before, st, emit)
 
     async def write_hot_prefixes(self, ref: ClusterRef, hot: list[HotPrefixStatus]) -> None:
         body = {"status": {"hotPrefixes": [h.model_dump(by_alias=True, mode="json")

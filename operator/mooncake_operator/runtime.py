@@ -19,9 +19,9 @@ from typing import Any, Protocol
 
 from mooncake_contract import conventions as c
 
-from . import hotprefix, names, observe
+from . import hotprefix, names, observe, status
 from .gatewayclient import GatewayClient
-from .kube import Kube
+from .kube import Kube, KubeError
 from .metrics import CLUSTERS, ERRORS, HOT_PREFIXES, REPLICA_PATCHES
 from .names import ClusterRef
 from .reconcile import Emit, Outcome, Reconciler, cluster_ref
@@ -116,6 +116,22 @@ async def controller_round(state: OperatorState, ref: ClusterRef, outcome: Outco
         state.hot_written[ref.key] = shape
 
 
+async def _report_forbidden(state: OperatorState, body: JsonDict, exc: Exception,
+                            emit: Emit) -> bool:
+    """A 403 becomes ``Degraded``/``Forbidden`` in the cluster's status, with an Event
+    (the operator keeps running and retries with back-off). False when ``exc`` is not a
+    403 or the status cannot be written either."""
+    if not isinstance(exc, KubeError) or exc.status != 403:
+        return False
+    try:
+        await state.reconciler.report(body, status.forbidden_problem(exc.message, exc.request),
+                                      emit)
+    except Exception as err:  # e.g. the status patch is forbidden too
+        log.warning("cannot report %s on %s: %s", exc, body["metadata"].get("name"), err)
+        return False
+    return True
+
+
 async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: Stopped,
                       emit_for: Callable[[Mapping[str, Any]], Emit],
                       clock: Callable[[], float] = time.monotonic) -> None:
@@ -154,8 +170,9 @@ async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: St
                 log.warning("reconcile of %s failed (%d in a row): %s", ref.key, failures,
                             message)
                 if message != last_error:  # one Event per new error, not per retry
-                    emit("Warning", "ReconcileError", message[:1000])
                     last_error = message
+                    if not await _report_forbidden(state, snapshot, exc, emit):
+                        emit("Warning", "ReconcileError", message[:1000])
             if next_controller > 0:  # wake up for the controller's next round too
                 interval = max(0.0, min(interval, next_controller - clock()))
             await _sleep(wake, interval, s.event_debounce_s)

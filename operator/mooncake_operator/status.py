@@ -14,7 +14,10 @@ Conditions (``metav1.Condition``), with reasons that tell the causes apart:
   ``WaitingForStore``); False ``Complete`` at rest, ``Stalled`` when Degraded blocks it.
 - ``Degraded`` — True when something will not fix itself: a spec the operator cannot
   honour, pods the scheduler cannot place (no node with enough GPUs, a node selector
-  matching nothing), engines or the store crash-looping. False ``AsExpected``.
+  matching nothing), engines or the store crash-looping, or the API server refusing a call
+  the operator needs (``Forbidden``: its service account lacks a permission; written by
+  :meth:`~.reconcile.Reconciler.report` when a reconcile stops on a 403). False
+  ``AsExpected``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,14 @@ class Problem:
 
     reason: str
     message: str
+
+
+def forbidden_problem(message: str, request: str = "") -> Problem:
+    """A call the API server refused (403): RBAC lacks a permission the operator needs."""
+    call = f" ({request})" if request else ""
+    return Problem("Forbidden", f"the API server refused a call{call}: {message}; grant the "
+                   "operator's service account what operator/mooncake_operator/permissions.py "
+                   "lists (the chart's Role)")
 
 
 def scheduling_problem(pods: list[PodView], gpu_resource: str) -> Problem | None:
