@@ -190,9 +190,12 @@ class Gateway:
             if not any(i.routable for i in rt.instances(role))
         ]
         if self.catalog_watch is not None:
-            # the ConfigMaps listed once; no model at all is a valid answer then
+            # serving many clusters: ready once the ConfigMaps were listed. A model without
+            # routable instances (a cluster being created or scaled to zero) is listed in
+            # `missing` and answers 503 itself; it must not take the Service away from the
+            # models that can serve
             listed = self._documents is not None
-            ok = self._started and listed and not missing
+            ok = self._started and listed
             if not listed:
                 missing.append("kubernetes_models:list")
         else:

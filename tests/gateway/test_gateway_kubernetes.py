@@ -145,6 +145,20 @@ def k(env: Env) -> Iterator[FakeKube]:
     wait_for(lambda: served(env.gateway) == [])
 
 
+def test_a_model_without_instances_does_not_make_the_gateway_unready(
+        env: Env, k: FakeKube) -> None:
+    """One gateway serves every cluster: a cluster still being created (no pods yet) must
+    not take the gateway's Service away from the others."""
+    g = env.gateway
+    k.put("configmaps", configmap("c1", model_doc(cluster="nothing-yet")))
+    wait_for(lambda: served(g) == [MODEL])
+    ready = g.get("/ready")
+    assert ready["ready"] is True
+    assert sorted(ready["missing"]) == [f"{MODEL}:decode", f"{MODEL}:prefill"]
+    status, _h, body = g.post("/v1/completions", {"model": MODEL, "prompt": "x"})
+    assert status == 429 and body["error"]["type"], body  # refused, the others unaffected
+
+
 def test_models_follow_their_configmaps(env: Env, k: FakeKube) -> None:
     g = env.gateway
     assert served(g) == [] and g.get("/ready")["ready"]  # listed, nothing to serve yet
@@ -152,7 +166,8 @@ def test_models_follow_their_configmaps(env: Env, k: FakeKube) -> None:
     k.put("pods", pod("d1", "decode", env.d1))
     k.put("configmaps", configmap("c1", model_doc()))
     wait_for(lambda: served(g) == [MODEL])
-    wait_for(lambda: g.get("/ready")["ready"])
+    wait_for(lambda: g.get("/ready")["missing"] == [])
+    assert g.get("/ready")["ready"]
     assert complete(g)
     cat = g.get("/conductor/models")
     assert cat["models"] == [{"model": MODEL, "source": f"{NS}/c1"}]
@@ -194,7 +209,7 @@ def test_models_follow_their_configmaps(env: Env, k: FakeKube) -> None:
     wait_for(lambda: g.get("/conductor/models")["models"]
              == [{"model": MODEL, "source": "a-first/dup"}])
     assert g.get("/conductor/models")["conflicts"] == []
-    wait_for(lambda: g.get("/ready")["ready"])
+    wait_for(lambda: g.get("/ready")["missing"] == [])
     assert complete(g)
     k.delete("configmaps", "a-first", "dup")
     wait_for(lambda: served(g) == [])
@@ -208,7 +223,7 @@ def test_a_new_pod_is_routable_within_about_a_second(env: Env, k: FakeKube) -> N
     k.put("pods", pod("p1", "prefill", env.p1))
     k.put("pods", pod("d1", "decode", env.d1))
     k.put("configmaps", configmap("c1", model_doc()))
-    wait_for(lambda: g.get("/ready")["ready"])
+    wait_for(lambda: g.get("/ready")["missing"] == [])
     k.put("pods", pod("p2", "prefill", env.p2, ready=False))
     time.sleep(NOT_LISTED_WAIT_S)
     assert f"{NS}/p2" not in by_pod(g)  # not Ready: not an endpoint
@@ -263,7 +278,7 @@ def test_a_drained_pod_finishes_what_it_has(k: FakeKube, env: Env) -> None:
         k.put("pods", pod("p1", "prefill", env.p1))
         k.put("pods", pod("slow", "decode", slow))
         k.put("configmaps", configmap("c1", model_doc()))
-        wait_for(lambda: g.get("/ready")["ready"])
+        wait_for(lambda: g.get("/ready")["missing"] == [])
         cl = openai.OpenAI(base_url=g.base_url, api_key="x", max_retries=0, timeout=60)
         got: list[str] = []
         finish: list[str | None] = []
