@@ -408,16 +408,24 @@ def test_kopf_operator_reacts(k8s_cluster: LocalK8s, namespace: str, monkeypatch
     settings = kopf.OperatorSettings()
     settings.watching.server_timeout = 10
     args = ["run", "--standalone", "--namespace", namespace, str(operator)]
-    with KopfRunner(args, timeout=60, settings=settings) as runner:
-        cm = {"metadata": {"name": "x", "labels": {"mooncake.io/kopf-smoke": "true"}}}
-        http.post(f"/api/v1/namespaces/{namespace}/configmaps", cm)
-        path = f"/api/v1/namespaces/{namespace}/configmaps/x"
-        wait_for(
-            "kopf annotation",
-            lambda: http.get(path)["metadata"].get("annotations", {}).get("mooncake.io/seen-by"),
-        )
-        http.delete(path)
-        wait_for("configmap gone", lambda: not _exists(http, path))
+    # its own registry: other tests import mooncake_operator.handlers, whose handlers sit
+    # in kopf's default registry of this process (kopf run makes the given one the default)
+    default = kopf.get_default_registry()
+    registry = kopf.OperatorRegistry()
+    try:
+        with KopfRunner(args, timeout=60, settings=settings, registry=registry) as runner:
+            cm = {"metadata": {"name": "x", "labels": {"mooncake.io/kopf-smoke": "true"}}}
+            http.post(f"/api/v1/namespaces/{namespace}/configmaps", cm)
+            path = f"/api/v1/namespaces/{namespace}/configmaps/x"
+            wait_for(
+                "kopf annotation",
+                lambda: http.get(path)["metadata"].get("annotations", {}).get(
+                    "mooncake.io/seen-by"),
+            )
+            http.delete(path)
+            wait_for("configmap gone", lambda: not _exists(http, path))
+    finally:
+        kopf.set_default_registry(default)
     assert runner.exit_code == 0, runner.output
 
 
