@@ -16,10 +16,9 @@ import pytest
 import yaml
 from mooncake_operator import builders
 from mooncake_operator.names import ClusterRef
-from mooncake_operator.spec import MooncakeClusterSpec
 
 from ..cluster_fixtures import LocalK8s
-from ..operator.manifests import SETTINGS, example
+from ..operator.manifests import SETTINGS, example, with_updates
 from .chartutil import ALL_ON, CHART, RELEASE, run_helm
 
 pytestmark = pytest.mark.cluster
@@ -78,15 +77,7 @@ def test_chart_dry_run_server(k8s_cluster: LocalK8s, restricted_ns: str,
 
 
 def _generated(ns: str, engine: str, **updates: Any) -> list[dict[str, Any]]:
-    _, spec = example(engine)
-    data = spec.model_dump(by_alias=True)
-    for path, value in updates.items():
-        node = data
-        *head, last = path.split("__")
-        for k in head:
-            node = node[k]
-        node[last] = value
-    spec = MooncakeClusterSpec.model_validate(data)
+    spec = with_updates(example(engine)[1], **updates)
     ref = ClusterRef(f"{engine}-x", ns, str(uuid.uuid4()), 1)
     rev = builders.revision(ref, spec, SETTINGS)
     pods = [builders.engine_pod(ref, spec, SETTINGS, role, rev, 0)

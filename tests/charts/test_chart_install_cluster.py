@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 import yaml
 from mooncake_localcluster.kubehttp import ApiError, KubeHttp
 from mooncake_operator import permissions
 
 from ..cluster_fixtures import LocalK8s
+from ..operator.e2e_fixtures import assert_openai_serves
 from .chartutil import CHART, ROOT, helm
 from .pss import restricted_violations
 
@@ -224,17 +224,6 @@ def llama(install: Install) -> Install:
     return install
 
 
-def _completions(url: str) -> None:
-    """Non-streamed and streamed requests through the gateway Service, both APIs."""
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-    chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5)
-    assert chat.choices[0].message.content and chat.usage is not None
-    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
-                                       stream=True)
-    assert "".join(c.choices[0].text for c in stream if c.choices)
-
-
 def _routable(url: str) -> int:
     with urllib.request.urlopen(f"{url}/conductor/registry?model={MODEL}", timeout=5) as r:
         data = json.loads(r.read())
@@ -293,7 +282,7 @@ def test_example_is_ready_and_serves_through_the_gateway_service(llama: Install)
     # the Service has the gateway pod as backend once its readiness probe (GET /ready:
     # every model has a routable prefill and decode instance) passed again
     llama.wait(lambda: _routable(url) == 2, 60, "the gateway Service to route to both engines")
-    _completions(url)
+    assert_openai_serves(url, MODEL)
     # the operator made the engine pods under its field manager
     engines = llama.pods(ENGINES)
     managers = {p["metadata"]["name"]: {m.get("manager") for m in p["metadata"]["managedFields"]}
@@ -346,7 +335,7 @@ def test_a_missing_verb_is_reported_and_the_cluster_recovers(llama: Install) -> 
         assert now["metadata"]["uid"] == before["metadata"]["uid"]
         assert [c["restartCount"] for c in now["status"]["containerStatuses"]] == [0, 0], \
             now["status"]["containerStatuses"]
-        _completions(llama.gateway_url())
+        assert_openai_serves(llama.gateway_url(), MODEL)
     finally:
         llama.http.patch(ROLE, {"rules": rules})
     # the Role restored: the next reconcile gets through, the condition clears by itself
@@ -371,7 +360,7 @@ def test_helm_upgrade_keeps_the_cluster_ready_and_serving(llama: Install) -> Non
     url = llama.gateway_url()
     llama.wait(lambda: llama.ready() and _routable(url) == 3, 180,
                "Ready and 3 routable instances behind the new gateway")
-    _completions(url)
+    assert_openai_serves(url, MODEL)
     # the engines served on: the upgrade replaced the operator pod only
     assert {p["metadata"]["uid"] for p in llama.pods(ENGINES)} == engines
 

@@ -12,7 +12,7 @@ from mooncake_operator import builders
 from mooncake_operator.names import ClusterRef
 from mooncake_operator.spec import MooncakeClusterSpec
 
-from ..operator.manifests import SETTINGS, example
+from ..operator.manifests import SETTINGS, example, with_updates
 from .chartutil import ALL_ON, render
 from .pss import pod_spec_of, restricted_violations
 
@@ -102,14 +102,7 @@ def test_chart_pods_are_restricted(values: dict[str, Any] | None) -> None:
 # -- the operator's pods --------------------------------------------------------------------
 def _spec(engine: str, **updates: Any) -> tuple[ClusterRef, MooncakeClusterSpec]:
     ref, spec = example(engine)
-    data = spec.model_dump(by_alias=True)
-    for path, value in updates.items():
-        node = data
-        *head, last = path.split("__")
-        for k in head:
-            node = node[k]
-        node[last] = value
-    return ref, MooncakeClusterSpec.model_validate(data)
+    return ref, with_updates(spec, **updates)
 
 
 def generated(ref: ClusterRef, spec: MooncakeClusterSpec) -> list[tuple[str, JsonDict]]:

@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from http.client import HTTPException
 from pathlib import Path
 from typing import Any, NoReturn
@@ -39,20 +39,6 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float = WAIT_S) -> 
             return last
         time.sleep(0.25)
     raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
-
-
-@pytest.fixture
-def namespace(k8s_cluster: LocalK8s) -> Iterator[str]:
-    http = k8s_cluster.http()
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    http.post("/api/v1/namespaces", {"metadata": {"name": name}})
-    # The ServiceAccount admission plugin needs the controller-made default SA.
-    wait_for(
-        "default service account",
-        lambda: _exists(http, f"/api/v1/namespaces/{name}/serviceaccounts/default"),
-    )
-    yield name
-    http.delete(f"/api/v1/namespaces/{name}")
 
 
 def _exists(http: KubeHttp, path: str) -> bool:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +15,7 @@ from mooncake_localcluster.cluster import KUBERNETES_SERVICE_PORT
 from mooncake_localcluster.kubehttp import ApiError, KubeHttp
 
 from tests.cluster_fixtures import LocalK8s
-from tests.localcluster.test_cluster import _exists, _runnable_pod, wait_for
+from tests.localcluster.test_cluster import _runnable_pod, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -26,16 +24,9 @@ RESTRICTED = {"pod-security.kubernetes.io/enforce": "restricted"}
 
 
 @pytest.fixture
-def ns(k8s_cluster: LocalK8s) -> Iterator[str]:
-    http = k8s_cluster.http()
-    name = f"sec-{uuid.uuid4().hex[:8]}"
-    http.post("/api/v1/namespaces", {"metadata": {"name": name}})
-    wait_for(
-        "default service account",
-        lambda: _exists(http, f"/api/v1/namespaces/{name}/serviceaccounts/default"),
-    )
-    yield name
-    http.delete(f"/api/v1/namespaces/{name}")
+def ns(namespace: str) -> str:
+    """The shared fresh-namespace fixture (tests/localcluster/conftest.py)."""
+    return namespace
 
 
 def _log(k8s_cluster: LocalK8s, ns: str, pod: str) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import yaml
 from mooncake_localcluster.kubehttp import ApiError, KubeHttp
 
@@ -200,3 +201,20 @@ def gateway_pods(gateway_url: str, model: str) -> set[str]:
         if e.get("model") == model:
             out |= {i["pod"] for i in e.get("instances", []) if i.get("routable")}
     return out
+
+
+def assert_openai_serves(url: str, model: str) -> None:
+    """Chat and completion requests, streamed and not, through the gateway at ``url`` with
+    the ``openai`` client: each gets text back."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5)
+    assert chat.choices[0].message.content and chat.usage is not None
+    stream = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices)
+    plain = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4)
+    assert plain.choices[0].text
+    chat_stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices)

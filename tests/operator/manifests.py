@@ -19,3 +19,16 @@ def example(name: str) -> tuple[ClusterRef, MooncakeClusterSpec]:
     doc: dict[str, Any] = yaml.safe_load((EXAMPLES / f"{name}.yaml").read_text())
     ref = ClusterRef(doc["metadata"]["name"], "serving", "uid-1234", 1)
     return ref, MooncakeClusterSpec.model_validate(doc["spec"])
+
+
+def with_updates(spec: MooncakeClusterSpec, **updates: Any) -> MooncakeClusterSpec:
+    """``spec`` with fields replaced, each named by its camelCase path joined with ``__``
+    (``prefill__replicas=7``, ``engine__extraArgs=[...]``), validated again."""
+    data = spec.model_dump(by_alias=True)
+    for path, value in updates.items():
+        node = data
+        *head, last = path.split("__")
+        for k in head:
+            node = node[k]
+        node[last] = value
+    return MooncakeClusterSpec.model_validate(data)

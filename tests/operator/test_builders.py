@@ -12,9 +12,8 @@ import yaml
 from mooncake_contract import conventions as c
 from mooncake_contract.annotations import parse_annotations
 from mooncake_operator import builders, names
-from mooncake_operator.spec import MooncakeClusterSpec
 
-from .manifests import SETTINGS, example
+from .manifests import SETTINGS, example, with_updates
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("MOONCAKE_UPDATE_GOLDEN") == "1"
@@ -77,14 +76,7 @@ def test_revision_ignores_replicas_but_not_engine_changes() -> None:
     base = builders.revision(ref, spec, SETTINGS)
 
     def changed(**update: Any) -> str:
-        data = spec.model_dump(by_alias=True)
-        for path, value in update.items():
-            node = data
-            *head, last = path.split("__")
-            for k in head:
-                node = node[k]
-            node[last] = value
-        return builders.revision(ref, MooncakeClusterSpec.model_validate(data), SETTINGS)
+        return builders.revision(ref, with_updates(spec, **update), SETTINGS)
 
     assert changed(prefill__replicas=7, decode__replicas=1) == base
     assert changed(conductor__policy="dynamo-kv") == base  # the gateway's, not the engines'

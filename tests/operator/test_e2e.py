@@ -24,6 +24,7 @@ from .e2e_fixtures import (
     REPORTS,
     Clusters,
     Operator,
+    assert_openai_serves,
     gateway_pods,
     http_json,
     load_example,
@@ -104,18 +105,7 @@ def test_apply_example_gives_a_ready_serving_cluster(llama: Clusters, operator: 
               for i in m[role] if i["routable"]}
     assert listed == want
     # requests through the one front door, with the openai client
-    client = openai.OpenAI(base_url=f"{operator.gateway_url}/v1", api_key="none")
-    chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5)
-    assert chat.choices[0].message.content and chat.usage is not None
-    stream = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
-                                       stream=True)
-    assert "".join(c.choices[0].text for c in stream if c.choices)
-    plain = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4)
-    assert plain.choices[0].text
-    chat_stream = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices)
+    assert_openai_serves(operator.gateway_url, MODEL)
     # a Ready transition was announced
     reasons = {e["reason"] for e in llama.events("llama")}
     assert {"CreatedPods", "AllReady"} <= reasons
