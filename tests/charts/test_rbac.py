@@ -23,7 +23,7 @@ from mooncake_operator import crd, handlers, permissions
 from mooncake_operator.reconcile import Reconciler
 from mooncake_operator.settings import OperatorSettings
 
-from ..operator.manifests import example
+from ..operator.manifests import example, replaced
 from .chartutil import ALL_ON, find, render
 from .fake_api import RecordingKube
 
@@ -118,16 +118,6 @@ def _cluster(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             "spec": spec}
 
 
-def _set(spec: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
-    out = copy.deepcopy(spec)
-    node = out
-    *head, last = path.split(".")
-    for k in head:
-        node = node.setdefault(k, {})
-    node[last] = value
-    return out
-
-
 def reconciler_needs() -> set[Triple]:
     """Run the reconciler through every kind of write against the recording fake."""
     kube = RecordingKube()
@@ -145,15 +135,16 @@ def reconciler_needs() -> set[Triple]:
 
     async def scenario() -> None:
         await step(spec)  # children created; engines wait for the store master
-        changed = _set(_set(_set(spec, "store.master.rpcPort", 50061), "store.segmentSize",
-                            "32Mi"), "gateway.defaultMaxTokens", 17)
+        changed = replaced(spec, "store.master.rpcPort", 50061)
+        changed = replaced(changed, "store.segmentSize", "32Mi")
+        changed = replaced(changed, "gateway.defaultMaxTokens", 17)
         await step(changed)  # every child patched (its hash changed)
-        no_store = _set(_set(changed, "store.enabled", False), "gateway.enabled", False)
+        no_store = replaced(replaced(changed, "store.enabled", False), "gateway.enabled", False)
         await step(no_store)  # children deleted, engine pods created
         for pod in kube.all("", "pods", NS).values():
             pod["status"] = {"phase": "Running", "conditions": [
                 {"type": "Ready", "status": "True"}]}
-        smaller = _set(no_store, "prefill.replicas", 1)
+        smaller = replaced(no_store, "prefill.replicas", 1)
         await step(smaller)  # a ready pod drained (annotation patch)
         await step(smaller)  # and deleted
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +22,22 @@ def example(name: str) -> tuple[ClusterRef, MooncakeClusterSpec]:
     return ref, MooncakeClusterSpec.model_validate(doc["spec"])
 
 
+def replaced(doc: dict[str, Any], path: str, value: Any, sep: str = ".") -> dict[str, Any]:
+    """A deep copy of ``doc`` with the field at ``path`` (keys joined with ``sep``; missing
+    parents created) set to ``value``."""
+    out = copy.deepcopy(doc)
+    node = out
+    *head, last = path.split(sep)
+    for k in head:
+        node = node.setdefault(k, {})
+    node[last] = value
+    return out
+
+
 def with_updates(spec: MooncakeClusterSpec, **updates: Any) -> MooncakeClusterSpec:
     """``spec`` with fields replaced, each named by its camelCase path joined with ``__``
     (``prefill__replicas=7``, ``engine__extraArgs=[...]``), validated again."""
     data = spec.model_dump(by_alias=True)
     for path, value in updates.items():
-        node = data
-        *head, last = path.split("__")
-        for k in head:
-            node = node[k]
-        node[last] = value
+        data = replaced(data, path, value, sep="__")
     return MooncakeClusterSpec.model_validate(data)

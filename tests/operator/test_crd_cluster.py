@@ -13,7 +13,7 @@ import yaml
 from mooncake_localcluster.kubehttp import ApiError, KubeHttp
 from mooncake_operator import crd
 
-from .manifests import EXAMPLES
+from .manifests import EXAMPLES, replaced
 
 pytestmark = pytest.mark.cluster
 NS = "crd-validation"
@@ -24,13 +24,7 @@ BASE: dict[str, Any] = {
 
 
 def _with(path: str, value: Any) -> dict[str, Any]:
-    obj = copy.deepcopy(BASE)
-    node = obj
-    *head, last = path.split(".")
-    for k in head:
-        node = node.setdefault(k, {})
-    node[last] = value
-    return obj
+    return replaced(BASE, path, value)
 
 
 def _many(*pairs: tuple[str, Any]) -> dict[str, Any]:
