@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import kopf
@@ -39,35 +37,14 @@ def _state() -> OperatorState:
     return STATE
 
 
-#: where a pod's service-account token, CA and namespace are mounted
-SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-
-
-def in_cluster_connection(sa_dir: Path = SERVICE_ACCOUNT_DIR,
-                          env: Mapping[str, str] | None = None) -> kopf.ConnectionInfo | None:
-    """The pod's service account, at the address the kubelet's ``KUBERNETES_SERVICE_HOST``
-    and ``_PORT`` name (as the ``kubernetes`` client's in-cluster config does; kopf's own
-    helper assumes ``kubernetes.default.svc:443``, which a cluster without DNS or a
-    non-root service proxy does not serve). ``None`` outside a pod."""
-    env = os.environ if env is None else env
-    host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT")
-    token = sa_dir / "token"
-    if not host or not port or not token.is_file():
-        return None
-    if ":" in host:
-        host = f"[{host}]"  # IPv6
-    ca, ns = sa_dir / "ca.crt", sa_dir / "namespace"
-    return kopf.ConnectionInfo(
-        server=f"https://{host}:{port}", scheme="Bearer", token=token.read_text().strip(),
-        ca_path=str(ca) if ca.is_file() else None,
-        default_namespace=ns.read_text().strip() if ns.is_file() else None)
-
-
 @kopf.on.login()
 def login(**kwargs: Any) -> Any:
-    """The pod's service account in a cluster, else the current kubeconfig. kopf calls it
-    again on a 401, so a rotated token is read afresh."""
-    return in_cluster_connection() or kopf.login_with_kubeconfig(**kwargs)
+    """Through the ``kubernetes`` client, as :func:`.kube.api_client_from_env`: the pod's
+    service account at ``KUBERNETES_SERVICE_HOST``/``_PORT`` (kopf's own service-account
+    helper assumes ``kubernetes.default.svc:443``, which a cluster without DNS or a non-root
+    service proxy does not serve), else the current kubeconfig. kopf calls it again on a
+    401, so a rotated token is read afresh."""
+    return kopf.login_via_client(**kwargs)
 
 
 def configure_kopf(settings: kopf.OperatorSettings, ours: OperatorSettings) -> None:
