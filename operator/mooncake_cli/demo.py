@@ -549,7 +549,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
                                    ("namespace", args.namespace),
                                    ("utilization", args.utilization),
                                    ("out_dir", args.out)) if v is not None}
-    st = DemoSettings(**overrides)
+    from pydantic import ValidationError
+
+    try:
+        st = DemoSettings(**overrides)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        print(f"mooncake-operator demo: {where}: {err['msg']} (got {err.get('input')!r})",
+              file=sys.stderr)
+        return 2
     con = Console(total=7)
     try:
         return run(st, args.use_current_context, con)

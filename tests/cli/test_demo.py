@@ -122,3 +122,13 @@ def test_an_unknown_baseline_is_refused_before_anything_starts(
     assert main(["demo", "--baseline", "no-such-policy"]) == 1
     err = capsys.readouterr().err
     assert "unknown baseline policy" in err and "least-load" in err
+
+
+def test_a_bad_setting_is_one_line_not_a_traceback(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert main(["demo", "--requests", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mooncake-operator demo: requests: ") and "Traceback" not in err
+    monkeypatch.setenv("MOONCAKE_DEMO_POLL_S", "soon")
+    assert main(["demo"]) == 2
+    assert "poll_s" in capsys.readouterr().err
