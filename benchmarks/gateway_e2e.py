@@ -18,32 +18,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.gateway.gateway_fixtures import (  # noqa: E402
+from mooncake_testbed.procs import (
+    Unavailable,
     WorkerProc,
     model_config,
     run_gateway,
+    run_master,
     run_worker,
 )
-
-
-@contextlib.contextmanager
-def master() -> Any:
-    import worker_fixtures as wf  # on sys.path via tests.gateway.gateway_fixtures
-
-    gen = wf.mooncake_master._get_wrapped_function()()
-    m = next(gen)
-    try:
-        yield m
-    finally:
-        with contextlib.suppress(StopIteration):
-            next(gen)
-
 
 #: the warm-up pass (fills the store with every prompt block) runs this fast (modelled ×)
 WARMUP_SPEED = 4.0
@@ -80,7 +64,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         store: tuple[str, ...] = ()
         if not a.no_store:
-            m = stack.enter_context(master())
+            m = stack.enter_context(run_master())
             store = ("--store", m.rpc, "--store-metadata", m.metadata)
         common = ("--time-scale", str(a.time_scale), "--max-model-len", "131072", *store)
         prefill = [stack.enter_context(run_worker(*common, "--role", "prefill",
@@ -139,4 +123,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except Unavailable as err:  # a missing program: what to install, not a traceback
+        sys.exit(f"gateway_e2e: {err} (or run with --no-store)")

@@ -35,22 +35,10 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.gateway.gateway_fixtures import (  # noqa: E402
-    HOST,
-    MODEL,
-    free_port,
-    model_config,
-    run_gateway,
-    run_worker,
-)
+from mooncake_testbed.procs import HOST, MODEL, free_port, model_config, run_gateway, run_worker
 
 PROMPT = " ".join(f"w{i % 97} x{i}" for i in range(100))
 MAX_TOKENS = 8
@@ -58,6 +46,8 @@ START_TIMEOUT_S = 30
 MS = 1000.0
 US = 1e6
 TARGETS = ("direct", "gateway", "gateway-pd", "sglang-router", "vllm-router")
+#: the PyPI distribution that ships each peer router's binary
+ROUTER_PACKAGES = {"sglang-router": "sglang-router", "vllm-router": "vllm-router"}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -178,6 +168,11 @@ def main() -> int:
                     [vr, "--worker-urls", *urls, "--policy", "cache_aware", "--host", HOST,
                      "--port", str(p), "--prometheus-host", HOST,
                      "--prometheus-port", str(free_port())], p)))
+        found = {name for name, _ in targets}
+        for name, pkg in ROUTER_PACKAGES.items():
+            if name in wanted and name not in found:
+                print(f"{name}: not measured; install it (pip install {pkg}) into a venv and "
+                      "pass its bin folder with --routers", file=sys.stderr)
         for name, ctx in targets:
             try:
                 if name not in wanted:

@@ -18,7 +18,6 @@ listens on every interface, so CI runs this in the loopback-only network namespa
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import time
@@ -33,6 +32,8 @@ import pytest
 import yaml
 from mooncake_localcluster.kubehttp import ApiError, KubeHttp
 from mooncake_operator import permissions
+
+from tests.needs import missing
 
 from ..cluster_fixtures import LocalK8s
 from ..operator.e2e_fixtures import assert_openai_serves
@@ -181,9 +182,7 @@ def install(k8s_cluster: LocalK8s, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[Install]:
     helm()  # fails with the one instruction when helm is not built
     if shutil.which("mooncake_master") is None:
-        if os.environ.get("MOONCAKE_REQUIRE_STORE") == "1":
-            pytest.fail("Mooncake Store required but mooncake_master is not installed")
-        pytest.skip("mooncake_master not installed (pip install -e '.[store]')")
+        missing("store", "mooncake_master is not installed: pip install -e '.[store]'")
     values = tmp_path_factory.mktemp("chart") / "values.json"
     values.write_text(json.dumps(VALUES))
     inst = Install(k8s_cluster, k8s_cluster.http(), values)

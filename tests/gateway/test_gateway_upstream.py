@@ -51,7 +51,8 @@ Run = Callable[[Coroutine[Any, Any, None]], None]
 
 
 def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
-    uvloop = pytest.importorskip("uvloop")
+    import uvloop  # a dependency on Linux (pyproject.toml)
+
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory
 

