@@ -8,6 +8,7 @@ import math
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +18,12 @@ DEFAULT_COMPARE = (
 )
 
 
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "simulate",
-        help="replay a Mooncake-format trace through the Conductor core",
-        description="Discrete-event replay of a Mooncake-format trace (default: the bundled "
-        "Mooncake conversation trace) through one or more scheduling policies.",
-    )
+def _add_setting_flags(p: argparse.ArgumentParser) -> None:
+    """The pool, cache, SLO and trace flags ``simulate`` and ``capacity`` share."""
     p.add_argument("--trace", default=None, help="trace file (default: bundled conversation)")
-    p.add_argument("--policy", default="conductor", help="policy name (see --list-policies)")
-    p.add_argument("--compare", default=None, metavar="P1,P2,...",
-                   help="run several policies on identical input; 'all' for every policy")
     p.add_argument("--preset", default=None, help="named setting, e.g. paper-fig5")
     p.add_argument("--prefill", type=int, default=None, help="prefill instances")
     p.add_argument("--decode", type=int, default=None, help="decode instances")
-    p.add_argument("--speed", type=float, default=None, help="replay speed (x real time)")
     p.add_argument("--cache-tokens", type=int, default=None,
                    help="local KV cache per prefill instance, tokens")
     p.add_argument("--store-tokens", type=int, default=None, help="shared store pool, tokens")
@@ -41,11 +33,45 @@ def register(sub: Any) -> None:
                    help="JSON policy parameters, e.g. '{\"priority_weight\": 0}'")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--jobs", type=int, default=None, help="parallel processes for --compare")
+    p.add_argument("--jobs", type=int, default=None, help="parallel processes")
     p.add_argument("--json", dest="json_out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="write a PNG chart of the results")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="replay a Mooncake-format trace through the Conductor core",
+        description="Discrete-event replay of a Mooncake-format trace (default: the bundled "
+        "Mooncake conversation trace) through one or more scheduling policies.",
+    )
+    p.add_argument("--policy", default="conductor", help="policy name (see --list-policies)")
+    p.add_argument("--compare", default=None, metavar="P1,P2,...",
+                   help="run several policies on identical input; 'all' for every policy")
+    p.add_argument("--speed", type=float, default=None, help="replay speed (x real time)")
+    _add_setting_flags(p)
     p.add_argument("--list-policies", action="store_true", help="list policies and exit")
     p.set_defaults(handler=cmd_simulate)
+
+    c = sub.add_parser(
+        "capacity",
+        help="effective request capacity of policies on a trace (the paper's headline metric)",
+        description="Highest replay speed at which >= 90%% of ALL requests (rejections count "
+        "as misses) meet both the TTFT and the TBT SLO, found by bisection over simulated "
+        "replays, next to the trace's compute-bound limit on the prefill pool. With "
+        "--pd-sweep N: capacity of every prefill/decode split of N instances.",
+    )
+    c.add_argument("--policy", default="conductor", metavar="P[,P...]",
+                   help="one or more policies, comma-separated")
+    _add_setting_flags(c)
+    c.add_argument("--target", type=float, default=None,
+                   help="share of all requests that must meet both SLOs (default 0.9)")
+    c.add_argument("--tolerance", type=float, default=None,
+                   help="stop when the bracket is this narrow, relative (default 0.02)")
+    c.add_argument("--pd-sweep", type=int, default=None, metavar="N",
+                   help="sweep prefill/decode splits of N instances in all")
+    c.add_argument("--pd-step", type=int, default=1, help="prefill count step of the sweep")
+    c.set_defaults(handler=cmd_capacity)
 
     t = sub.add_parser("trace-stats", help="summarise a Mooncake-format trace")
     t.add_argument("file", nargs="?", default=None, help="trace file (default: bundled)")
@@ -74,12 +100,133 @@ def _run_one(args: tuple[list[Any], dict[str, Any], bool]) -> dict[str, Any]:
     return simulate(records, config)
 
 
-def cmd_simulate(args: argparse.Namespace) -> int:
-    from mooncake_conductor.policies import policy_names
+@dataclass
+class _Setup:
+    """What ``simulate`` and ``capacity`` resolved from their shared flags."""
+
+    path: Path
+    records: list[Any]
+    preset: Any
+    prefill: int
+    decode: int
+    ttft_s: float
+    tbt_ms: float
+    cache_tokens: int
+    store_tokens: int
+    params: dict[str, Any]
+
+    def config(self, policy: str, speed: float, seed: int, own_params: bool,
+               prefill: int | None = None, decode: int | None = None) -> dict[str, Any]:
+        """One ``SimConfig`` as a dict (validated by the caller)."""
+        return {
+            "prefill": prefill or self.prefill,
+            "decode": decode or self.decode,
+            "speed": speed,
+            "prefill_cache_tokens": self.cache_tokens,
+            "store_tokens": self.store_tokens,
+            "conductor": {
+                "policy": policy,
+                "params": self.params if own_params else {},
+                "slo": {"ttft_s": self.ttft_s, "tbt_s": self.tbt_ms / 1000.0},
+                "seed": seed,
+            },
+        }
+
+    def settings(self, preset_name: str | None, seed: int) -> dict[str, Any]:
+        return {
+            "trace": str(self.path),
+            "requests": len(self.records),
+            "preset": preset_name,
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "prefill_cache_tokens": self.cache_tokens,
+            "store_tokens": self.store_tokens,
+            "ttft_slo_s": self.ttft_s,
+            "tbt_slo_ms": self.tbt_ms,
+            "block_tokens": 512,
+            "cost_model": "LLaMA3-70B on 8xA800 (FAST'25 Table 1)",
+            "seed": seed,
+        }
+
+
+def _policies(spec: str, known: list[str]) -> list[str] | str:
+    """Comma-separated policy names, or the error message."""
+    policies = [p.strip() for p in spec.split(",") if p.strip()]
+    if not policies:
+        return "no policy given"
+    unknown = [p for p in policies if p not in known]
+    if unknown:
+        return f"unknown policy {', '.join(unknown)}; known: {', '.join(known)}"
+    if len(set(policies)) != len(policies):
+        return "a policy is listed twice"
+    return policies
+
+
+def _setup(args: argparse.Namespace) -> _Setup | str:
+    """Validate the shared flags and load the trace; an error message on bad input."""
+    from .presets import PRESETS
+    from .trace import TraceError, load_trace
+
+    params: dict[str, Any] = {}
+    if args.params:
+        try:
+            params = json.loads(args.params)
+        except json.JSONDecodeError as exc:
+            return f"--params is not valid JSON: {exc.msg}"
+        if not isinstance(params, dict):
+            return "--params must be a JSON object"
+    preset = None
+    if args.preset:
+        if args.preset not in PRESETS:
+            return f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}"
+        preset = PRESETS[args.preset]
+    for flag in ("prefill", "decode", "limit", "jobs"):
+        v = getattr(args, flag)
+        if v is not None and v <= 0:
+            return f"--{flag} must be positive"
+    for flag in ("speed", "ttft_slo", "tbt_slo"):
+        v = getattr(args, flag, None)
+        if v is not None and (not math.isfinite(v) or v <= 0):
+            return f"--{flag.replace('_', '-')} must be a positive number"
+    path = _trace_path(args.trace)
+    try:
+        records = load_trace(path, limit=args.limit)
+    except TraceError as exc:
+        return str(exc)
+    return _Setup(
+        path=path,
+        records=records,
+        preset=preset,
+        prefill=args.prefill or (preset.prefill if preset else 16),
+        decode=args.decode or (preset.decode if preset else 16),
+        ttft_s=args.ttft_slo or (preset.ttft_slo_s if preset else 30.0),
+        tbt_ms=args.tbt_slo or (preset.tbt_slo_ms if preset else 100.0),
+        cache_tokens=args.cache_tokens or (preset.prefill_cache_tokens if preset else 3_000_000),
+        store_tokens=args.store_tokens or 0,
+        params=params,
+    )
+
+
+def _validate(cfgs: list[dict[str, Any]]) -> str | None:
+    """The first pydantic error among ``cfgs`` as ``bad setting loc: msg``, else None."""
     from pydantic import ValidationError
 
-    from .presets import PRESETS, speed_for_utilization
-    from .trace import TraceError, load_trace
+    from .engine import SimConfig
+
+    try:
+        for cfg in cfgs:
+            SimConfig.model_validate(cfg)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        return f"bad setting {loc}: {err['msg']}"
+    return None
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from mooncake_conductor.policies import policy_names
+
+    from .presets import speed_for_utilization
 
     known = policy_names()
     if args.list_policies:
@@ -94,93 +241,32 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.compare:
         order = DEFAULT_COMPARE.split(",")
         everything = order + [p for p in known if p not in order]
-        policies = everything if args.compare == "all" else [
-            p.strip() for p in args.compare.split(",") if p.strip()
-        ]
+        chosen = _policies(",".join(everything) if args.compare == "all" else args.compare,
+                           known)
     else:
-        policies = [args.policy]
-    unknown = [p for p in policies if p not in known]
-    if unknown:
-        return _fail(f"unknown policy {', '.join(unknown)}; known: {', '.join(known)}")
-    if len(set(policies)) != len(policies):
-        return _fail("a policy is listed twice in --compare")
-    params: dict[str, Any] = {}
-    if args.params:
-        try:
-            params = json.loads(args.params)
-        except json.JSONDecodeError as exc:
-            return _fail(f"--params is not valid JSON: {exc.msg}")
-        if not isinstance(params, dict):
-            return _fail("--params must be a JSON object")
-    preset = None
-    if args.preset:
-        if args.preset not in PRESETS:
-            return _fail(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
-        preset = PRESETS[args.preset]
-    for flag in ("prefill", "decode", "limit", "jobs"):
-        v = getattr(args, flag)
-        if v is not None and v <= 0:
-            return _fail(f"--{flag} must be positive")
-    for flag in ("speed", "ttft_slo", "tbt_slo"):
-        v = getattr(args, flag)
-        if v is not None and (not math.isfinite(v) or v <= 0):
-            return _fail(f"--{flag.replace('_', '-')} must be a positive number")
-    path = _trace_path(args.trace)
-    try:
-        records = load_trace(path, limit=args.limit)
-    except TraceError as exc:
-        return _fail(str(exc))
-
-    prefill = args.prefill or (preset.prefill if preset else 16)
-    decode = args.decode or (preset.decode if preset else 16)
+        chosen = _policies(args.policy, known)
+    if isinstance(chosen, str):
+        return _fail(chosen.replace("listed twice", "listed twice in --compare"))
+    policies = chosen
+    setup = _setup(args)
+    if isinstance(setup, str):
+        return _fail(setup)
+    records, preset = setup.records, setup.preset
     speed = args.speed
     if speed is None:
-        speed = (speed_for_utilization(records, prefill, preset.target_utilization)
+        speed = (speed_for_utilization(records, setup.prefill, preset.target_utilization)
                  if preset else 1.0)
-    ttft = args.ttft_slo or (preset.ttft_slo_s if preset else 30.0)
-    tbt_ms = args.tbt_slo or (preset.tbt_slo_ms if preset else 100.0)
-    cache = args.cache_tokens or (preset.prefill_cache_tokens if preset else 3_000_000)
-    base: dict[str, Any] = {
-        "prefill": prefill,
-        "decode": decode,
-        "speed": speed,
-        "prefill_cache_tokens": cache,
-        "store_tokens": args.store_tokens or 0,
-    }
-    configs = []
-    try:
-        from .engine import SimConfig
-
-        for pol in policies:
-            cfg = dict(base)
-            cfg["conductor"] = {
-                "policy": pol,
-                "params": params if len(policies) == 1 or pol == "conductor" else {},
-                "slo": {"ttft_s": ttft, "tbt_s": tbt_ms / 1000.0},
-                "seed": args.seed,
-            }
-            SimConfig.model_validate(cfg).model_dump()
-            configs.append(cfg)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        return _fail(f"bad setting {loc}: {err['msg']}")
-
-    settings = {
-        "trace": str(path),
-        "requests": len(records),
-        "preset": args.preset,
-        **base,
-        "ttft_slo_s": ttft,
-        "tbt_slo_ms": tbt_ms,
-        "block_tokens": 512,
-        "cost_model": "LLaMA3-70B on 8xA800 (FAST'25 Table 1)",
-        "seed": args.seed,
-    }
+    configs = [setup.config(pol, speed, args.seed, len(policies) == 1 or pol == "conductor")
+               for pol in policies]
+    err = _validate(configs)
+    if err:
+        return _fail(err)
+    settings = setup.settings(args.preset, args.seed)
+    settings["speed"] = speed
     print(
-        f"trace {path.name}: {len(records)} requests | {prefill} prefill + {decode} decode | "
-        f"speed {speed:.3g}x | cache {cache:,} tokens/instance | "
-        f"SLO TTFT {ttft:g} s, TBT {tbt_ms:g} ms",
+        f"trace {setup.path.name}: {len(records)} requests | {setup.prefill} prefill + "
+        f"{setup.decode} decode | speed {speed:.3g}x | cache {setup.cache_tokens:,} "
+        f"tokens/instance | SLO TTFT {setup.ttft_s:g} s, TBT {setup.tbt_ms:g} ms",
         file=sys.stderr,
     )
     jobs = args.jobs or min(len(policies), os.cpu_count() or 1)
@@ -210,6 +296,164 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             return _fail("--plot needs matplotlib: pip install 'mooncake-operator[plot]'")
         plot_results(results, settings, Path(args.plot))
     return 0
+
+
+def _capacity_one(job: tuple[list[Any], dict[str, Any], float, float, float]) -> dict[str, Any]:
+    """One capacity search (runs in a worker process): bisection over simulated replays."""
+    from .capacity import Probe, search_capacity
+    from .engine import SimConfig, simulate
+
+    records, cfg, start, target, tol = job
+    base = SimConfig.model_validate(cfg)
+    label = f"{cfg['conductor']['policy']} {cfg['prefill']}P+{cfg['decode']}D"
+    rows: dict[float, dict[str, Any]] = {}
+
+    def attainment(speed: float) -> float:
+        r = simulate(records, base.model_copy(update={"speed": speed}))
+        rows[speed] = r
+        return float(r["slo_attainment"])
+
+    def show(p: Probe) -> None:
+        print(f"  {label}: speed {p.speed:.4g}x -> {100 * p.attainment:.2f}% in SLO "
+              f"({'ok' if p.ok else 'miss'})", file=sys.stderr, flush=True)
+
+    found = search_capacity(attainment, start, target=target, rel_tol=tol, on_probe=show)
+    at = rows.get(found.capacity_speed)
+    return {
+        "policy": cfg["conductor"]["policy"],
+        "prefill": cfg["prefill"],
+        "decode": cfg["decode"],
+        "capacity_speed": found.capacity_speed,
+        "bracketed": found.bracketed,
+        "probes": [{"speed": p.speed, "slo_attainment": p.attainment, "ok": p.ok}
+                   for p in found.probes],
+        "at_capacity": None if at is None else {
+            k: at[k] for k in ("completed", "rejected", "ttft_mean_s", "ttft_p90_s",
+                               "ttft_p99_s", "tbt_p90_ms", "slo_attainment", "token_hit_ratio")},
+    }
+
+
+def cmd_capacity(args: argparse.Namespace) -> int:
+    from mooncake_conductor.policies import policy_names
+
+    from .capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, compute_bound_speed, pd_splits
+
+    chosen = _policies(args.policy, policy_names())
+    if isinstance(chosen, str):
+        return _fail(chosen)
+    target = DEFAULT_TARGET if args.target is None else args.target
+    tol = DEFAULT_REL_TOL if args.tolerance is None else args.tolerance
+    if not (math.isfinite(target) and 0 < target <= 1):
+        return _fail("--target must be in (0, 1]")
+    if not (math.isfinite(tol) and 0 < tol < 1):
+        return _fail("--tolerance must be in (0, 1)")
+    if args.pd_sweep is not None and args.pd_sweep < 2:
+        return _fail("--pd-sweep needs at least 2 instances")
+    if args.pd_step <= 0:
+        return _fail("--pd-step must be positive")
+    setup = _setup(args)
+    if isinstance(setup, str):
+        return _fail(setup)
+    if len(setup.records) < 2:
+        return _fail("the trace needs at least 2 requests to have a rate")
+    splits = (pd_splits(args.pd_sweep, args.pd_step) if args.pd_sweep
+              else [(setup.prefill, setup.decode)])
+    limits = {p: compute_bound_speed(setup.records, p) for p, _ in splits}
+    served_limits = {p: compute_bound_speed(setup.records, p, share=target,
+                                            drain_s=setup.ttft_s) for p, _ in splits}
+    jobs_in: list[tuple[list[Any], dict[str, Any], float, float, float]] = []
+    for pol in chosen:
+        for p, d in splits:
+            cfg = setup.config(pol, 1.0, args.seed, len(chosen) == 1 or pol == "conductor",
+                               prefill=p, decode=d)
+            start = limits[p] if math.isfinite(limits[p]) else 1.0
+            jobs_in.append((setup.records, cfg, start, target, tol))
+    err = _validate([j[1] for j in jobs_in])
+    if err:
+        return _fail(err)
+    print(f"capacity on {setup.path.name}: {len(setup.records)} requests | "
+          + (f"P/D sweep of {args.pd_sweep} instances" if args.pd_sweep
+             else f"{setup.prefill} prefill + {setup.decode} decode")
+          + f" | SLO TTFT {setup.ttft_s:g} s, TBT {setup.tbt_ms:g} ms | target "
+          f"{100 * target:g}% of all requests | {len(jobs_in)} searches", file=sys.stderr)
+    jobs = min(args.jobs or os.cpu_count() or 1, len(jobs_in))
+    results: list[dict[str, Any]] = []
+    if jobs > 1:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = [pool.submit(_capacity_one, j) for j in jobs_in]
+            for done, fut in enumerate(as_completed(futures), 1):
+                r = fut.result()
+                print(f"[{done}/{len(jobs_in)}] {r['policy']} {r['prefill']}P+{r['decode']}D: "
+                      f"capacity {r['capacity_speed']:.4g}x", file=sys.stderr)
+            results = [f.result() for f in futures]
+    else:
+        for done, j in enumerate(jobs_in, 1):
+            r = _capacity_one(j)
+            print(f"[{done}/{len(jobs_in)}] {r['policy']} {r['prefill']}P+{r['decode']}D: "
+                  f"capacity {r['capacity_speed']:.4g}x", file=sys.stderr)
+            results.append(r)
+    for r in results:
+        limit = limits[r["prefill"]]
+        r["limit_speed"] = limit
+        r["limit_target_speed"] = served_limits[r["prefill"]]
+        r["ratio"] = r["capacity_speed"] / limit if math.isfinite(limit) and limit else None
+    best: dict[str, dict[str, Any]] = {}
+    for r in results:
+        b = best.get(r["policy"])
+        if b is None or r["capacity_speed"] > b["capacity_speed"]:
+            best[r["policy"]] = r
+    print(format_capacity(results, bool(args.pd_sweep)))
+    settings = setup.settings(args.preset, args.seed)
+    settings.update({"target": target, "tolerance": tol, "pd_sweep": args.pd_sweep,
+                     "pd_step": args.pd_step,
+                     "limit": "ideal-reuse prefill compute of all requests over the prefill pool",
+                     "limit_target": "the same for the cheapest target share of requests, "
+                     "with the TTFT SLO to drain after the last arrival: an upper bound"})
+    if args.pd_sweep:
+        print("best split: " + ", ".join(
+            f"{pol} {b['prefill']}P+{b['decode']}D ({b['capacity_speed']:.4g}x)"
+            for pol, b in best.items()))
+    if args.json_out:
+        doc: dict[str, Any] = {"settings": settings, "results": results}
+        if args.pd_sweep:
+            doc["best"] = [{"policy": pol, "prefill": b["prefill"], "decode": b["decode"],
+                            "capacity_speed": b["capacity_speed"]} for pol, b in best.items()]
+        Path(args.json_out).write_text(json.dumps(doc, indent=2, default=_nan) + "\n")
+    if args.plot:
+        try:
+            from .plot import plot_capacity
+        except ImportError:
+            return _fail("--plot needs matplotlib: pip install 'mooncake-operator[plot]'")
+        plot_capacity(results, settings, Path(args.plot))
+    return 0
+
+
+def format_capacity(results: list[dict[str, Any]], sweep: bool) -> str:
+    """A readable table of capacity results (one row per policy, or per policy and split)."""
+    cols = ["policy", *(["P", "D"] if sweep else []), "capacity", "limit", "of limit",
+            "limit@target",
+            "SLO ok @cap", "TTFT p90 @cap", "note"]
+    rows = []
+    for r in results:
+        at = r["at_capacity"] or {}
+        note = "" if r["bracketed"] else ("none met the target" if not r["capacity_speed"]
+                                          else "lower bound")
+        rows.append([
+            r["policy"], *([str(r["prefill"]), str(r["decode"])] if sweep else []),
+            f"{r['capacity_speed']:.4g}x", f"{r['limit_speed']:.4g}x",
+            "–" if r["ratio"] is None else f"{100 * r['ratio']:.1f}%",
+            f"{r['limit_target_speed']:.4g}x",
+            f"{100 * at['slo_attainment']:.1f}%" if at else "–",
+            f"{at['ttft_p90_s']:.2f} s" if at else "–", note,
+        ])
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                     enumerate(zip(cols, widths, strict=True)))
+    out = [line, "-" * len(line)]
+    for row in rows:
+        out.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in
+                             enumerate(zip(row, widths, strict=True))))
+    return "\n".join(out)
 
 
 def _nan(x: Any) -> Any:

@@ -34,3 +34,48 @@ def plot_results(results: list[dict[str, Any]], settings: dict[str, Any], out: P
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
+
+
+def plot_capacity(results: list[dict[str, Any]], settings: dict[str, Any], out: Path) -> None:
+    """Capacity per policy against the compute-bound limit; with a P/D sweep, capacity per
+    prefill count, one line per policy."""
+    title = (f"{Path(str(settings['trace'])).name}: effective capacity "
+             f"({100 * settings['target']:g}% of all requests within both SLOs)")
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    if settings.get("pd_sweep"):
+        by_policy: dict[str, list[dict[str, Any]]] = {}
+        for r in results:
+            by_policy.setdefault(r["policy"], []).append(r)
+        for name, rows in by_policy.items():
+            rows.sort(key=lambda r: r["prefill"])
+            ax.plot([r["prefill"] for r in rows], [r["capacity_speed"] for r in rows],
+                    marker="o", label=name)
+        limit_rows = sorted({(r["prefill"], r["limit_speed"]) for r in results})
+        ax.plot([p for p, _ in limit_rows], [v for _, v in limit_rows], "k--",
+                label="compute-bound limit, all requests")
+        bound_rows = sorted({(r["prefill"], r["limit_target_speed"]) for r in results})
+        ax.plot([p for p, _ in bound_rows], [v for _, v in bound_rows], "k:",
+                label="upper bound at the target (cheapest share, SLO drain)")
+        ax.set_xlabel(f"prefill instances (of {settings['pd_sweep']}; the rest decode)")
+        ax.set_ylabel("capacity (replay speed, x)")
+        ax.legend(fontsize=8)
+    else:
+        names = [r["policy"] for r in results]
+        vals = [r["capacity_speed"] for r in results]
+        colors = ["#d62728" if n == "conductor" else "#1f77b4" for n in names]
+        ax.barh(names, vals, color=colors)
+        limit = results[0]["limit_speed"] if results else 0.0
+        ax.axvline(limit, color="k", linestyle="--", label="compute-bound limit, all requests")
+        if results:
+            ax.axvline(results[0]["limit_target_speed"], color="k", linestyle=":",
+                       label="upper bound at the target")
+        for i, r in enumerate(results):
+            pct = "" if r["ratio"] is None else f" ({100 * r['ratio']:.0f}% of limit)"
+            ax.text(vals[i], i, f" {vals[i]:.3g}x{pct}", va="center", fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("capacity (replay speed, x)")
+        ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

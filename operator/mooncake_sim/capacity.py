@@ -1,0 +1,198 @@
+"""Effective request capacity, the Mooncake paper's headline metric (FAST'25 §5).
+
+*Effective request capacity* is the highest load at which at least 90% of **all** requests
+(rejected ones count as misses) meet both the TTFT and the TBT SLO. Load is the replay speed
+(arrivals at ``timestamp / speed``), so capacity is a speed, found here by bisection over
+simulated replays. It assumes attainment does not rise with load; each probe is recorded so
+a reader can check that on the run at hand.
+
+Next to it stands the *compute-bound limit* of the trace on the prefill pool: the speed at
+which the pool would be busy all the time computing each prompt with ideal reuse (every
+prefix block any earlier request produced is reused, the unbounded global cache of
+:func:`~mooncake_sim.trace.reuse_ceiling`), priced by the same cost model. No scheduler
+can sustain more prefill work than that, so ``capacity / limit`` says how much of the pool a
+policy turns into served, in-SLO requests. Two caveats, both visible in the numbers: the
+metric counts requests, not tokens, so a policy that rejects the longest prompts (up to
+``1 - target`` of the requests) sheds far more than that share of the work and can pass the
+all-requests limit; and on a short trace the TTFT SLO lets a backlog outlive the last
+arrival, which a long trace (the bundled one spans an hour) makes negligible.
+:func:`compute_bound_speed` with ``share=target, drain_s=ttft_slo`` is the bound that holds
+for both (``limit_target_speed`` in the output).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mooncake_conductor.cost import CostModel, CostModelConfig
+
+from .trace import TRACE_BLOCK_TOKENS, TraceRecord
+
+#: the paper's definition: share of all requests that must meet both SLOs
+DEFAULT_TARGET = 0.9
+#: stop bisecting when the bracket is this narrow (hi / lo - 1)
+DEFAULT_REL_TOL = 0.02
+#: at most this many doublings (or halvings) to bracket the capacity
+MAX_BRACKET_STEPS = 10
+#: at most this many probes in all, bracket included
+DEFAULT_MAX_PROBES = 24
+
+
+def ideal_reuse_prefill_times(
+    records: list[TraceRecord], cost: CostModel | None = None,
+    block_tokens: int = TRACE_BLOCK_TOKENS,
+) -> list[float]:
+    """Each request's prefill GPU seconds when it reuses every leading block any earlier
+    request held (unbounded global cache, no transfer cost)."""
+    cm = cost or CostModel(CostModelConfig())
+    seen: set[int] = set()
+    times = []
+    for r in records:
+        k = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            k += 1
+        cached = min(k * block_tokens, r.input_length)
+        times.append(cm.prefill_compute_time(r.input_length, cached))
+        seen.update(r.hash_ids)
+    return times
+
+
+def ideal_reuse_prefill_seconds(
+    records: list[TraceRecord], cost: CostModel | None = None,
+    block_tokens: int = TRACE_BLOCK_TOKENS,
+) -> float:
+    """Prefill GPU seconds of the whole trace with ideal reuse."""
+    return sum(ideal_reuse_prefill_times(records, cost, block_tokens))
+
+
+def trace_span_s(records: list[TraceRecord]) -> float:
+    """Seconds from the first to the last arrival at speed 1."""
+    if len(records) < 2:
+        return 0.0
+    return (records[-1].timestamp_ms - records[0].timestamp_ms) / 1000.0
+
+
+def compute_bound_speed(
+    records: list[TraceRecord], prefill: int, cost: CostModel | None = None,
+    block_tokens: int = TRACE_BLOCK_TOKENS, share: float = 1.0, drain_s: float = 0.0,
+) -> float:
+    """Replay speed at which ``prefill`` instances are busy all the time with the trace's
+    ideal-reuse prefill work (``inf`` for a trace with no span or no work).
+
+    ``share < 1`` counts only the cheapest ``share`` of the requests: a policy may reject
+    the rest and still meet a ``share`` target, and the requests it drops first are the
+    longest prompts, whose prefill dominates the work. ``drain_s`` (the TTFT SLO) lets
+    the work run on past the last arrival by that much, as a served request may start its
+    first token that late. With both, the result is a true upper bound on the capacity
+    of any policy that serves the ``share`` target."""
+    if not 0 < share <= 1:
+        raise ValueError("share must be in (0, 1]")
+    times = ideal_reuse_prefill_times(records, cost, block_tokens)
+    if share < 1:
+        times = sorted(times)[: math.ceil(share * len(times))]
+    busy_s = sum(times) / prefill  # wall seconds the pool needs, all instances busy
+    span = trace_span_s(records)
+    if busy_s <= drain_s or span <= 0:
+        return math.inf
+    return span / (busy_s - drain_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    speed: float
+    attainment: float
+    ok: bool
+
+
+@dataclass(slots=True)
+class CapacitySearch:
+    """Outcome of :func:`search_capacity`: ``capacity_speed`` is the highest probed speed
+    that met the target (0 when none did); ``bracketed`` says a failing speed above it was
+    found, i.e. the result is a capacity and not just a lower bound."""
+
+    capacity_speed: float
+    bracketed: bool
+    probes: list[Probe] = field(default_factory=list)
+
+
+def search_capacity(
+    attainment_at: Callable[[float], float],
+    start: float,
+    target: float = DEFAULT_TARGET,
+    rel_tol: float = DEFAULT_REL_TOL,
+    max_probes: int = DEFAULT_MAX_PROBES,
+    on_probe: Callable[[Probe], None] | None = None,
+) -> CapacitySearch:
+    """Highest speed with ``attainment_at(speed) >= target``: bracket by doubling or halving
+    from ``start``, then bisect geometrically until ``hi / lo - 1 <= rel_tol``."""
+    if not (start > 0 and math.isfinite(start)):
+        raise ValueError("start must be a positive, finite speed")
+    if not 0 < target <= 1:
+        raise ValueError("target must be in (0, 1]")
+    if rel_tol <= 0:
+        raise ValueError("rel_tol must be positive")
+    out = CapacitySearch(capacity_speed=0.0, bracketed=False)
+
+    def probe(speed: float) -> bool:
+        att = attainment_at(speed)
+        p = Probe(speed, att, att >= target)
+        out.probes.append(p)
+        if on_probe is not None:
+            on_probe(p)
+        return p.ok
+
+    lo: float | None = None
+    hi: float | None = None
+    speed = start
+    if probe(speed):
+        lo = speed
+        for _ in range(MAX_BRACKET_STEPS):
+            if len(out.probes) >= max_probes:
+                break
+            speed *= 2
+            if probe(speed):
+                lo = speed
+            else:
+                hi = speed
+                break
+    else:
+        hi = speed
+        for _ in range(MAX_BRACKET_STEPS):
+            if len(out.probes) >= max_probes:
+                break
+            speed /= 2
+            if probe(speed):
+                lo = speed
+                break
+            hi = speed
+    if lo is None:  # nothing met the target, down to start / 2**MAX_BRACKET_STEPS
+        return out
+    if hi is None:  # met it up to the highest speed probed: a lower bound only
+        out.capacity_speed = lo
+        return out
+    while hi / lo - 1 > rel_tol and len(out.probes) < max_probes:
+        mid = math.sqrt(lo * hi)
+        if probe(mid):
+            lo = mid
+        else:
+            hi = mid
+    out.capacity_speed = lo
+    out.bracketed = True
+    return out
+
+
+def pd_splits(total: int, step: int = 1) -> list[tuple[int, int]]:
+    """Every (prefill, decode) split of ``total`` instances with at least one of each,
+    prefill counts ``step`` apart (the last split always included)."""
+    if total < 2:
+        raise ValueError("a P/D sweep needs at least 2 instances")
+    if step <= 0:
+        raise ValueError("step must be positive")
+    prefills = list(range(1, total, step))
+    if prefills[-1] != total - 1:
+        prefills.append(total - 1)
+    return [(p, total - p) for p in prefills]
