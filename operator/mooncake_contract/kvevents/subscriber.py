@@ -3,7 +3,9 @@
 ``on_batch(seq, batch)`` is called in sequence order. When a batch arrives with a
 sequence number past the expected one, the missing batches are asked for on the
 publisher's replay socket (``[b"", start_seq]`` → ``[b"", topic, seq, payload]...``,
-end marker seq -1) and delivered first; batches the publisher no longer buffers are
+end marker seq -1; engines older than vLLM 0.26 and SGLang send the replies without
+the topic frame, ``[b"", seq, payload]``, and both forms are read) and delivered first;
+batches the publisher no longer buffers are
 counted in :attr:`KVEventSubscriber.lost`. A sequence number below the expected one
 means the publisher restarted: :attr:`restarts` counts it, ``on_reset`` is called
 (the engine's cache state starts over), the new stream's earlier batches are fetched
@@ -58,6 +60,8 @@ class KVEventSubscriber:
         self.restarts = 0
         self.bad = 0
         self.errors = 0
+        self.unknown_events = 0  # events of a type the codec does not know (skipped)
+        self._unknown_tags: set[str] = set()
         self._sub: zmq.asyncio.Socket | None = None
         self.connected = asyncio.Event()
 
@@ -113,8 +117,16 @@ class KVEventSubscriber:
         self.received += 1
         await self._deliver(seq, batch, payload)
 
+    def _note_skipped(self, batch: KVEventBatch) -> None:
+        self.unknown_events += len(batch.skipped)
+        for tag in set(batch.skipped) - self._unknown_tags:
+            self._unknown_tags.add(tag)
+            log.warning("skipping KV events of unknown type %r from %s", tag, self.endpoint)
+
     async def _deliver(self, seq: int, batch: KVEventBatch, payload: bytes) -> None:
         self.next_seq = seq + 1
+        if batch.skipped:
+            self._note_skipped(batch)
         if self.on_payload is not None:
             self.on_payload(seq, payload)
         res = self.on_batch(seq, batch)
@@ -133,13 +145,18 @@ class KVEventSubscriber:
             await dealer.send_multipart([b"", encode_seq(start)])
             while True:
                 frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
-                if len(frames) != 4:
+                # [b"", topic, seq, payload] (vLLM >= 0.26, our worker) or
+                # [b"", seq, payload] (older vLLM, SGLang); the end marker likewise
+                if len(frames) not in (3, 4) or frames[0] != b"":
                     continue
-                seq = decode_seq(frames[2])
+                try:
+                    seq = decode_seq(frames[-2])
+                except ValueError:
+                    continue
                 if seq == END_SEQ:
                     break
                 with contextlib.suppress(DecodeError):
-                    out.append((seq, decode_batch(frames[3]), frames[3]))
+                    out.append((seq, decode_batch(frames[-1]), frames[-1]))
         except TimeoutError:
             log.warning("replay from %s timed out", self.replay_endpoint)
         finally:
