@@ -47,7 +47,21 @@ HBM = 0
 DRAM = 1
 STORE = 2
 TIER_NAMES = {HBM: "GPU", DRAM: "CPU", STORE: "STORAGE"}
-TIER_BY_MEDIUM = {v: k for k, v in TIER_NAMES.items()}
+#: engines' ``medium`` names (docs/kv-events.md): SGLang's host tiers are DRAM, vLLM's file
+#: and object offload tiers are storage
+TIER_BY_MEDIUM = {
+    **{v: k for k, v in TIER_NAMES.items()},
+    "CPU_TIER1": DRAM, "CPU_TIER2": DRAM, "FS": STORE, "OBJ": STORE, "DISK": STORE,
+}
+
+
+def tier_of_medium(medium: str | None) -> int:
+    """Index tier of a KV event's ``medium``: GPU when absent (engines that do not send it
+    only report GPU blocks); an unknown name is taken as the slowest tier, so a cache the
+    index cannot place is never priced as if it were in HBM."""
+    if medium is None:
+        return HBM
+    return TIER_BY_MEDIUM.get(medium.upper(), STORE)
 #: distinct keys from which matching runs vectorised (below: the dict is cache-resident)
 VECTOR_MIN_KEYS = 1 << 18
 #: the vectorised mirror is dropped again below this share of VECTOR_MIN_KEYS

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from mooncake_conductor.blockkeys import MASK64, block_keys
-from mooncake_conductor.index import HBM, TIER_BY_MEDIUM, PrefixIndex
+from mooncake_conductor.index import PrefixIndex, tier_of_medium
 from mooncake_contract.kvevents.codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -131,5 +131,4 @@ class IndexFeeder:
         for h, k in zip(ev.block_hashes[:n], keys, strict=True):
             f.engine_to_key[hash_to_int(h)] = k
         f.stored_blocks += n
-        tier = TIER_BY_MEDIUM.get(ev.medium or "GPU", HBM)
-        self.index.store(f.iid, keys, tier)
+        self.index.store(f.iid, keys, tier_of_medium(ev.medium))

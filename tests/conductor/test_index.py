@@ -200,3 +200,13 @@ def test_match_lengths_covers_every_id_asked_about() -> None:
         stored, view, best, length = ix.match_lengths([1, 2, 3], (1 << 100) | 3, 1 << 70 | 3)
         assert len(stored) > 100 and len(view) > 100
         assert (stored[0], stored[1], stored[100], view[1], best, length) == (3, 0, 0, 2, 0, 3)
+
+
+def test_engine_media_map_to_tiers() -> None:
+    from mooncake_conductor.index import DRAM, HBM, STORE, tier_of_medium
+
+    assert tier_of_medium(None) == HBM and tier_of_medium("GPU") == HBM
+    assert tier_of_medium("cpu") == DRAM  # names are matched case-insensitively
+    assert tier_of_medium("CPU_TIER1") == DRAM and tier_of_medium("CPU_TIER2") == DRAM
+    assert {tier_of_medium(m) for m in ("STORAGE", "FS", "OBJ", "DISK")} == {STORE}
+    assert tier_of_medium("SOMETHING_NEW") == STORE  # never priced as HBM
