@@ -33,6 +33,17 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                    help="JSON policy parameters, e.g. '{\"priority_weight\": 0}'")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--seed", type=int, default=0)
+    r = p.add_argument_group("realism (the same for every policy; presets turn it on)")
+    r.add_argument("--prediction-error", type=float, default=None, metavar="SIGMA",
+                   help="per-request lognormal factor on prefill time (default 0; 0.2 in "
+                   "presets)")
+    r.add_argument("--model-bias", type=float, default=None, metavar="B",
+                   help="execution = prediction x (1 + B), e.g. 0.25 (default 0)")
+    r.add_argument("--event-lag-ms", type=float, default=None,
+                   help="delay before the index learns stored blocks (default 0; 100 in "
+                   "presets)")
+    r.add_argument("--nic-contention", action=argparse.BooleanOptionalAction, default=None,
+                   help="transfers queue on each node's NIC (default off; on in presets)")
     p.add_argument("--jobs", type=int, default=None, help="parallel processes")
     p.add_argument("--json", dest="json_out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="write a PNG chart of the results")
@@ -114,6 +125,10 @@ class _Setup:
     cache_tokens: int
     store_tokens: int
     params: dict[str, Any]
+    prediction_error: float
+    model_bias: float
+    event_lag_ms: float
+    nic_contention: bool
 
     def config(self, policy: str, speed: float, seed: int, own_params: bool,
                prefill: int | None = None, decode: int | None = None) -> dict[str, Any]:
@@ -124,6 +139,7 @@ class _Setup:
             "speed": speed,
             "prefill_cache_tokens": self.cache_tokens,
             "store_tokens": self.store_tokens,
+            **self.realism(),
             "conductor": {
                 "policy": policy,
                 "params": self.params if own_params else {},
@@ -131,6 +147,10 @@ class _Setup:
                 "seed": seed,
             },
         }
+
+    def realism(self) -> dict[str, Any]:
+        return {"prediction_error": self.prediction_error, "model_bias": self.model_bias,
+                "event_lag_ms": self.event_lag_ms, "nic_contention": self.nic_contention}
 
     def settings(self, preset_name: str | None, seed: int) -> dict[str, Any]:
         return {
@@ -146,6 +166,8 @@ class _Setup:
             "block_tokens": 512,
             "cost_model": "LLaMA3-70B on 8xA800 (FAST'25 Table 1)",
             "seed": seed,
+            **self.realism(),
+            "ttft_mean_charged": "rejected requests charged the TTFT SLO",
         }
 
 
@@ -184,6 +206,13 @@ def _setup(args: argparse.Namespace) -> _Setup | str:
         v = getattr(args, flag)
         if v is not None and v <= 0:
             return f"--{flag} must be positive"
+    for flag in ("prediction_error", "event_lag_ms"):
+        v = getattr(args, flag)
+        if v is not None and (not math.isfinite(v) or v < 0):
+            return f"--{flag.replace('_', '-')} must be a number >= 0"
+    if args.model_bias is not None and (not math.isfinite(args.model_bias)
+                                        or args.model_bias <= -1):
+        return "--model-bias must be a number > -1"
     for flag in ("speed", "ttft_slo", "tbt_slo"):
         v = getattr(args, flag, None)
         if v is not None and (not math.isfinite(v) or v <= 0):
@@ -204,7 +233,24 @@ def _setup(args: argparse.Namespace) -> _Setup | str:
         cache_tokens=args.cache_tokens or (preset.prefill_cache_tokens if preset else 3_000_000),
         store_tokens=args.store_tokens or 0,
         params=params,
+        prediction_error=_pick(args.prediction_error, preset, "prediction_error", 0.0),
+        model_bias=_pick(args.model_bias, preset, "model_bias", 0.0),
+        event_lag_ms=_pick(args.event_lag_ms, preset, "event_lag_ms", 0.0),
+        nic_contention=bool(_pick(args.nic_contention, preset, "nic_contention", False)),
     )
+
+
+def _pick(flag: Any, preset: Any, name: str, default: Any) -> Any:
+    """A flag's value, else the preset's, else the plain default."""
+    if flag is not None:
+        return flag
+    return getattr(preset, name) if preset is not None else default
+
+
+def _realism_line(setup: _Setup) -> str:
+    return (f"prediction error {setup.prediction_error:g}, bias {setup.model_bias:g}, "
+            f"event lag {setup.event_lag_ms:g} ms, NIC contention "
+            f"{'on' if setup.nic_contention else 'off'}")
 
 
 def _validate(cfgs: list[dict[str, Any]]) -> str | None:
@@ -266,7 +312,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(
         f"trace {setup.path.name}: {len(records)} requests | {setup.prefill} prefill + "
         f"{setup.decode} decode | speed {speed:.3g}x | cache {setup.cache_tokens:,} "
-        f"tokens/instance | SLO TTFT {setup.ttft_s:g} s, TBT {setup.tbt_ms:g} ms",
+        f"tokens/instance | SLO TTFT {setup.ttft_s:g} s, TBT {setup.tbt_ms:g} ms | "
+        + _realism_line(setup),
         file=sys.stderr,
     )
     jobs = args.jobs or min(len(policies), os.cpu_count() or 1)
@@ -375,7 +422,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
           + (f"P/D sweep of {args.pd_sweep} instances" if args.pd_sweep
              else f"{setup.prefill} prefill + {setup.decode} decode")
           + f" | SLO TTFT {setup.ttft_s:g} s, TBT {setup.tbt_ms:g} ms | target "
-          f"{100 * target:g}% of all requests | {len(jobs_in)} searches", file=sys.stderr)
+          f"{100 * target:g}% of all requests | {len(jobs_in)} searches | "
+          + _realism_line(setup), file=sys.stderr)
     jobs = min(args.jobs or os.cpu_count() or 1, len(jobs_in))
     results: list[dict[str, Any]] = []
     if jobs > 1:
@@ -462,15 +510,17 @@ def _nan(x: Any) -> Any:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     ref = next((r for r in results if r["policy"] == "conductor"), None)
-    cols = ["policy", "done", "rej", "TTFT mean", "p50", "p90", "p99", "TBT p90",
-            "SLO ok", "hit", "GPU s", "TTFT/cond"]
+    cols = ["policy", "done", "rej", "TTFT mean", "charged", "p50", "p90", "p99", "TBT p90",
+            "SLO ok", "hit", "GPU s", "charged/cond"]
     rows = []
     for r in results:
-        ratio = (f"{r['ttft_mean_s'] / ref['ttft_mean_s']:.2f}x"
-                 if ref and ref["ttft_mean_s"] else "–")  # no conductor run to compare
+        key = "ttft_mean_charged_s"
+        ratio = (f"{r[key] / ref[key]:.2f}x"
+                 if ref and ref[key] else "–")  # no conductor run to compare
         rows.append([
             r["policy"], str(r["completed"]), str(r["rejected"]),
-            f"{r['ttft_mean_s']:.2f} s", f"{r['ttft_p50_s']:.2f}", f"{r['ttft_p90_s']:.2f}",
+            f"{r['ttft_mean_s']:.2f} s", f"{r[key]:.2f} s", f"{r['ttft_p50_s']:.2f}",
+            f"{r['ttft_p90_s']:.2f}",
             f"{r['ttft_p99_s']:.2f}", f"{r['tbt_p90_ms']:.1f} ms",
             f"{100 * r['slo_attainment']:.2f}%", f"{100 * r['token_hit_ratio']:.1f}%",
             f"{r['prefill_gpu_seconds']:,.0f}", ratio,
@@ -482,6 +532,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
     for row in rows:
         out.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in
                              enumerate(zip(row, widths, strict=True))))
+    out.append("TTFT mean: served requests; charged: all requests, each rejected one "
+               "charged the TTFT SLO")
     return "\n".join(out)
 
 

@@ -24,8 +24,19 @@ Model (one run):
   the longest 10% of a request's token intervals (paper §5); a request meets
   the SLO when served with TTFT and TBT under their thresholds.
 
-The same cost model decides and executes, so differences between policies
-come from their decisions alone.
+Realism, off by default and on in the presets (``SimConfig``), the same for every policy:
+
+- **Prediction error**: a prompt runs for the cost model's prediction times a per-request
+  lognormal factor (median 1, ``prediction_error`` = sigma), times ``1 + model_bias`` (a
+  systematic error, e.g. the true MFU off the configured one; decode steps too). Policies
+  see predictions only: an instance's ``busy_until`` is the predicted end, corrected when
+  the completion arrives.
+- **NIC contention**: prefix fetches and hot-prefix copies queue on the sending and the
+  receiving node's NIC (the store pool has ``store_links`` of them), so concurrent
+  transfers slow each other. The KV stream from prefill to decode is not modelled on the
+  NIC (it overlaps the prefill layer by layer, paper §3).
+- **Event lag**: the index (the gateway's view) learns blocks an instance stored only
+  ``event_lag_ms`` later; the instance itself reuses them at once.
 """
 
 from __future__ import annotations
@@ -35,9 +46,11 @@ import math
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from mooncake_conductor.blockkeys import namespace_seed, trace_block_keys
 from mooncake_conductor.cost import CostModel
 from mooncake_conductor.cpp import plan_cpp
@@ -48,6 +61,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .metrics import latency_summary
 from .trace import TRACE_BLOCK_TOKENS, TraceRecord
+
+#: bounds of the realism knobs (beyond them the model says nothing useful)
+MAX_PREDICTION_SIGMA = 2.0
+MAX_MODEL_BIAS = 4.0
+#: the error factors' random stream is the policy seed plus this, apart from the policy's
+ERROR_SEED_OFFSET = 7919
 
 
 class SimConfig(BaseModel):
@@ -68,6 +87,17 @@ class SimConfig(BaseModel):
     block_tokens: int = Field(TRACE_BLOCK_TOKENS, gt=0)
     chunk_steps: int = Field(32, gt=0, description="longest decode chunk at constant step time")
     tbt_top_share: float = Field(0.1, gt=0, le=1, description="TBT = mean of this top share")
+    prediction_error: float = Field(
+        0.0, ge=0, le=MAX_PREDICTION_SIGMA,
+        description="sigma of the per-request lognormal factor on prefill time (0: exact)")
+    model_bias: float = Field(
+        0.0, gt=-1, le=MAX_MODEL_BIAS,
+        description="execution = prediction x (1 + bias), prefill and decode (0: unbiased)")
+    event_lag_ms: float = Field(
+        0.0, ge=0, description="delay before the index sees blocks an instance stored, ms")
+    nic_contention: bool = Field(
+        False, description="KV fetches and copies queue on each node's NIC")
+    store_links: int = Field(1, gt=0, description="the store pool's bandwidth, in NICs")
     conductor: ConductorConfig = ConductorConfig()
     progress: bool = False
 
@@ -84,6 +114,7 @@ class _Req:
     remaining: int = 0
     ctx: int = 0
     seg0: int = 0
+    exec_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -98,7 +129,7 @@ class _Decoder:
     seg_steps: list[int] = field(default_factory=list)
 
 
-ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_WAKE, REPLICATE, REPLICA_DONE = 0, 1, 2, 3, 4, 5
+ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_WAKE, REPLICATE, REPLICA_DONE, VISIBLE = range(7)
 
 
 class Simulation:
@@ -151,6 +182,20 @@ class Simulation:
         self.replicated_tokens = 0
         self._gang_order: dict[int, int] = {}
         self._gang_counter = 0
+        # realism: execution factors, NIC queues, blocks stored but not yet visible
+        n = len(self.reqs)
+        self._slow = 1.0 + config.model_bias
+        self._factor = np.full(n, self._slow)
+        if config.prediction_error > 0 and n:
+            rng = np.random.default_rng(config.conductor.seed + ERROR_SEED_OFFSET)
+            self._factor *= rng.lognormal(0.0, config.prediction_error, n)
+        self._nic_free = [0.0] * n_p
+        self._store_free = [0.0] * config.store_links
+        self._fetch_end: dict[int, float] = {}
+        self._lag = config.event_lag_ms / 1000.0
+        self._unseen: dict[int, dict[int, tuple[Sequence[int], int]]] = {}
+        self._unseen_seq = 0
+        self.predicted_prefill_s = 0.0
 
     # -- event queue ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
@@ -186,7 +231,10 @@ class Simulation:
                     self._push(t + self.conductor.config.replication.interval_s, REPLICATE, 0)
             elif kind == REPLICA_DONE:
                 action = self._replicas.pop(a)
-                self.index.store(action.target, action.keys, DRAM)
+                self._publish(t, action.target, action.keys, DRAM)
+            elif kind == VISIBLE:
+                keys, tier = self._unseen[b].pop(a)
+                self.index.store(b, keys, tier)
             else:
                 dec = self.decoders[a]
                 if b == dec.version:
@@ -213,7 +261,51 @@ class Simulation:
             self._replica_seq += 1
             self._replicas[self._replica_seq] = action
             self.replicated_tokens += tokens
-            self._push(now + self.cost.transfer_time(tokens), REPLICA_DONE, self._replica_seq)
+            done = self._transfer(action.source, action.target, tokens, now)
+            self._push(done, REPLICA_DONE, self._replica_seq)
+
+    # -- realism ------------------------------------------------------------------------------
+    def _transfer(self, source: int, target: int, tokens: int, now: float) -> float:
+        """When a KV transfer of ``tokens`` from ``source`` to ``target`` started ``now``
+        ends: at once over an idle network, or queued behind the transfers already on
+        either end's NIC (the store's least busy link) with ``nic_contention``."""
+        dur = self.cost.transfer_time(tokens)
+        if not self.cfg.nic_contention:
+            return now + dur
+        ends: list[tuple[list[float], int]] = []
+        for node in (source, target):
+            if node == self.cluster.store_id:
+                link = min(range(len(self._store_free)), key=self._store_free.__getitem__)
+                ends.append((self._store_free, link))
+            elif 0 <= node < len(self._nic_free):
+                ends.append((self._nic_free, node))
+        start = max([now, *(q[i] for q, i in ends)])
+        for q, i in ends:
+            q[i] = start + dur
+        return start + dur
+
+    def _publish(self, now: float, iid: int, keys: Sequence[int], tier: int) -> None:
+        """Blocks ``iid`` now holds: in the index at once, or after the event lag (the
+        instance reuses them meanwhile, see :meth:`_held`)."""
+        if self._lag <= 0:
+            self.index.store(iid, keys, tier)
+            return
+        self._unseen_seq += 1
+        self._unseen.setdefault(iid, {})[self._unseen_seq] = (keys, tier)
+        self._push(now + self._lag, VISIBLE, self._unseen_seq, iid)
+
+    def _held(self, iid: int, keys: Sequence[int]) -> int:
+        """Leading blocks of ``keys`` instance ``iid`` really holds: what the index knows,
+        or a prefix it stored that the index has not seen yet."""
+        best = self.index.match(iid, keys)
+        for stored, _ in self._unseen.get(iid, {}).values():
+            k = 0
+            for a, b in zip(stored, keys, strict=False):
+                if a != b:
+                    break
+                k += 1
+            best = max(best, k)
+        return best
 
     # -- prefill ------------------------------------------------------------------------------
     def _arrive(self, now: float, rid: int) -> None:
@@ -233,6 +325,11 @@ class Simulation:
         if pl.cpp_group:
             self._gangs[rid] = set()
         self.index.add_pending(pl.prefill, req.info.keys)
+        if self.cfg.nic_contention and pl.fetch_blocks and pl.source is not None:
+            info = req.info
+            fetched = (info.tokens_of(pl.local_blocks + pl.fetch_blocks)
+                       - info.tokens_of(pl.local_blocks))
+            self._fetch_end[rid] = self._transfer(pl.source, pl.prefill, fetched, now)
         for iid in members:
             inst = self.cluster.prefill[iid]
             inst.enqueue(rid, prio, pl.prefill_s + pl.transfer_s, blocks, req.info.input_tokens)
@@ -257,11 +354,14 @@ class Simulation:
             return
         reuse, start = self._reuse_at_start(req, inst.iid, now)
         cached = info.tokens_of(reuse)
-        dur = self.cost.prefill_time(info.input_tokens, cached)
+        predicted = self.cost.prefill_time(info.input_tokens, cached)
+        dur = predicted * float(self._factor[item.rid])
         req.reused_tokens = cached
+        req.exec_s = dur
         self.prefill_gpu_s += dur
-        inst.busy_until = start + dur
-        self._push(inst.busy_until, PREFILL_DONE, inst.iid, item.rid)
+        self.predicted_prefill_s += predicted
+        inst.busy_until = start + predicted  # what the gateway can know
+        self._push(start + dur, PREFILL_DONE, inst.iid, item.rid)
 
     def _reuse_at_start(self, req: _Req, iid: int, now: float) -> tuple[int, float]:
         """Blocks the prefill on ``iid`` reuses when it starts, and when it can start: its
@@ -270,13 +370,16 @@ class Simulation:
         info = req.info
         assert req.decision is not None
         pl = req.decision.placement
-        reuse = self.index.match(iid, info.keys)
+        reuse = self._held(iid, info.keys)
         start = now
         if pl.fetch_blocks and pl.source is not None:
             target = pl.local_blocks + pl.fetch_blocks
-            if target > reuse and self.index.match(pl.source, info.keys) >= target:
+            if target > reuse and self._held(pl.source, info.keys) >= target:
                 fetched = info.tokens_of(target) - info.tokens_of(reuse)
-                start = max(now, req.placed_at + self.cost.transfer_time(fetched))
+                done = self._fetch_end.pop(info.rid, None)
+                if done is None:
+                    done = req.placed_at + self.cost.transfer_time(fetched)
+                start = max(now, done)
                 reuse = target
                 if pl.migrate:
                     self.index.demote(pl.source, info.keys[:target])
@@ -317,10 +420,13 @@ class Simulation:
         plan = plan_cpp(self.cost, info.input_tokens, cached, len(pl.cpp_group),
                         pl.cpp_chunk_tokens)
         req.reused_tokens = cached
-        self.prefill_gpu_s += plan.gpu_seconds
-        end = now + plan.makespan_s
+        factor = float(self._factor[rid])
+        req.exec_s = plan.makespan_s * factor
+        self.prefill_gpu_s += plan.gpu_seconds * factor
+        self.predicted_prefill_s += plan.gpu_seconds
+        end = now + req.exec_s
         for iid in pl.cpp_group:
-            self.cluster.prefill[iid].busy_until = end
+            self.cluster.prefill[iid].busy_until = now + plan.makespan_s
             self._push(end, PREFILL_DONE, iid, rid)
 
     def _prefill_done(self, now: float, iid: int, rid: int) -> None:
@@ -331,12 +437,13 @@ class Simulation:
         if iid != req.decision.placement.prefill:  # a CPP member that is not the leader
             self._start_next(inst, now)
             return
+        self._fetch_end.pop(rid, None)
         self.index.remove_pending(iid, info.keys)
-        self.index.store(iid, info.keys, DRAM)
+        self._publish(now, iid, info.keys, DRAM)
         if self.cluster.store_id is not None:
-            self.index.store(self.cluster.store_id, info.keys, STORE)
+            self._publish(now, self.cluster.store_id, info.keys, STORE)
         inst.completed += 1
-        observed = self.cost.prefill_time(info.input_tokens, req.reused_tokens)
+        observed = req.exec_s  # what the gateway measures
         inst.avg_prefill_s += (observed - inst.avg_prefill_s) / min(inst.completed, 50)
         req.ttft = now - info.arrival
         req.t_first = now
@@ -379,9 +486,12 @@ class Simulation:
         st.context_tokens += req.ctx
         st.reserved_tokens += req.info.input_tokens + req.info.output_tokens
 
+    def _step_time(self, st: DecodeState) -> float:
+        return self.cost.decode_step_time(st.batch, st.context_tokens) * self._slow
+
     def _step_once(self, dec: _Decoder) -> None:
         st = dec.state
-        dt = self.cost.decode_step_time(st.batch, st.context_tokens)
+        dt = self._step_time(st)
         self._apply_steps(dec, 1, dt)
 
     def _apply_steps(self, dec: _Decoder, k: int, dt: float) -> None:
@@ -445,7 +555,7 @@ class Simulation:
         st = dec.state
         cap = self.cfg.chunk_steps
         while st.batch:
-            dt = self.cost.decode_step_time(st.batch, st.context_tokens)
+            dt = self._step_time(st)
             k_max = min(min(self.reqs[r].remaining for r in dec.running), cap)
             k = min(k_max, int((until - dec.last) / dt + 1e-9))
             if k <= 0:
@@ -460,7 +570,7 @@ class Simulation:
         dec.version += 1
         if not st.batch:
             return
-        dt = self.cost.decode_step_time(st.batch, st.context_tokens)
+        dt = self._step_time(st)
         st.tokens_per_s = 1.0 / dt
         k = min(min(self.reqs[r].remaining for r in dec.running), self.cfg.chunk_steps)
         self._push(dec.last + k * dt, DECODE_WAKE, st.iid, dec.version)
@@ -481,6 +591,8 @@ class Simulation:
             **latency_summary([(r.ttft, r.tbt) for r in served], n, slo.ttft_s, slo.tbt_s),
             "token_hit_ratio": reused / prompt if prompt else 0.0,
             "prefill_gpu_seconds": self.prefill_gpu_s,
+            "prefill_prediction_error": (self.prefill_gpu_s / self.predicted_prefill_s - 1.0
+                                         if self.predicted_prefill_s else 0.0),
             "replicated_tokens": self.replicated_tokens,
             "simulated_seconds": max((r.info.arrival for r in self.reqs), default=0.0),
             "wall_seconds": wall,

@@ -18,12 +18,18 @@ def latency_summary(
     served: Sequence[tuple[float, float]], requests: int, ttft_slo_s: float, tbt_slo_s: float
 ) -> dict[str, float]:
     """TTFT/TBT statistics of the served requests' ``(ttft_s, tbt_s)`` pairs, and the share
-    of *all* ``requests`` (rejected and failed ones count as misses) meeting both SLOs."""
+    of *all* ``requests`` (rejected and failed ones count as misses) meeting both SLOs.
+
+    ``ttft_mean_charged_s`` is the mean TTFT over *all* requests with each one not served
+    charged the TTFT SLO, so a policy cannot improve its mean by turning requests away."""
     ttfts = sorted(t for t, _ in served)
     tbts = sorted(b for _, b in served)
     ok = sum(1 for t, b in served if t <= ttft_slo_s and b <= tbt_slo_s)
+    unserved = max(0, requests - len(served))
     return {
         "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        "ttft_mean_charged_s": ((sum(ttfts) + unserved * ttft_slo_s) / requests
+                                if requests else math.nan),
         "ttft_p50_s": percentile(ttfts, 0.5),
         "ttft_p90_s": percentile(ttfts, 0.9),
         "ttft_p99_s": percentile(ttfts, 0.99),

@@ -9,6 +9,10 @@
   the union of the nodes' caches, fetched over the network (Algorithm 1).
 - SLOs: TTFT 30 s and TBT 100 ms (§5 thresholds, the tightest TBT).
 - Cost model: LLaMA3-70B on 8xA800 (Table 1).
+- Realism (the same for every policy): prediction error sigma 0.2 (a per-request
+  lognormal factor on prefill time; the paper's predictor is fitted offline and is not
+  exact), no systematic bias, KV-event lag 100 ms (an engine step plus the ZeroMQ hop and
+  the gateway's apply, rounded up), NIC contention on.
 - Replay speed: the paper does not state it. We set it from the trace so that
   the requests offer the prefill pool ``target_utilization`` = 80% of its
   compute *without* any cache reuse (each prompt's cold prefill time from the
@@ -37,6 +41,10 @@ class Preset:
     tbt_slo_ms: float
     target_utilization: float
     description: str
+    prediction_error: float = 0.2
+    model_bias: float = 0.0
+    event_lag_ms: float = 100.0
+    nic_contention: bool = True
 
 
 PRESETS: dict[str, Preset] = {

@@ -1,0 +1,150 @@
+"""The simulator's realism knobs: prediction error and bias, event lag, NIC contention,
+and rejections charged in the mean TTFT."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+from mooncake_cli.main import main
+from mooncake_conductor.engine import ConductorConfig
+from mooncake_sim.engine import SimConfig, Simulation, simulate
+from mooncake_sim.metrics import latency_summary
+from mooncake_sim.synth import generate, write_trace
+from mooncake_sim.trace import TraceRecord
+
+BLOCK = 512
+
+
+def cfg(policy: str = "least-load", prefill: int = 1, **kw: object) -> SimConfig:
+    return SimConfig(prefill=prefill, decode=1, conductor=ConductorConfig(policy=policy), **kw)
+
+
+def lone(n: int, first_hash: int, t_ms: float = 0.0, out: int = 2) -> TraceRecord:
+    blocks = math.ceil(n / BLOCK)
+    return TraceRecord(t_ms, n, out, tuple(range(first_hash, first_hash + blocks)))
+
+
+def test_bias_slows_execution_but_the_policy_sees_the_prediction() -> None:
+    sim = Simulation([lone(8192, 0)], cfg(model_bias=1.0))
+    r = sim.run()
+    predicted = sim.cost.prefill_time(8192)
+    assert r["ttft_mean_s"] == pytest.approx(2 * predicted)
+    inst = sim.cluster.prefill[0]
+    assert inst.busy_until == pytest.approx(predicted)  # what the gateway could predict
+    assert inst.avg_prefill_s == pytest.approx(2 * predicted)  # what it then measured
+    assert r["prefill_prediction_error"] == pytest.approx(1.0)
+
+
+def test_bias_slows_decode_steps() -> None:
+    base = simulate([lone(4096, 0, out=40)], cfg())
+    slow = simulate([lone(4096, 0, out=40)], cfg(model_bias=0.5))
+    # every step 1.5x longer; the first interval also holds the (unbiased) KV hand-off
+    assert slow["tbt_p90_ms"] == pytest.approx(1.5 * base["tbt_p90_ms"], rel=0.005)
+
+
+def test_prediction_error_is_a_median_one_lognormal_per_request() -> None:
+    # far apart and sharing nothing: each TTFT is one prompt's execution time
+    recs = [lone(2048, 1000 * i, t_ms=100_000.0 * i) for i in range(400)]
+    sim = Simulation(recs, cfg(prediction_error=0.3))
+    sim.run()
+    predicted = sim.cost.prefill_time(2048)
+    logs = [math.log(q.ttft / predicted) for q in sim.reqs]
+    assert statistics.median(logs) == pytest.approx(0.0, abs=0.06)
+    assert statistics.stdev(logs) == pytest.approx(0.3, rel=0.15)
+    again = Simulation(recs, cfg(prediction_error=0.3))
+    again.run()
+    assert [q.ttft for q in again.reqs] == [q.ttft for q in sim.reqs]  # seeded
+    exact = Simulation(recs, cfg())
+    exact.run()
+    assert [q.ttft for q in exact.reqs] == pytest.approx([predicted] * len(recs))
+
+
+def test_the_index_learns_stored_blocks_only_after_the_event_lag() -> None:
+    first = lone(4096, 0)
+    # the second turn extends the first and arrives 10 ms after the first one's prefill ends
+    probe = Simulation([first], cfg("local-cache-aware"))
+    done_ms = probe.run()["ttft_mean_s"] * 1000 + 10
+    second = TraceRecord(done_ms, 6000, 2, tuple(range(12)))
+    for lag_ms, seen in ((0.0, 8), (500.0, 0)):
+        sim = Simulation([first, second], cfg("local-cache-aware", event_lag_ms=lag_ms))
+        sim.run()
+        req = sim.reqs[1]
+        assert req.decision is not None
+        assert req.decision.placement.local_blocks == seen  # what the policy knew
+        assert req.reused_tokens == 4096  # what the engine reused either way
+        assert sim.index.match(0, req.info.keys) == 12  # in the index in the end
+
+
+def test_transfers_queue_on_shared_nics_only_with_contention() -> None:
+    recs = [lone(512, 0)]
+    tokens = 64 * BLOCK
+    for contention, ends in ((False, (1, 1, 1)), (True, (1, 2, 3))):
+        sim = Simulation(recs, cfg(prefill=4, nic_contention=contention))
+        d = sim.cost.transfer_time(tokens)
+        got = (sim._transfer(0, 1, tokens, 0.0),  # 0 -> 1
+               sim._transfer(0, 2, tokens, 0.0),  # 0 is busy: after the first
+               sim._transfer(1, 2, tokens, 0.0),  # behind 0 -> 2 on node 2's NIC
+               sim._transfer(3, 2, tokens, 10.0))  # later: every NIC idle again
+        assert got == pytest.approx((*(d * k for k in ends), 10.0 + d))
+
+
+def test_the_store_has_its_own_links() -> None:
+    sim = Simulation([lone(512, 0)], cfg(prefill=4, store_tokens=10 * BLOCK,
+                                        nic_contention=True, store_links=2))
+    store = sim.cluster.store_id
+    assert store == 4
+    d = sim.cost.transfer_time(BLOCK)
+    ends = [sim._transfer(store, dst, BLOCK, 0.0) for dst in (0, 1, 2)]
+    assert ends == pytest.approx([d, d, 2 * d])  # two links, the third waits
+
+
+def test_rejections_are_charged_the_ttft_slo_in_the_charged_mean() -> None:
+    s = latency_summary([(1.0, 0.01), (3.0, 0.2)], 4, ttft_slo_s=10.0, tbt_slo_s=0.1)
+    assert s["ttft_mean_s"] == pytest.approx(2.0)
+    assert s["ttft_mean_charged_s"] == pytest.approx((1 + 3 + 2 * 10) / 4)
+    assert s["slo_attainment"] == pytest.approx(1 / 4)
+    assert math.isnan(latency_summary([], 0, 10.0, 0.1)["ttft_mean_charged_s"])
+    assert latency_summary([], 3, 10.0, 0.1)["ttft_mean_charged_s"] == pytest.approx(10.0)
+
+
+@pytest.fixture(scope="module")
+def small_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    p = tmp_path_factory.mktemp("trace") / "small.jsonl"
+    write_trace(generate("conversation", 200, seed=4), p)
+    return p
+
+
+def test_cli_settings_carry_the_realism(small_trace: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(small_trace), "--preset", "paper-fig5",
+                 "--prefill", "2", "--decode", "2", "--json", str(out)]) == 0
+    st = json.loads(out.read_text())["settings"]
+    assert (st["prediction_error"], st["model_bias"], st["event_lag_ms"],
+            st["nic_contention"]) == (0.2, 0.0, 100.0, True)
+    assert main(["simulate", "--trace", str(small_trace), "--preset", "paper-fig5",
+                 "--prediction-error", "0", "--no-nic-contention", "--model-bias", "0.25",
+                 "--prefill", "2", "--decode", "2", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    st = doc["settings"]
+    assert (st["prediction_error"], st["model_bias"], st["nic_contention"]) == (0, 0.25, False)
+    r = doc["results"][0]
+    assert r["ttft_mean_charged_s"] >= r["ttft_mean_s"] or r["rejected"] == 0
+    assert main(["simulate", "--trace", str(small_trace), "--json", str(out)]) == 0
+    st = json.loads(out.read_text())["settings"]
+    assert (st["prediction_error"], st["event_lag_ms"], st["nic_contention"]) == (0, 0, False)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--prediction-error", "-0.1"], "--prediction-error"),
+    (["--event-lag-ms", "nan"], "--event-lag-ms"),
+    (["--model-bias", "-1"], "--model-bias"),
+    (["--prediction-error", "9"], "prediction_error"),
+])
+def test_bad_realism_flags_exit_2(small_trace: Path, args: list[str], message: str,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--trace", str(small_trace), *args]) == 2
+    assert message in capsys.readouterr().err
