@@ -1,4 +1,6 @@
-"""What issue #2 must show, on the bundled Mooncake conversation trace with the preset.
+"""What issue #2 must show, on the bundled Mooncake conversation trace with the preset
+(its realism included: prediction error, event lag, NIC contention; mean TTFT with
+rejections charged the TTFT SLO).
 
 This replays all 12,031 requests once per policy (about 2-4 s each)."""
 
@@ -20,6 +22,8 @@ def results() -> dict[str, dict]:
         cfg = SimConfig(
             prefill=preset.prefill, decode=preset.decode, speed=speed,
             prefill_cache_tokens=preset.prefill_cache_tokens,
+            prediction_error=preset.prediction_error, model_bias=preset.model_bias,
+            event_lag_ms=preset.event_lag_ms, nic_contention=preset.nic_contention,
             conductor=ConductorConfig(policy=policy, slo={
                 "ttft_s": preset.ttft_slo_s, "tbt_s": preset.tbt_slo_ms / 1000}),
         )
@@ -44,7 +48,7 @@ def test_conductor_beats_every_other_policy(results: dict[str, dict]) -> None:
     for name, r in results.items():
         if name in ("conductor", "_ceiling"):
             continue
-        assert r["ttft_mean_s"] >= 1.10 * ours["ttft_mean_s"], name
+        assert r["ttft_mean_charged_s"] >= 1.10 * ours["ttft_mean_charged_s"], name
         assert ours["slo_attainment"] >= r["slo_attainment"], name
 
 
