@@ -107,6 +107,17 @@ class Conductor:
             self.hot.record(req.keys, now, placement.reused_blocks, req.key_array)
         return decision
 
+    def prefilled(self, req: RequestInfo, decision: Decision) -> None:
+        """A scheduled request's prefill is done (its first token)."""
+        if not decision.rejected:
+            self.policy.on_prefilled(req, decision.placement)
+
+    def finished(self, req: RequestInfo, decision: Decision) -> None:
+        """A scheduled request is done (served or failed): policies that count their
+        own outstanding requests release it. Rejected requests were never counted."""
+        if not decision.rejected:
+            self.policy.on_finished(req, decision.placement)
+
     def _choose_grouped(
         self, req: RequestInfo, cluster: ClusterState, now: float
     ) -> tuple[Placement, DecodeChoice]:

@@ -303,11 +303,6 @@ class PrefillState(_Instance):
     def running_remaining(self, now: float) -> float:
         return max(0.0, self.busy_until - now)
 
-    def paper_queue_time(self) -> float:
-        """The paper's ``T_queue``: predicted prefill time of the requests queued here,
-        without the remainder of the one already running (FAST'25 §4)."""
-        return self.queued_work_s
-
     def wait_time(self, now: float, priority: float | None = None) -> float:
         """Predicted seconds until a new prefill with ``priority`` starts here."""
         wait = self.running_remaining(now)

@@ -534,44 +534,48 @@ class Gateway:
             raise ApiError(429, f"request rejected by the scheduler ({reason}); retry later",
                            code=reason.replace("-", "_"),
                            headers={"Retry-After": str(self.settings.retry_after_s)})
-        pl = decision.placement
-        assert pl.prefill is not None
-        # what the chosen instance holds now (pending prefixes and fetches not counted: the
-        # engines cannot pull blocks from a peer, so the gateway runs a fetch as a recompute)
-        held = rt.index.match(pl.prefill, req.keys)
-        reused = req.tokens_of(held)
-        # the direct rule: what the chosen decode engine would compute itself
-        dec = decision.decode.decode
-        dec_held = rt.decode_index.match(dec, req.keys) if dec is not None else 0
-        direct = len(tokens) - req.tokens_of(dec_held) < cfg.direct.uncached_tokens_below
-        record["direct"] = direct
-        record["held_blocks"] = held
-        record["decode_held_blocks"] = dec_held
-        rt.prompt_tokens += len(tokens)
-        if not direct:
-            rt.reused_tokens += reused
-            rt.prefill_seconds += pl.gpu_seconds
-            rt.m.prompt_reused.inc(reused)
-            rt.m.prompt_computed.inc(len(tokens) - reused)
-        else:
-            rt.m.prompt_computed.inc(len(tokens))
-        headers = {DECISION_HEADER: json.dumps(_header_view(record), separators=(",", ":"))} \
-            if explain else {}
-        kvp: dict[str, Any] | None = None
-        group: int | None = None  # the engine group both halves of a P/D request share
-        if not direct:
-            assert dec is not None
-            group = rt.cluster.decode[dec].group
-            # the request is the decode instance's from the decision on: counted in flight
-            # while its prefill runs, so a draining decode pod is not retired under it
-            chosen = rt.decode[dec]
-            chosen.inflight += 1
-            try:
-                kvp = await self._prefill(rt, req, decision, data, p, record, group)
-            finally:
-                chosen.inflight -= 1
-        return await self._decode(request, rt, req, decision, data, p, kvp, record, headers,
-                                  arrived, explain, group)
+        try:  # the policy's own count of outstanding requests is released however it ends
+            pl = decision.placement
+            assert pl.prefill is not None
+            # what the chosen instance holds now (pending prefixes and fetches not counted: the
+            # engines cannot pull blocks from a peer, so the gateway runs a fetch as a recompute)
+            held = rt.index.match(pl.prefill, req.keys)
+            reused = req.tokens_of(held)
+            # the direct rule: what the chosen decode engine would compute itself
+            dec = decision.decode.decode
+            dec_held = rt.decode_index.match(dec, req.keys) if dec is not None else 0
+            direct = len(tokens) - req.tokens_of(dec_held) < cfg.direct.uncached_tokens_below
+            record["direct"] = direct
+            record["held_blocks"] = held
+            record["decode_held_blocks"] = dec_held
+            rt.prompt_tokens += len(tokens)
+            if not direct:
+                rt.reused_tokens += reused
+                rt.prefill_seconds += pl.gpu_seconds
+                rt.m.prompt_reused.inc(reused)
+                rt.m.prompt_computed.inc(len(tokens) - reused)
+            else:
+                rt.m.prompt_computed.inc(len(tokens))
+            headers = {DECISION_HEADER: json.dumps(_header_view(record), separators=(",", ":"))} \
+                if explain else {}
+            kvp: dict[str, Any] | None = None
+            group: int | None = None  # the engine group both halves of a P/D request share
+            if not direct:
+                assert dec is not None
+                group = rt.cluster.decode[dec].group
+                # the request is the decode instance's from the decision on: counted in flight
+                # while its prefill runs, so a draining decode pod is not retired under it
+                chosen = rt.decode[dec]
+                chosen.inflight += 1
+                try:
+                    kvp = await self._prefill(rt, req, decision, data, p, record, group)
+                finally:
+                    chosen.inflight -= 1
+                    rt.conductor.prefilled(req, decision)
+            return await self._decode(request, rt, req, decision, data, p, kvp, record, headers,
+                                      arrived, explain, group)
+        finally:
+            rt.conductor.finished(req, decision)
 
     def _decide(self, rt: ModelRuntime, req: RequestInfo, tokens: Tokens, explain: bool,
                 t0: float) -> tuple[Decision, dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 DEFAULT_COMPARE = (
     "random,round-robin,least-load,local-cache-aware,score,sglang-cache-aware,dynamo-kv,"
-    "llm-d,aibrix-conductor,kvcache-centric,conductor"
+    "llm-d,aibrix-prefix-cache,aibrix-conductor,kvcache-centric,mooncake-paper,conductor"
 )
 
 

@@ -447,11 +447,13 @@ class Simulation:
         inst.avg_prefill_s += (observed - inst.avg_prefill_s) / min(inst.completed, 50)
         req.ttft = now - info.arrival
         req.t_first = now
+        self.conductor.prefilled(info, req.decision)
         self._start_next(inst, now)
         assert req.decision is not None
         did = req.decision.decode.decode
         if info.output_tokens <= 1 or did is None:
             req.tbt = 0.0
+            self.conductor.finished(info, req.decision)
             return
         layers = self.cost.config.model.layers
         join = now + self.cost.transfer_time(info.input_tokens) / layers
@@ -520,6 +522,8 @@ class Simulation:
         st.context_tokens -= r.ctx
         st.reserved_tokens -= r.info.input_tokens + r.info.output_tokens
         r.tbt = self._tbt(dec, r)
+        assert r.decision is not None
+        self.conductor.finished(r.info, r.decision)
         while dec.waiting:
             nxt = self.reqs[dec.waiting[0]]
             need = nxt.info.input_tokens + nxt.info.output_tokens

@@ -3,7 +3,7 @@ from collections import Counter
 import pytest
 from mooncake_conductor.index import DRAM, HBM
 from mooncake_conductor.policies import policy_names
-from mooncake_conductor.policies.base import SLOConfig, create_policy
+from mooncake_conductor.policies.base import Placement, SLOConfig, create_policy
 from mooncake_conductor.state import PrefillState
 from pydantic import ValidationError
 
@@ -122,13 +122,12 @@ def test_kvcache_centric_threshold_prefers_recompute() -> None:
     assert pl.prefill == 1 and pl.fetch_blocks == 0 and pl.local_blocks == 10
 
 
-def test_kvcache_centric_queue_is_the_papers_queued_work() -> None:
+def test_kvcache_centric_queue_counts_the_running_prefill() -> None:
     c = cluster(2)
-    c.prefill[0].busy_until = 100.0  # running, nothing queued: invisible to the paper's T_queue
+    c.prefill[0].busy_until = 100.0  # running, nothing queued: 100 s before a new start
     c.index.store(0, KEYS)
     pl = policy("kvcache-centric").choose(request(KEYS), c, 0.0)
-    assert pl.prefill == 0 and pl.queue_s == 0.0
-    # our conductor counts the running work and goes elsewhere
+    assert pl.prefill == 1 and pl.fetch_blocks == 20 and pl.queue_s == 0.0
     assert policy("conductor").choose(request(KEYS), c, 0.0).prefill == 1
 
 
@@ -140,8 +139,7 @@ def test_sglang_uses_its_own_tree_not_the_engine_cache() -> None:
     p.on_placed(request(KEYS), first, c)
     again = p.choose(request(KEYS), c, 0.0)
     assert again.prefill == first.prefill  # follows its own tree
-    queue(c.prefill[first.prefill], 1.0, requests=3)
-    # a different prompt (match rate 0 < 0.3) goes to the least loaded
+    # a different prompt (match rate 0 < 0.3) goes to the smallest tree: not the first's
     other = p.choose(request(list(range(500, 520))), c, 0.0)
     assert other.prefill != first.prefill
 
@@ -150,8 +148,8 @@ def test_sglang_imbalance_overrides_cache() -> None:
     c = cluster(2)
     p = policy("sglang-cache-aware")
     pl = p.choose(request(KEYS), c, 0.0)
-    p.on_placed(request(KEYS), pl, c)
-    queue(c.prefill[pl.prefill], 1.0, requests=100)  # 100 - 0 > 64 and 100 > 0 * 1.5
+    for rid in range(100):  # the router's own count: 100 - 0 > 64 and 100 > 0 * 1.5
+        p.on_placed(request(KEYS, rid=rid), pl, c)
     assert p.choose(request(KEYS), c, 0.0).prefill != pl.prefill
 
 
@@ -160,9 +158,12 @@ def test_dynamo_cost_and_tier_weights() -> None:
     c.index.store(0, KEYS[:8], DRAM)
     c.index.store(1, KEYS[:7], HBM)
     # cost0 = 20 - 8*0.75 = 14, cost1 = 20 - 7 = 13 (+ new blocks for both)
-    assert policy("dynamo-kv").choose(request(KEYS), c, 0.0).prefill == 1
-    queue(c.prefill[1], 1.0)  # +4 active prefill blocks on 1
-    assert policy("dynamo-kv").choose(request(KEYS), c, 0.0).prefill == 0
+    p = policy("dynamo-kv")
+    assert p.choose(request(KEYS), c, 0.0).prefill == 1
+    # one in-flight 4-block request routed to 1 (nothing cached): +4 prefill, +4 decode
+    other = request(list(range(900, 904)), rid=5)
+    p.on_placed(other, Placement(prefill=1), c)
+    assert p.choose(request(KEYS), c, 0.0).prefill == 0
 
 
 def test_dynamo_temperature_samples() -> None:
@@ -176,9 +177,9 @@ def test_llm_d_weights() -> None:
     c = cluster(2)
     c.index.store(0, KEYS)
     queue(c.prefill[0], 1.0, requests=2)
-    # prefix 3*1 + queue 2*0 + kv 2*~1 = ~5 beats 0 + 2 + 2 = 4
-    assert policy("llm-d").choose(request(KEYS), c, 0.0).prefill == 0
-    assert policy("llm-d", prefix_weight=1.0).choose(request(KEYS), c, 0.0).prefill == 1
+    # prefix 3*1 + queue 2*0 + kv 2*1 = 5 beats 0 + 2 + 2 = 4
+    assert policy("llm-d-precise").choose(request(KEYS), c, 0.0).prefill == 0
+    assert policy("llm-d-precise", prefix_weight=1.0).choose(request(KEYS), c, 0.0).prefill == 1
 
 
 def test_aibrix_formula() -> None:

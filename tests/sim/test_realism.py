@@ -148,3 +148,17 @@ def test_bad_realism_flags_exit_2(small_trace: Path, args: list[str], message: s
                                   capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--trace", str(small_trace), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["sglang-cache-aware", "dynamo-kv"])
+def test_router_books_are_released_when_requests_end(policy: str) -> None:
+    recs = generate("conversation", 200, seed=6)
+    sim = Simulation(recs, SimConfig(prefill=4, decode=2, speed=4.0,
+                                     conductor=ConductorConfig(policy=policy)))
+    r = sim.run()
+    assert r["completed"] == 200
+    books = sim.conductor.policy
+    if policy == "dynamo-kv":
+        assert all(b.uncached == 0 and not b.blocks for b in books._books.values())
+    else:
+        assert sum(books._load.values()) == 0

@@ -108,6 +108,14 @@ class PrefillPolicy(ABC):
     def on_placed(self, req: RequestInfo, placement: Placement, cluster: ClusterState) -> None:  # noqa: B027
         """Hook after a placement is committed (approximate-tree policies learn here)."""
 
+    def on_prefilled(self, req: RequestInfo, placement: Placement) -> None:  # noqa: B027
+        """Hook when a placed request's prefill is done (its first token): routers that
+        count in-flight prefill work release it here."""
+
+    def on_finished(self, req: RequestInfo, placement: Placement) -> None:  # noqa: B027
+        """Hook when a placed request is done: its last token sent, or it failed (routers
+        that count their own outstanding requests release it here)."""
+
     # -- helpers shared by several policies ---------------------------------------------------
     def local_placement(
         self, req: RequestInfo, inst: PrefillState, local_blocks: int, now: float

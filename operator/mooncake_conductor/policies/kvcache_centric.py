@@ -6,10 +6,12 @@ Rule: find the longest prefix any instance (or the store pool) holds,
 fetched from the holder (``T_transfer`` = their bytes over min(B_nic, B_h2d))
 and prefill reuses ``best_len``; otherwise it recomputes from ``len``.
 ``TTFT = T_transfer + T_queue + T_prefill``, with ``T_queue`` the predicted
-work queued there (the paper sums the predicted prefill times of the queued
-requests; the one already running is not counted, which is the gap our
-``conductor`` closes). The smallest TTFT wins. When it, or the decode side's TBT,
-breaks its SLO the request is rejected at once (HTTP 429). Fetching copies the
+time until a new prefill could start there: the remainder of the running
+prefill plus the predicted prefill times of the queued requests (the paper
+sums the queued ones and does not say whether the running one counts; we take
+the reading that serves the baseline best). The smallest TTFT wins. When it,
+or the decode side's TBT, breaks its SLO the request is rejected at once
+(HTTP 429). Fetching copies the
 hot blocks to the chosen instance, which is how hot prefixes get replicated
 (§4.2) — no explicit replication step.
 """
@@ -51,7 +53,7 @@ class KVCacheCentricPolicy(PrefillPolicy):
         options: dict[int, Placement] = {}
         for p in live:
             local = matches.get(p.iid, 0)
-            queue = p.paper_queue_time()
+            queue = p.wait_time(now)
             if best_len > local * self.params.kvcache_balancing_threshold:
                 fetched = req.tokens_of(best_len) - req.tokens_of(local)
                 options[p.iid] = Placement(

@@ -1,20 +1,25 @@
-"""``llm-d``: llm-d's endpoint picker with its chart's default scorer weights.
+"""``llm-d``: llm-d's endpoint picker as its chart deploys it (approximate prefix scorer).
 
-Rule (llm-d inference scheduler): filters, then weighted scorers each in
-[0, 1], then the maximum total score with a random tie-break. Scorers:
-prefix-cache ``matched_blocks / total_blocks`` (precise, from KV events),
-queue ``(max_q - q) / (max_q - min_q)`` and kv-cache-utilisation ``1 -
-usage``. Default weights: prefix 3, queue 2, kv-cache-utilisation 2. Queue is
-the number of waiting requests; usage is the share of the instance's KV
-memory taken by prompts queued or running there.
+Rule (llm-d inference scheduler, chart defaults): filters, then weighted scorers each in
+[0, 1], then the maximum total score with a random tie-break. Scorers: prefix-cache
+``matched_blocks / blocks_considered``; queue ``(max_q - q) / (max_q - min_q)`` over the
+waiting requests; kv-cache-utilisation ``1 - usage``, where usage is vLLM's
+``kv_cache_usage_perc``: the KV of the *running* requests only, not queued prompts.
+Default weights: prefix 3, queue 2, kv-cache-utilisation 2. The chart's default prefix
+scorer is the *approximate* one: it learns from its own routing decisions (what it sent
+where), not from engine KV events; it hashes at most 256 blocks of 64 tokens (16,384
+tokens) of a prompt and keeps an LRU of 31,250 such blocks (2M tokens) per server. Our
+blocks are larger than 64 tokens, so both bounds are kept in tokens. The precise scorer
+(engine KV events) is opt-in upstream: ``llm-d-precise``.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..index import PrefixIndex
 from ..state import ClusterState, PrefillState, RequestInfo
-from .base import Placement, PrefillPolicy, least, register
+from .base import Placement, PolicyContext, PrefillPolicy, least, register
 
 
 class LLMDParams(BaseModel):
@@ -23,29 +28,61 @@ class LLMDParams(BaseModel):
     prefix_weight: float = Field(3.0, ge=0)
     queue_weight: float = Field(2.0, ge=0)
     kv_cache_weight: float = Field(2.0, ge=0)
+    approx_max_tokens: int = Field(
+        256 * 64, gt=0, description="prompt tokens the approximate scorer hashes")
+    approx_lru_tokens: int = Field(
+        31_250 * 64, gt=0, description="tokens the approximate scorer remembers per server")
 
 
-@register
-class LLMDPolicy(PrefillPolicy):
-    name = "llm-d"
+class LLMDBase(PrefillPolicy):
+    """The picker; ``precise`` reads the KV-event index instead of routing history."""
+
     Params = LLMDParams
+    precise = False
+
+    def __init__(self, params: BaseModel, ctx: PolicyContext) -> None:
+        super().__init__(params, ctx)
+        self._history: PrefixIndex | None = None
+
+    def _approx(self, block_tokens: int) -> PrefixIndex:
+        if self._history is None:
+            assert isinstance(self.params, LLMDParams)
+            self._history = PrefixIndex(max(1, self.params.approx_lru_tokens // block_tokens))
+        return self._history
+
+    def _prefix(self, req: RequestInfo, cluster: ClusterState,
+                live: list[PrefillState]) -> tuple[dict[int, int], int]:
+        """Matched blocks per instance, and the blocks considered."""
+        if self.precise:
+            matches = cluster.index.match_all(req.keys, cluster.prefill_mask,
+                                              key_array=req.key_array)
+            return matches, len(req.keys)
+        assert isinstance(self.params, LLMDParams)
+        cap = max(1, self.params.approx_max_tokens // req.block_tokens)
+        keys = req.keys[:cap]
+        hist = self._approx(req.block_tokens)
+        mask = 0
+        for p in live:
+            mask |= 1 << p.iid
+            if not hist.live_mask >> p.iid & 1:
+                hist.add_instance(p.iid)
+        return hist.match_all(keys, mask), len(keys)
 
     def pick(
         self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
     ) -> Placement:
         assert isinstance(self.params, LLMDParams)
         prm = self.params
-        matches = cluster.index.match_all(req.keys, cluster.prefill_mask,
-                                          key_array=req.key_array)
+        matches, considered = self._prefix(req, cluster, live)
         queues = {p.iid: len(p.queue) for p in live}
         qmax, qmin = max(queues.values()), min(queues.values())
         kv_cap = max(1, self.ctx.cost.kv_capacity_tokens)
-        total = max(1, len(req.keys))
+        total = max(1, considered)
         scored: list[tuple[float, int]] = []
         for p in live:
             prefix = matches.get(p.iid, 0) / total
             queue = 1.0 if qmax == qmin else (qmax - queues[p.iid]) / (qmax - qmin)
-            usage = min(1.0, (p.queued_tokens + p.running_tokens) / kv_cap)
+            usage = min(1.0, p.running_tokens / kv_cap)
             score = (
                 prm.prefix_weight * prefix
                 + prm.queue_weight * queue
@@ -53,4 +90,17 @@ class LLMDPolicy(PrefillPolicy):
             )
             scored.append((-score, p.iid))
         iid = least(scored, self.ctx.rng)
-        return self.local_placement(req, cluster.prefill[iid], matches.get(iid, 0), now)
+        inst = cluster.prefill[iid]
+        return self.local_placement(req, inst, cluster.index.match(iid, req.keys), now)
+
+    def on_placed(self, req: RequestInfo, placement: Placement, cluster: ClusterState) -> None:
+        if self.precise or placement.prefill is None:
+            return
+        assert isinstance(self.params, LLMDParams)
+        cap = max(1, self.params.approx_max_tokens // req.block_tokens)
+        self._approx(req.block_tokens).store(placement.prefill, req.keys[:cap])
+
+
+@register
+class LLMDPolicy(LLMDBase):
+    name = "llm-d"

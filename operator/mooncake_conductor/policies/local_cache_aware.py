@@ -1,7 +1,9 @@
 """``local-cache-aware``: longest local prefix, with load as a limit and tie-break.
 
-Rule: an instance is eligible when its queue (the paper's measure: predicted
-prefill time of the requests queued there) is no longer than the
+Rule: an instance is eligible when its queue (the predicted time until a new
+prefill could start there: the running prefill's remainder plus the predicted
+prefill time of the requests queued, the strongest reading of the paper's
+``T_queue``) is no longer than the
 shortest queue plus ``slack`` x (the time to prefill this prompt from scratch)
 — waiting longer than a recompute would take is never worth a cache hit.
 Among eligible instances take the longest prefix held *locally* (no transfer
@@ -32,7 +34,7 @@ class LocalCacheAwarePolicy(PrefillPolicy):
         self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
     ) -> Placement:
         assert isinstance(self.params, LocalCacheAwareParams)
-        waits = {p.iid: p.paper_queue_time() for p in live}
+        waits = {p.iid: p.wait_time(now) for p in live}
         limit = min(waits.values()) + self.params.slack * self.ctx.cost.prefill_time(
             req.input_tokens
         )
