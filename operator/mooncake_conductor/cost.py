@@ -137,6 +137,22 @@ class CostModel:
         self._flops_l_b_d2 = m.layers * m.flops_b * m.d_model * m.d_model
         kv_hbm = h.gpus * h.hbm_gb_per_gpu * 1e9 - self._weight_bytes
         self.kv_capacity_tokens = max(0, int(kv_hbm * e.kv_hbm_fraction / self.kv_bytes_per_token))
+        #: multiplies every predicted prefill compute time (online calibration sets it)
+        self.prefill_scale = 1.0
+        #: bumped on every change of the constants, so cached copies know to refresh
+        self.version = 0
+
+    def set_prefill_scale(self, scale: float) -> None:
+        """Predict prefill compute ``scale`` x slower than the configured model: the peak
+        FLOPs divided and the fixed overhead multiplied by it (the shape, MFU curve and
+        the host-to-device load time stay as configured)."""
+        if not scale > 0:
+            raise ValueError("scale must be positive")
+        e, h = self.config.efficiency, self.config.hardware
+        self.prefill_scale = scale
+        self._peak = h.peak_flops / scale
+        self._prefill_overhead = e.prefill_overhead_s * scale
+        self.version += 1
 
     # -- prefill -----------------------------------------------------------------------------
     def flops(self, n: float) -> float:

@@ -9,6 +9,7 @@ a rejection with a reason, which the gateway maps to HTTP 429.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,22 @@ from .state import ClusterState, PrefillState, RequestInfo, board_of
 _NO_ROWS: npt.NDArray[np.intp] = np.empty(0, dtype=np.intp)
 
 
+class CalibrationConfig(BaseModel):
+    """Online calibration of the prefill-time model from observed prefill durations.
+
+    The log of the ratio observed / predicted is tracked with an exponentially weighted
+    mean (``rate`` per observation), and every prediction is scaled by its exponential:
+    a systematic error (the real MFU off the configured one, another GPU) is learnt in
+    a few dozen prefills, while per-request noise averages out (log-normal noise of
+    sigma s leaves a jitter of about ``s * sqrt(rate / 2)``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rate: float = Field(0.05, gt=0, le=1, description="weight of each new observation")
+    min_scale: float = Field(0.25, gt=0, description="the scale is kept at or above this")
+    max_scale: float = Field(4.0, gt=0, description="the scale is kept at or below this")
+
+
 class ConductorConfig(BaseModel):
     """Scheduler configuration: a policy by name with its parameters, SLOs, cost model."""
 
@@ -39,6 +56,9 @@ class ConductorConfig(BaseModel):
     replication: ReplicationConfig = ReplicationConfig()
     replicate: bool | None = Field(None, description="default: the policy's own")
     cost: CostModelConfig = CostModelConfig()
+    calibrate: bool | None = Field(
+        None, description="learn the prefill-time scale online (default: the policy's own)")
+    calibration: CalibrationConfig = CalibrationConfig()
     seed: int = 0
 
     @model_validator(mode="after")
@@ -86,6 +106,21 @@ class Conductor:
             self.policy.replication if self.config.replicate is None else self.config.replicate
         )
         self.hot = HotPrefixTracker(self.config.replication)
+        self.calibrate = (
+            self.policy.calibrates if self.config.calibrate is None else self.config.calibrate
+        )
+        self._log_scale = 0.0
+
+    def observe_prefill(self, predicted_s: float, observed_s: float) -> None:
+        """A prefill predicted to take ``predicted_s`` (by the current model) took
+        ``observed_s``: with calibration on, move the model's prefill scale towards it."""
+        if not self.calibrate or predicted_s <= 0 or observed_s <= 0:
+            return
+        cal = self.config.calibration
+        self._log_scale += cal.rate * (math.log(observed_s) - math.log(predicted_s))
+        lo, hi = math.log(cal.min_scale), math.log(cal.max_scale)
+        self._log_scale = min(hi, max(lo, self._log_scale))
+        self.cost.set_prefill_scale(math.exp(self._log_scale))
 
     def schedule(self, req: RequestInfo, cluster: ClusterState, now: float) -> Decision:
         # every state in group 0 (the usual case): one class-attribute read

@@ -67,6 +67,8 @@ MAX_PREDICTION_SIGMA = 2.0
 MAX_MODEL_BIAS = 4.0
 #: the error factors' random stream is the policy seed plus this, apart from the policy's
 ERROR_SEED_OFFSET = 7919
+#: completed prefills per entry of ``prediction_error_windows``
+ERROR_WINDOW = 200
 
 
 class SimConfig(BaseModel):
@@ -115,6 +117,7 @@ class _Req:
     ctx: int = 0
     seg0: int = 0
     exec_s: float = 0.0
+    predicted_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -135,8 +138,10 @@ ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_WAKE, REPLICATE, REPLICA_DONE, VISIBLE
 class Simulation:
     def __init__(self, records: list[TraceRecord], config: SimConfig) -> None:
         self.cfg = config
+        # the true model executes; the Conductor predicts with its own copy (which online
+        # calibration may rescale), so a biased or calibrated model never changes execution
         self.cost = CostModel(config.conductor.cost)
-        self.conductor = Conductor(config.conductor, self.cost)
+        self.conductor = Conductor(config.conductor)
         bt = config.block_tokens
         n_p = config.prefill
         self.index = PrefixIndex(max(1, config.prefill_cache_tokens // bt), instances=n_p)
@@ -196,6 +201,7 @@ class Simulation:
         self._unseen: dict[int, dict[int, tuple[Sequence[int], int]]] = {}
         self._unseen_seq = 0
         self.predicted_prefill_s = 0.0
+        self._pairs: list[tuple[float, float]] = []  # (predicted, executed) per prefill
 
     # -- event queue ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
@@ -354,10 +360,11 @@ class Simulation:
             return
         reuse, start = self._reuse_at_start(req, inst.iid, now)
         cached = info.tokens_of(reuse)
-        predicted = self.cost.prefill_time(info.input_tokens, cached)
-        dur = predicted * float(self._factor[item.rid])
+        predicted = self.conductor.cost.prefill_time(info.input_tokens, cached)
+        dur = self.cost.prefill_time(info.input_tokens, cached) * float(self._factor[item.rid])
         req.reused_tokens = cached
         req.exec_s = dur
+        req.predicted_s = predicted
         self.prefill_gpu_s += dur
         self.predicted_prefill_s += predicted
         inst.busy_until = start + predicted  # what the gateway can know
@@ -419,14 +426,17 @@ class Simulation:
         now = start
         plan = plan_cpp(self.cost, info.input_tokens, cached, len(pl.cpp_group),
                         pl.cpp_chunk_tokens)
+        seen = plan_cpp(self.conductor.cost, info.input_tokens, cached, len(pl.cpp_group),
+                        pl.cpp_chunk_tokens)
         req.reused_tokens = cached
         factor = float(self._factor[rid])
         req.exec_s = plan.makespan_s * factor
+        req.predicted_s = seen.makespan_s
         self.prefill_gpu_s += plan.gpu_seconds * factor
-        self.predicted_prefill_s += plan.gpu_seconds
+        self.predicted_prefill_s += seen.gpu_seconds
         end = now + req.exec_s
         for iid in pl.cpp_group:
-            self.cluster.prefill[iid].busy_until = now + plan.makespan_s
+            self.cluster.prefill[iid].busy_until = now + seen.makespan_s
             self._push(end, PREFILL_DONE, iid, rid)
 
     def _prefill_done(self, now: float, iid: int, rid: int) -> None:
@@ -445,6 +455,8 @@ class Simulation:
         inst.completed += 1
         observed = req.exec_s  # what the gateway measures
         inst.avg_prefill_s += (observed - inst.avg_prefill_s) / min(inst.completed, 50)
+        self._pairs.append((req.predicted_s, observed))
+        self.conductor.observe_prefill(req.predicted_s, observed)
         req.ttft = now - info.arrival
         req.t_first = now
         self.conductor.prefilled(info, req.decision)
@@ -580,6 +592,18 @@ class Simulation:
         self._push(dec.last + k * dt, DECODE_WAKE, st.iid, dec.version)
 
     # -- results ------------------------------------------------------------------------------
+    def _error_windows(self) -> list[float]:
+        """Systematic prefill-time error of the policy's predictions per window of
+        ``ERROR_WINDOW`` prefills in completion order: |sum predicted / sum executed - 1|
+        (per-request noise averages out; a biased model does not)."""
+        out = []
+        for i in range(0, len(self._pairs), ERROR_WINDOW):
+            window = self._pairs[i:i + ERROR_WINDOW]
+            executed = sum(e for _, e in window)
+            if executed > 0:
+                out.append(abs(sum(p for p, _ in window) / executed - 1.0))
+        return out
+
     def _results(self, wall: float) -> dict[str, Any]:
         slo = self.cfg.conductor.slo
         served = [r for r in self.reqs if r.decision is not None and not r.decision.rejected]
@@ -597,6 +621,8 @@ class Simulation:
             "prefill_gpu_seconds": self.prefill_gpu_s,
             "prefill_prediction_error": (self.prefill_gpu_s / self.predicted_prefill_s - 1.0
                                          if self.predicted_prefill_s else 0.0),
+            "prediction_error_windows": self._error_windows(),
+            "prefill_scale": self.conductor.cost.prefill_scale,
             "replicated_tokens": self.replicated_tokens,
             "simulated_seconds": max((r.info.arrival for r in self.reqs), default=0.0),
             "wall_seconds": wall,

@@ -162,3 +162,19 @@ def test_router_books_are_released_when_requests_end(policy: str) -> None:
         assert all(b.uncached == 0 and not b.blocks for b in books._books.values())
     else:
         assert sum(books._load.values()) == 0
+
+
+def test_online_calibration_learns_a_model_bias() -> None:
+    recs = generate("conversation", 1200, seed=8)
+    out = {}
+    for calibrate in (False, True):
+        cfg = SimConfig(prefill=4, decode=4, speed=2.0, model_bias=0.25, prediction_error=0.2,
+                        conductor=ConductorConfig(policy="conductor", calibrate=calibrate))
+        out[calibrate] = simulate(recs, cfg)
+    off, on = out[False], out[True]
+    # without calibration the predictions are 25% short: |1/1.25 - 1| = 0.2 in every
+    # window; with it the error drops under 10% after the first window of 200 prefills
+    assert all(w > 0.15 for w in off["prediction_error_windows"])
+    assert all(w < 0.10 for w in on["prediction_error_windows"][1:])
+    assert on["prefill_scale"] == pytest.approx(1.25, rel=0.08)
+    assert off["prefill_scale"] == 1.0

@@ -87,6 +87,8 @@ class PrefillPolicy(ABC):
     admission: ClassVar[bool] = False
     #: whether hot prefixes are replicated ahead of need (seed §7)
     replication: ClassVar[bool] = False
+    #: whether the prefill-time model is calibrated online from observed durations
+    calibrates: ClassVar[bool] = False
 
     def __init__(self, params: BaseModel, ctx: PolicyContext) -> None:
         self.params = params

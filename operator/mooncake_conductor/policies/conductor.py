@@ -97,10 +97,12 @@ class ConductorPolicy(PrefillPolicy):
     default_decode = "tbt-slo"
     admission = True
     replication = True
+    calibrates = True
 
     def __init__(self, params: BaseModel, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
         self._consts = np.array(ctx.cost.prefill_constants())
+        self._consts_version = ctx.cost.version
         # scratch for the ranking: scores, where fetching wins, tie positions
         self._score = np.empty(0)
         self._fetch = np.empty(0, dtype=np.bool_)
@@ -132,6 +134,9 @@ class ConductorPolicy(PrefillPolicy):
         assert isinstance(self.params, ConductorParams)
         prm = self.params
         cost = self.ctx.cost
+        if cost.version != self._consts_version:  # the cost model was recalibrated
+            self._consts = np.array(cost.prefill_constants())
+            self._consts_version = cost.version
         index = cluster.index
         search = live_mask
         if cluster.store_id is not None:
