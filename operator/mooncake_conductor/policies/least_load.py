@@ -1,4 +1,4 @@
-"""``least-load``: the instance with the least predicted queued work.
+"""``least-load``: the instance with the shortest predicted queue (running prefill counted).
 
 Rule: minimise the instance's load: the predicted time until a new prefill
 could start there (the remainder of the running prefill plus the predicted

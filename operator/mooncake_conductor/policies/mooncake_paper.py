@@ -1,5 +1,7 @@
-"""``mooncake-paper``: the Mooncake paper's whole prefill side — Algorithm 1, chunked
-pipeline prefill for long prompts, early rejection.
+"""``mooncake-paper``: the Mooncake paper's whole system: Algorithm 1, CPP, early rejection.
+
+The paper's prefill side — Algorithm 1, chunked pipeline prefill for long prompts,
+early rejection.
 
 Rule (FAST'25 §3.2, §4 and the overload section of arXiv 2407.00079): first
 ``kvcache-centric`` (Algorithm 1: for each instance, fetch the longest prefix held
