@@ -54,6 +54,11 @@ U64Array = npt.NDArray[np.uint64]
 
 _kernel: Callable[..., tuple[int, int, int]] | None = None
 _views: Callable[..., tuple[int, int, Any]] | None = None
+#: compiled helpers the kernels call (set by the functions that compile them)
+_probe: Any = None
+_settle: Any = None
+_probe_wide: Any = None
+_prefill_time: Any = None
 
 #: one table as the walk reads it: rows, per-bucket overflow counts, ``[hash shift,
 #: mask of key 0]`` and the stash as a key-sorted ``(n, 2)`` array of (key, mask)
@@ -66,6 +71,10 @@ def _compile() -> tuple[Callable[..., tuple[int, int, int]],
 
     from .keytable import _H1, _H2, SLOTS
 
+    # the helpers the kernels call are module globals, not closure cells: numba keys its
+    # cache on the pickled closure, and a dispatcher pickles differently in every
+    # process, so a kernel closing over one was compiled again by every process
+    global _probe, _settle
     h1, h2 = np.uint64(_H1), np.uint64(_H2)
     slots = SLOTS
 
@@ -91,6 +100,8 @@ def _compile() -> tuple[Callable[..., tuple[int, int, int]],
                 return stash[at, 1]
         return np.uint64(0)
 
+    _probe = probe
+
     @njit(cache=True, nogil=True)
     def walk(
         rows1: Any, over1: Any, meta1: Any, stash1: Any,
@@ -107,9 +118,9 @@ def _compile() -> tuple[Callable[..., tuple[int, int, int]],
         drops[n, 0] = sink  # keeps the loads (the row past the last usable one)
         for i in range(n):
             key = keys[i]
-            mask = probe(rows1, over1, meta1, stash1, key)
+            mask = _probe(rows1, over1, meta1, stash1, key)
             if two:
-                mask |= probe(rows2, over2, meta2, stash2, key)
+                mask |= _probe(rows2, over2, meta2, stash2, key)
             new = acc & mask
             if new != acc:
                 drops[dropped, 0] = i
@@ -133,6 +144,8 @@ def _compile() -> tuple[Callable[..., tuple[int, int, int]],
             gone >>= one
             b += 1
 
+    _settle = settle
+
     @njit(cache=True, nogil=True)
     def lengths(
         rows1: Any, over1: Any, meta1: Any, stash1: Any,
@@ -152,20 +165,20 @@ def _compile() -> tuple[Callable[..., tuple[int, int, int]],
                 sink ^= rows1[(keys[i] * h1) >> meta1[0], 0]
         for i in range(n):
             key = keys[i]
-            mask = probe(rows1, over1, meta1, stash1, key)
+            mask = _probe(rows1, over1, meta1, stash1, key)
             new = acc & mask
             if new != acc:
-                settle(acc & ~new, i, out)
+                _settle(acc & ~new, i, out)
                 acc = new
             if acc_p & ~mask:  # else every instance left holds the key: nothing drops
-                new = acc_p & (mask | probe(rows2, over2, meta2, stash2, key))
+                new = acc_p & (mask | _probe(rows2, over2, meta2, stash2, key))
                 if new != acc_p:
-                    settle(acc_p & ~new, i, out_p)
+                    _settle(acc_p & ~new, i, out_p)
                     acc_p = new
             if acc == zero and acc_p == zero:
                 break
-        settle(acc, n, out)
-        settle(acc_p, n, out_p)
+        _settle(acc, n, out)
+        _settle(acc_p, n, out_p)
         best = 0
         for b in range(out.shape[0]):
             if out[b] > out[best]:
@@ -217,6 +230,7 @@ def _compile_wide() -> Callable[..., tuple[int, int]]:
 
     from .keytable import _H1, _H2, SLOTS
 
+    global _probe_wide  # a module global, not a closure cell: see _compile
     h1, h2 = np.uint64(_H1), np.uint64(_H2)
     slots = SLOTS
 
@@ -242,6 +256,8 @@ def _compile_wide() -> Callable[..., tuple[int, int]]:
                 for k in range(w):
                     out[k] |= stash[at, 1 + k]
 
+    _probe_wide = probe_wide
+
     @njit(cache=True, nogil=True)
     def walk_wide(
         rows1: Any, over1: Any, meta1: Any, stash1: Any,
@@ -254,9 +270,9 @@ def _compile_wide() -> Callable[..., tuple[int, int]]:
         for i in range(n):
             key = keys[i]
             mask[:] = 0
-            probe_wide(rows1, over1, meta1, stash1, key, mask)
+            _probe_wide(rows1, over1, meta1, stash1, key, mask)
             if two:
-                probe_wide(rows2, over2, meta2, stash2, key, mask)
+                _probe_wide(rows2, over2, meta2, stash2, key, mask)
             changed = False
             left = False
             for k in range(w):
@@ -462,6 +478,8 @@ COST_FIELDS = ("flops_a", "flops_b", "overhead", "mfu_max", "mfu_half", "peak",
 def _compile_rank() -> Callable[..., tuple[int, float]]:
     from numba import njit
 
+    global _prefill_time  # a module global, not a closure cell: see _compile
+
     @njit(cache=True, nogil=True, inline="always")
     def prefill_time(c: Any, n: int, cached: int) -> float:
         # CostModel.prefill_time(n, cached), operation for operation (tests hold the two
@@ -478,6 +496,8 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
             compute = c[2] + work / (c[5] * mfu)
         load = float(max(0, cached) * np.int64(c[6])) / c[7]
         return compute if compute >= load else load
+
+    _prefill_time = prefill_time
 
     @njit(cache=True, nogil=True)
     def rank(
@@ -502,7 +522,7 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
                 busy += 1
         kappa = work_weight * float(busy + waiting) / float(max(live, 1))
         best_tokens = min(best_len * block, n)
-        fetch_prefill = prefill_time(c, n, best_tokens)
+        fetch_prefill = _prefill_time(c, n, best_tokens)
         best = np.inf
         for i in range(m):
             fetch[i] = False
@@ -511,7 +531,7 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
                 continue
             held = local[iid[i]] if iid[i] < local.shape[0] else 0  # past the array: none
             held_tokens = min(held * block, n)
-            recompute = prefill_time(c, n, held_tokens)
+            recompute = _prefill_time(c, n, held_tokens)
             ttft = fifo[i] + recompute
             used = recompute
             if best_len > held and i != best_pos:

@@ -75,3 +75,17 @@ def test_rank_fifo_equals_the_cost_model_bit_for_bit() -> None:
             by_id, score, fetch, ties)
         want = _reference(cost, *args, up, busy_until, qwork, qlen, local)
         assert (score.tolist(), fetch.tolist(), ties[:count].tolist(), kappa) == want
+
+
+def test_kernels_close_over_no_dispatcher() -> None:
+    """numba keys its on-disk cache on the pickled closure of a kernel, and a compiled
+    function pickles differently in every process: a kernel closing over one is never
+    found in the cache and is compiled again by every process (seconds each)."""
+    from mooncake_conductor import kernels
+    from numba.core.dispatcher import Dispatcher
+
+    compiled = [*kernels._compile(), kernels._compile_wide(), kernels._compile_upsert(),
+                kernels._compile_chain(), kernels._compile_rank(), kernels._compile_decode()]
+    for fn in compiled:
+        cells = fn.py_func.__closure__ or ()
+        assert not [c for c in cells if isinstance(c.cell_contents, Dispatcher)], fn
