@@ -1,0 +1,265 @@
+"""Prefill → decode wiring of one request, against scripted engines over real HTTP.
+
+What goes to the prefill engine (the client's body with ``max_tokens=1``, no stream and
+``kv_transfer_params.do_remote_decode``), what goes to the decode engine (the client's
+body intact plus exactly the ``kv_transfer_params`` the prefill answered), what comes
+back to the client (the decode answer as it came), a client's own
+``kv_transfer_params`` refused, and a failed prefill or decode retried elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from .scripted import (
+    MODEL,
+    ScriptedEngine,
+    engines,
+    model,
+    prompt_ids,
+    running_gateway,
+)
+
+PREFILL_KVP = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+               "remote_block_ids": None, "remote_host": None, "remote_port": None}
+EXPLAIN = {"x-conductor-explain": "1"}
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(coro)
+
+
+def _completion(stream: bool) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt_ids(100), "max_tokens": 7, "temperature": 0.5,
+            "seed": 3, "user": "u-1", "stream": stream, "logprobs": None}
+
+
+def _chat(stream: bool) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "system", "content": "be brief"},
+                                         {"role": "user", "content": "tell me " * 40}],
+            "max_completion_tokens": 5, "temperature": 0.2, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}
+
+
+def _body(chat: bool, stream: bool) -> dict[str, Any]:
+    return _chat(stream) if chat else _completion(stream)
+
+
+def _path(chat: bool) -> str:
+    return "/v1/chat/completions" if chat else "/v1/completions"
+
+
+def _the_one(*calls: list[Any]) -> Any:
+    every = [c for cs in calls for c in cs]
+    assert len(every) == 1, every
+    return every[0]
+
+
+@pytest.mark.parametrize("explain", [False, True], ids=["plain", "explain"])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_decode_gets_the_client_body_and_exactly_the_prefill_kv_transfer_params(
+        chat: bool, stream: bool, explain: bool) -> None:
+    async def main() -> None:
+        async with engines("p0", "p1", "d0") as (p0, p1, d0), \
+                running_gateway([model([p0, p1], [d0])]) as gw:
+            p1.kv_transfer_params = {**p1.kv_transfer_params, "remote_block_ids": [9, 9]}
+            body = _body(chat, stream)
+            status, headers, raw = await gw.post(_path(chat), body,
+                                                 EXPLAIN if explain else None)
+            assert status == 200, raw
+            prefill = _the_one(p0.prefills, p1.prefills, d0.prefills)
+            served_by = p0 if p0.prefills else p1
+            decode = _the_one(d0.decodes, p0.decodes, p1.decodes)
+            assert d0.decodes == [decode]
+            # the prefill: the client's request, one token, not streamed, remote decode
+            want_prefill = {**body, "stream": False, "stream_options": None, "max_tokens": 1,
+                            "kv_transfer_params": PREFILL_KVP}
+            if chat:
+                want_prefill["max_completion_tokens"] = None
+            assert prefill.path == decode.path == _path(chat)
+            assert prefill.body == want_prefill
+            # the decode: the client's request intact, plus the prefill's answer
+            assert decode.body == {**body, "kv_transfer_params": served_by.kv_transfer_params}
+            assert decode.raw.startswith(json.dumps(body).encode()[:-1])  # not re-encoded
+            # the client: the decode answer as the engine sent it
+            if stream:
+                assert headers["Content-Type"].startswith("text/event-stream")
+                assert raw == d0.sse(decode)
+            elif explain:
+                got = json.loads(raw)
+                assert got.pop("conductor")["decode"] == "d0"
+                assert got == d0.decode_json(decode)
+            else:
+                assert json.loads(raw) == d0.decode_json(decode)
+            if explain:
+                decision = json.loads(headers["x-conductor-decision"])
+                assert decision["prefill"] == served_by.name and decision["decode"] == "d0"
+            else:
+                assert "x-conductor-decision" not in headers
+
+    run(main())
+
+
+# -- a client's own kv_transfer_params ---------------------------------------------------------
+@pytest.mark.parametrize("explain", [False, True], ids=["plain", "explain"])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_client_kv_transfer_params_is_refused_before_any_engine_call(
+        chat: bool, stream: bool, explain: bool) -> None:
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), \
+                running_gateway([model([p0], [d0])]) as gw:
+            injected = {"do_remote_prefill": True, "remote_engine_id": "evil",
+                        "remote_host": "10.0.0.66", "remote_port": 1, "remote_block_ids": [1]}
+            body = {**_body(chat, stream), "kv_transfer_params": injected}
+            status, headers, raw = await gw.post(_path(chat), body,
+                                                 EXPLAIN if explain else None)
+            assert status == 400, raw
+            assert headers["Content-Type"].startswith("application/json")
+            err = json.loads(raw)["error"]
+            assert err["param"] == "kv_transfer_params"
+            assert err["type"] == "invalid_request_error"
+            assert "kv_transfer_params" in err["message"]
+            assert p0.calls == [] and d0.calls == []
+            # null is "not set": served, and the decode gets the prefill's
+            ok = {**_body(chat, stream), "kv_transfer_params": None}
+            status, _h, raw = await gw.post(_path(chat), ok, EXPLAIN if explain else None)
+            assert status == 200, raw
+            assert d0.decodes[0].body["kv_transfer_params"] == p0.kv_transfer_params
+            assert p0.prefills[0].body["kv_transfer_params"] == PREFILL_KVP
+
+    run(main())
+
+
+# -- retries -----------------------------------------------------------------------------------
+ROUND_ROBIN = {"conductor": {"policy": "round-robin"}}
+
+
+async def _refusing(e: ScriptedEngine, how: str) -> None:
+    """Make ``e`` refuse completions: an HTTP 503, or nothing listening (its health
+    already passed, and the gateway checks health rarely: it stays routable)."""
+    if how == "503":
+        e.status = 503
+    else:
+        await e.stop()
+
+
+@pytest.mark.parametrize("how", ["503", "refused"])
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_a_refused_decode_is_retried_on_the_other_decode_instance(stream: bool,
+                                                                   how: str) -> None:
+    async def main() -> None:
+        async with engines("p0", "d-bad", "d-good") as (p0, bad, good), \
+                running_gateway([model([p0], [bad, good], **ROUND_ROBIN)]) as gw:
+            await _refusing(bad, how)
+            for i in range(2):  # round robin: the first one tries d-bad first
+                body = {**_completion(stream), "prompt": prompt_ids(64, first=i + 1)}
+                status, _h, raw = await gw.post("/v1/completions", body)
+                assert status == 200, raw
+                served = good.decodes[-1]
+                assert served.body == {**body, "kv_transfer_params": p0.kv_transfer_params}
+                if stream:
+                    assert raw == good.sse(served)
+                else:
+                    assert json.loads(raw) == good.decode_json(served)
+            assert len(good.decodes) == 2
+            if how == "503":
+                assert len(bad.decodes) == 1  # tried once, with the same body
+                assert bad.decodes[0].body == good.decodes[0].body
+            decisions = await gw.get(f"/conductor/decisions?model={MODEL}")
+            first = decisions[0]
+            assert first["decode"] == "d-good" and first["outcome"] == "ok"
+            assert [a.get("decode") for a in first["attempts"] if "decode" in a] == ["d-bad"]
+            assert first["attempts"][-1]["error"].startswith("HTTP 503" if how == "503" else "")
+            st = await gw.state()
+            assert [d["inflight"] for d in st["decode"]] == [0, 0]
+            assert [d["batch"] for d in st["decode"]] == [0, 0]
+
+    run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_every_decode_refusing_is_a_502_after_trying_each_once(stream: bool) -> None:
+    async def main() -> None:
+        async with engines("p0", "d0", "d1") as (p0, d0, d1), \
+                running_gateway([model([p0], [d0, d1], **ROUND_ROBIN)]) as gw:
+            d0.status = d1.status = 503
+            status, _h, raw = await gw.post("/v1/completions", _completion(stream))
+            assert status == 502, raw
+            err = json.loads(raw)["error"]
+            assert err["code"] == "upstream_failed" and "decode failed" in err["message"]
+            assert len(d0.decodes) == len(d1.decodes) == 1
+
+    run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_a_decode_engine_4xx_is_relayed_not_retried(stream: bool) -> None:
+    async def main() -> None:
+        async with engines("p0", "d0", "d1") as (p0, d0, d1), \
+                running_gateway([model([p0], [d0, d1], **ROUND_ROBIN)]) as gw:
+            d0.status = 422
+            status, _h, raw = await gw.post("/v1/completions", _completion(stream))
+            assert status == 422, raw
+            assert json.loads(raw)["error"]["message"] == "d0 says 422"
+            assert len(d0.decodes) == 1 and d1.calls == []
+
+    run(main())
+
+
+@pytest.mark.parametrize("how", ["503", "refused"])
+def test_a_refused_prefill_is_retried_and_decode_gets_the_retry_kv_transfer_params(
+        how: str) -> None:
+    async def main() -> None:
+        async with engines("p-bad", "p-good", "d0") as (bad, good, d0), \
+                running_gateway([model([bad, good], [d0], **ROUND_ROBIN)]) as gw:
+            await _refusing(bad, how)
+            body = _completion(False)
+            status, _h, raw = await gw.post("/v1/completions", body)
+            assert status == 200, raw
+            assert json.loads(raw) == d0.decode_json(d0.decodes[0])
+            assert len(good.prefills) == 1
+            if how == "503":
+                assert len(bad.prefills) == 1
+            assert d0.decodes[0].body == {**body, "kv_transfer_params": good.kv_transfer_params}
+            d = (await gw.get(f"/conductor/decisions?model={MODEL}"))[0]
+            assert [a.get("prefill") for a in d["attempts"]] == ["p-bad", "p-good"]
+            assert d["attempts"][-1]["status"] == 200
+            st = await gw.state()
+            assert [(p["inflight"], p["queued"], p["pending_blocks"]) for p in st["prefill"]] \
+                == [(0, 0, 0), (0, 0, 0)]
+            assert st["decode"][0]["inflight"] == 0
+
+    run(main())
+
+
+def test_every_prefill_refusing_is_a_502_and_nothing_reaches_decode() -> None:
+    async def main() -> None:
+        async with engines("p0", "p1", "d0") as (p0, p1, d0), \
+                running_gateway([model([p0, p1], [d0])]) as gw:
+            p0.status = p1.status = 500
+            status, _h, raw = await gw.post("/v1/completions", _completion(False))
+            assert status == 502, raw
+            err = json.loads(raw)["error"]
+            assert err["code"] == "upstream_failed" and "prefill failed" in err["message"]
+            assert len(p0.prefills) == len(p1.prefills) == 1 and d0.calls == []
+
+    run(main())
+
+
+def test_a_prefill_engine_4xx_is_relayed_and_nothing_reaches_decode() -> None:
+    async def main() -> None:
+        async with engines("p0", "p1", "d0") as (p0, p1, d0), \
+                running_gateway([model([p0, p1], [d0], **ROUND_ROBIN)]) as gw:
+            p0.status = 400
+            status, _h, raw = await gw.post("/v1/chat/completions", _chat(False))
+            assert status == 400, raw
+            assert json.loads(raw)["error"]["message"] == "p0 says 400"
+            assert len(p0.prefills) == 1 and p1.calls == [] and d0.calls == []
+
+    run(main())
