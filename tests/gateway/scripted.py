@@ -281,23 +281,30 @@ class ScriptedPublisher:
     seq, payload]``; the ROUTER answers ``[b"", start]`` with ``[b"", topic, seq,
     payload]`` per buffered batch from ``start`` on, then the end marker)."""
 
-    def __init__(self, replay: bool = True, topic: bytes = b"") -> None:
+    def __init__(self, replay: bool = True, answer_replay: bool = True, topic: bytes = b"",
+                 bind: tuple[str, str | None] | None = None) -> None:
+        """``replay``: with a replay socket; ``answer_replay``: which answers (else it takes
+        requests and never answers); ``bind``: the PUB and replay endpoints of a
+        publisher closed before (an engine restarting on its ports), else free ports."""
         self.topic = topic
         self.seq = 0
         self.buffer: dict[int, bytes] = {}
+        self.answer_replay = answer_replay
+        pub_at, replay_at = bind or (f"tcp://{HOST}:*", f"tcp://{HOST}:*" if replay else None)
         self._ctx = zmq.asyncio.Context()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(f"tcp://{HOST}:*")
+        self._pub.bind(pub_at)
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._router: zmq.asyncio.Socket | None = None
         self.replay_endpoint: str | None = None
         self.replay_requests: list[int] = []
         self._task: asyncio.Task[None] | None = None
-        if replay:
+        self._closed = False
+        if replay_at is not None:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(f"tcp://{HOST}:*")
+            self._router.bind(replay_at)
             self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._task = asyncio.get_running_loop().create_task(self._serve_replay())
 
@@ -331,6 +338,8 @@ class ScriptedPublisher:
             ident, _empty, start_frame = frames
             start = decode_seq(start_frame)
             self.replay_requests.append(start)
+            if not self.answer_replay:
+                continue
             for seq in sorted(self.buffer):
                 if seq >= start:
                     await router.send_multipart(
@@ -338,6 +347,9 @@ class ScriptedPublisher:
             await router.send_multipart([ident, b"", b"", encode_seq(END_SEQ), b""])
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
