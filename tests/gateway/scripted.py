@@ -290,6 +290,8 @@ class ScriptedPublisher:
         self.seq = 0
         self.buffer: dict[int, bytes] = {}
         self.answer_replay = answer_replay
+        #: when set, replay answers wait until it is
+        self.replay_gate: asyncio.Event | None = None
         pub_at, replay_at = bind or (f"tcp://{HOST}:*", f"tcp://{HOST}:*" if replay else None)
         self._ctx = zmq.asyncio.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -340,6 +342,8 @@ class ScriptedPublisher:
             self.replay_requests.append(start)
             if not self.answer_replay:
                 continue
+            if self.replay_gate is not None:
+                await self.replay_gate.wait()
             for seq in sorted(self.buffer):
                 if seq >= start:
                     await router.send_multipart(

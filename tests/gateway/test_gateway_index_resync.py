@@ -196,14 +196,26 @@ def test_an_instance_marked_down_loses_its_entries_and_resyncs_when_it_is_back()
                 await pub.publish([a.removed()])
                 seq = await pub.publish([c.stored()])
                 replays = len(pub.replay_requests)
+                pub.replay_gate = gate = asyncio.Event()
                 p0.healthy = True
+
+                async def replaying() -> dict[str, Any] | None:
+                    p = await _p0(gw)
+                    return p if p["healthy"] and len(pub.replay_requests) > replays else None
+                p = await until(replaying, what="p0 healthy, its replay asked for")
+                # healthy, but not routable before its events are replayed from the start
+                assert pub.replay_requests[replays:] == [0]
+                assert not p["registered"] and not p["routable"]
+                await asyncio.sleep(0.2)  # health checks pass meanwhile
+                p = await _p0(gw)
+                assert not p["registered"] and not p["routable"] and p["index_blocks"] == 0
+                gate.set()
 
                 async def back() -> dict[str, Any] | None:
                     p = await _p0(gw)
                     return p if p["routable"] else None
                 p = await until(back, what="p0 routable again")
-                # routable only after the replay from the start: B and C, not A
-                assert pub.replay_requests[replays:] == [0]
+                # B and C, not A
                 assert p["events"]["last_seq"] == seq
                 assert p["index_blocks"] == 5
                 assert p["events"]["resets"] == resets + 2
@@ -248,7 +260,17 @@ def test_an_instance_that_leaves_the_endpoint_list_and_rejoins_is_resynced() -> 
                     seq = await pub.publish([b.stored()])  # while it is not followed
                     await asyncio.sleep(0.1)
                     assert (await _p0(gw))["index_blocks"] == 0
+                    replays = len(pub.replay_requests)
+                    pub.replay_gate = gate = asyncio.Event()
                     write(with_p0)
+
+                    async def replaying() -> bool:
+                        return len(pub.replay_requests) > replays
+                    await until(replaying, what="p0's replay asked for")
+                    await asyncio.sleep(0.1)
+                    p = await _p0(gw)
+                    assert p["listed"] and not p["registered"] and not p["routable"]
+                    gate.set()
 
                     async def rejoined() -> dict[str, Any] | None:
                         p = await _p0(gw)
