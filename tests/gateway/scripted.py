@@ -203,16 +203,20 @@ def model(prefill: Sequence[ScriptedEngine | dict[str, Any]],
 
 
 class GatewayClient:
-    """Real HTTP to an in-process gateway."""
+    """Real HTTP to an in-process gateway. Every POST on a connection of its own: the
+    fast front end decides about each (on a connection it handed to aiohttp once, aiohttp
+    would serve the rest)."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+    def __init__(self, url: str, session: aiohttp.ClientSession,
+                 posts: aiohttp.ClientSession) -> None:
         self.url = url
         self.session = session
+        self.posts = posts
 
     async def post(self, path: str, body: Any, headers: dict[str, str] | None = None,
                    ) -> tuple[int, dict[str, str], bytes]:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        async with self.session.post(self.url + path, data=data, headers={
+        async with self.posts.post(self.url + path, data=data, headers={
                 "Content-Type": "application/json", **(headers or {})}) as r:
             return r.status, dict(r.headers), await r.read()
 
@@ -246,8 +250,9 @@ async def running_gateway(models: list[dict[str, Any]], wait_ready: bool = True,
         if task.done():
             task.result()  # raises what stopped it
         assert port.done(), "the gateway did not start listening"
-        async with aiohttp.ClientSession() as session:
-            client = GatewayClient(f"http://{HOST}:{port.result()}", session)
+        async with aiohttp.ClientSession() as session, aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True)) as posts:
+            client = GatewayClient(f"http://{HOST}:{port.result()}", session, posts)
             if wait_ready:
                 await until(client.ready, what="the gateway is ready")
             yield client

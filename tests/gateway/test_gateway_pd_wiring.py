@@ -96,6 +96,9 @@ def test_decode_gets_the_client_body_and_exactly_the_prefill_kv_transfer_params(
                 assert got == d0.decode_json(decode)
             else:
                 assert json.loads(raw) == d0.decode_json(decode)
+            # a plain one is served by the fast front end (no aiohttp Server header); a
+            # stream or an explained one by aiohttp
+            assert ("Server" in headers) == (stream or explain)
             if explain:
                 decision = json.loads(headers["x-conductor-decision"])
                 assert decision["prefill"] == served_by.name and decision["decode"] == "d0"
