@@ -61,7 +61,8 @@ class Call:
         return isinstance(kvp, dict) and kvp.get("do_remote_decode") is True
 
 
-Answer = Callable[[Call], Awaitable[web.StreamResponse]]
+#: a scripted answer: the request (to stream on) and what it carried
+Answer = Callable[[web.Request, Call], Awaitable[web.StreamResponse]]
 
 
 class ScriptedEngine:
@@ -161,7 +162,7 @@ class ScriptedEngine:
         if self.hold is not None:
             await self.hold.wait()
         if self.answer is not None:
-            return await self.answer(call)
+            return await self.answer(request, call)
         if self.status != 200:
             return web.json_response(
                 {"error": {"message": f"{self.name} says {self.status}", "type": "x",

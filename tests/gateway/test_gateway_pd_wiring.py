@@ -14,9 +14,11 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from .scripted import (
     MODEL,
+    Call,
     ScriptedEngine,
     engines,
     model,
@@ -89,6 +91,7 @@ def test_decode_gets_the_client_body_and_exactly_the_prefill_kv_transfer_params(
             # the client: the decode answer as the engine sent it
             if stream:
                 assert headers["Content-Type"].startswith("text/event-stream")
+                assert headers["Cache-Control"] == "no-cache"
                 assert raw == d0.sse(decode)
             elif explain:
                 got = json.loads(raw)
@@ -264,5 +267,87 @@ def test_a_prefill_engine_4xx_is_relayed_and_nothing_reaches_decode() -> None:
             assert status == 400, raw
             assert json.loads(raw)["error"]["message"] == "p0 says 400"
             assert len(p0.prefills) == 1 and p1.calls == [] and d0.calls == []
+
+    run(main())
+
+
+# -- what a failure says about the engine ------------------------------------------------------
+DOWN_AT_ONCE: dict[str, Any] = {"unhealthy_after": 1}
+
+
+@pytest.mark.parametrize("how", ["503", "refused"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_refused_connection_marks_the_engine_down_an_http_error_does_not(
+        role: str, how: str) -> None:
+    """An engine that answers (even 503) is alive; one that cannot be reached is not."""
+    async def main() -> None:
+        async with engines("p-bad", "p-good", "d-bad", "d-good") as (pb, pg, db, dg):
+            prefill, decode = ([pb, pg], [dg]) if role == "prefill" else ([pg], [db, dg])
+            bad = pb if role == "prefill" else db
+            async with running_gateway([model(prefill, decode, **ROUND_ROBIN)],
+                                       **DOWN_AT_ONCE) as gw:
+                await _refusing(bad, how)
+                for i in range(3):
+                    body = {**_completion(False), "prompt": prompt_ids(64, first=i + 1)}
+                    status, _h, raw = await gw.post("/v1/completions", body)
+                    assert status == 200, raw
+                st = await gw.state()
+                view = st[role][0]
+                assert view["name"] == bad.name
+                assert (view["healthy"], view["routable"]) == ((True, True) if how == "503"
+                                                               else (False, False))
+                # a 503 keeps it in the rotation (tried again); down, it is not
+                decisions = await gw.get(f"/conductor/decisions?model={MODEL}")
+                tried = [d["id"] for d in decisions
+                         if any(a.get(role) == bad.name for a in d["attempts"])]
+                if how == "503":
+                    assert len(bad.calls) == len(tried) >= 2 and tried[0] == 1
+                else:
+                    assert tried == [1] and bad.calls == []
+
+    run(main())
+
+
+async def _truncated(request: web.Request, call: Call) -> web.StreamResponse:
+    """A stream that stops after one event, without ``[DONE]``."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(b'data: {"choices": [{"index": 0, "text": "half"}]}\n\n')
+    await resp.write_eof()
+    return resp
+
+
+async def _reset(request: web.Request, call: Call) -> web.StreamResponse:
+    """A stream whose connection breaks after one event."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(b'data: {"choices": [{"index": 0, "text": "half"}]}\n\n')
+    assert request.transport is not None
+    request.transport.abort()
+    return resp
+
+
+@pytest.mark.parametrize("answer", [_truncated, _reset], ids=["no-done", "reset"])
+def test_a_decode_stream_that_breaks_ends_with_an_error_event_and_the_engine_down(
+        answer: Any) -> None:
+    async def main() -> None:
+        async with engines("p0", "d0", "d1") as (p0, d0, d1), running_gateway(
+                [model([p0], [d0, d1], **ROUND_ROBIN)], **DOWN_AT_ONCE) as gw:
+            d0.answer = answer
+            status, headers, raw = await gw.post("/v1/completions", _completion(True))
+            assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+            first, *rest = [e for e in raw.split(b"\n\n") if e]
+            assert first == b'data: {"choices": [{"index": 0, "text": "half"}]}'
+            (last,) = rest  # no [DONE]: the client knows it did not complete
+            err = json.loads(last[len(b"data: "):])["error"]
+            assert err["code"] == "upstream_failed" and "d0" in err["message"]
+            assert len(d0.decodes) == 1 and d1.calls == []  # too late to retry
+            st = await gw.state()
+            assert [(d["healthy"], d["routable"]) for d in st["decode"]] == \
+                [(False, False), (True, True)]
+            assert [d["inflight"] for d in st["decode"]] == [0, 0]
+            # the next ones go to the other instance
+            status, _h, raw = await gw.post("/v1/completions", _completion(True))
+            assert status == 200 and raw == d1.sse(d1.decodes[0])
 
     run(main())

@@ -46,6 +46,7 @@ REFUSED: list[tuple[str, Any, int, str | None, str | None]] = [
     (CMPL, _c(max_tokens=True), 400, "max_tokens", None),
     (CMPL, _c(max_tokens=2.5), 400, "max_tokens", None),
     (CMPL, _c(prompt=""), 400, "prompt", None),
+    (CMPL, _c(prompt=" \n"), 400, "prompt", None),  # no tokens
     (CMPL, _c(prompt=[]), 400, "prompt", None),
     (CMPL, _c(prompt=[1, -5]), 400, "prompt", None),
     (CMPL, _c(prompt=[1, VOCAB_SIZE]), 400, "prompt", None),
