@@ -226,6 +226,11 @@ class GatewayClient:
             assert r.status == 200, (path, r.status, await r.text())
             return await r.json()
 
+    async def text(self, path: str) -> str:
+        async with self.session.get(self.url + path) as r:
+            assert r.status == 200, (path, r.status)
+            return await r.text()
+
     async def state(self) -> dict[str, Any]:
         models = (await self.get(f"/conductor/state?model={MODEL}"))["models"]
         return dict(models[0])

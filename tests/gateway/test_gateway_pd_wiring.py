@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from .scripted import (
     MODEL,
@@ -71,7 +72,8 @@ def test_decode_gets_the_client_body_and_exactly_the_prefill_kv_transfer_params(
                 running_gateway([model([p0, p1], [d0])]) as gw:
             p1.kv_transfer_params = {**p1.kv_transfer_params, "remote_block_ids": [9, 9]}
             body = _body(chat, stream)
-            status, headers, raw = await gw.post(_path(chat), body,
+            sent = json.dumps(body, indent=1).encode() + b"\n"  # as no encoder of ours would
+            status, headers, raw = await gw.post(_path(chat), sent,
                                                  EXPLAIN if explain else None)
             assert status == 200, raw
             prefill = _the_one(p0.prefills, p1.prefills, d0.prefills)
@@ -87,7 +89,9 @@ def test_decode_gets_the_client_body_and_exactly_the_prefill_kv_transfer_params(
             assert prefill.body == want_prefill
             # the decode: the client's request intact, plus the prefill's answer
             assert decode.body == {**body, "kv_transfer_params": served_by.kv_transfer_params}
-            assert decode.raw.startswith(json.dumps(body).encode()[:-1])  # not re-encoded
+            # both spliced onto the client's bytes, not re-encoded
+            assert prefill.raw.startswith(sent.rstrip()[:-1])
+            assert decode.raw.startswith(sent.rstrip()[:-1])
             # the client: the decode answer as the engine sent it
             if stream:
                 assert headers["Content-Type"].startswith("text/event-stream")
@@ -155,13 +159,17 @@ async def _refusing(e: ScriptedEngine, how: str) -> None:
         await e.stop()
 
 
+LEAN = pytest.mark.parametrize("lean", [True, False], ids=["lean", "aiohttp"])
+
+
+@LEAN
 @pytest.mark.parametrize("how", ["503", "refused"])
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
-def test_a_refused_decode_is_retried_on_the_other_decode_instance(stream: bool,
-                                                                   how: str) -> None:
+def test_a_refused_decode_is_retried_on_the_other_decode_instance(stream: bool, how: str,
+                                                                   lean: bool) -> None:
     async def main() -> None:
-        async with engines("p0", "d-bad", "d-good") as (p0, bad, good), \
-                running_gateway([model([p0], [bad, good], **ROUND_ROBIN)]) as gw:
+        async with engines("p0", "d-bad", "d-good") as (p0, bad, good), running_gateway(
+                [model([p0], [bad, good], **ROUND_ROBIN)], lean_upstream=lean) as gw:
             await _refusing(bad, how)
             for i in range(2):  # round robin: the first one tries d-bad first
                 body = {**_completion(stream), "prompt": prompt_ids(64, first=i + 1)}
@@ -204,11 +212,12 @@ def test_every_decode_refusing_is_a_502_after_trying_each_once(stream: bool) -> 
     run(main())
 
 
+@LEAN
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
-def test_a_decode_engine_4xx_is_relayed_not_retried(stream: bool) -> None:
+def test_a_decode_engine_4xx_is_relayed_not_retried(stream: bool, lean: bool) -> None:
     async def main() -> None:
-        async with engines("p0", "d0", "d1") as (p0, d0, d1), \
-                running_gateway([model([p0], [d0, d1], **ROUND_ROBIN)]) as gw:
+        async with engines("p0", "d0", "d1") as (p0, d0, d1), running_gateway(
+                [model([p0], [d0, d1], **ROUND_ROBIN)], lean_upstream=lean) as gw:
             d0.status = 422
             status, _h, raw = await gw.post("/v1/completions", _completion(stream))
             assert status == 422, raw
@@ -218,12 +227,13 @@ def test_a_decode_engine_4xx_is_relayed_not_retried(stream: bool) -> None:
     run(main())
 
 
+@LEAN
 @pytest.mark.parametrize("how", ["503", "refused"])
 def test_a_refused_prefill_is_retried_and_decode_gets_the_retry_kv_transfer_params(
-        how: str) -> None:
+        how: str, lean: bool) -> None:
     async def main() -> None:
-        async with engines("p-bad", "p-good", "d0") as (bad, good, d0), \
-                running_gateway([model([bad, good], [d0], **ROUND_ROBIN)]) as gw:
+        async with engines("p-bad", "p-good", "d0") as (bad, good, d0), running_gateway(
+                [model([bad, good], [d0], **ROUND_ROBIN)], lean_upstream=lean) as gw:
             await _refusing(bad, how)
             body = _completion(False)
             status, _h, raw = await gw.post("/v1/completions", body)
@@ -349,5 +359,55 @@ def test_a_decode_stream_that_breaks_ends_with_an_error_event_and_the_engine_dow
             # the next ones go to the other instance
             status, _h, raw = await gw.post("/v1/completions", _completion(True))
             assert status == 200 and raw == d1.sse(d1.decodes[0])
+
+    run(main())
+
+
+# -- what /metrics counts ----------------------------------------------------------------------
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+
+def test_metrics_count_outcomes_retries_tokens_and_stream_timings() -> None:
+    async def main() -> None:
+        async with engines("p0", "p1", "d0", "d1") as (p0, p1, d0, d1), running_gateway(
+                [model([p0, p1], [d0, d1], **ROUND_ROBIN)]) as gw:
+            p0.status = d0.status = 503  # each tried first once, then the other
+            body = _completion(False)
+            assert (await gw.post("/v1/completions", body))[0] == 200
+            p0.status = d0.status = 200
+            assert (await gw.post("/v1/chat/completions", _chat(True)))[0] == 200
+            assert (await gw.post("/v1/completions", {**body, "n": 2}))[0] == 400
+            assert (await gw.post("/v1/completions", {**body, "model": "x"}))[0] == 404
+            m = _samples(await gw.text("/metrics"))
+            prefix = "mooncake_gateway_"
+
+            def val(name: str, **labels: str) -> float:
+                return m.get((prefix + name, tuple(sorted(labels.items()))), 0.0)
+            assert val("requests_total", model=MODEL, endpoint="completions",
+                       outcome="ok") == 1
+            assert val("requests_total", model=MODEL, endpoint="chat", outcome="ok") == 1
+            assert val("requests_total", model="unknown", endpoint="completions",
+                       outcome="bad_request") == 1
+            assert val("requests_total", model="unknown", endpoint="completions",
+                       outcome="not_found") == 1
+            assert val("retries_total", model=MODEL, role="prefill") == 1
+            assert val("retries_total", model=MODEL, role="decode") == 1
+            # two answered prefills, each: 100 prompt tokens, 32 of them cached
+            assert val("engine_prompt_tokens_total", model=MODEL) == 200
+            assert val("engine_cached_tokens_total", model=MODEL) == 64
+            st = await gw.state()
+            assert (st["tokens"]["engine_prompt"], st["tokens"]["engine_cached"]) == (200, 64)
+            assert st["tokens"]["prompt"] == val("prompt_tokens_total", model=MODEL,
+                                                 kind="computed") > 100
+            # the stream: its first token is a TTFT, the second one a TBT; [DONE] neither
+            assert val("time_to_first_token_seconds_count", model=MODEL) == 1
+            assert val("time_between_tokens_seconds_count", model=MODEL) == 1
+            assert val("decision_seconds_count", model=MODEL) == 2
+            for role, name in (("prefill", "p0"), ("prefill", "p1"), ("decode", "d0"),
+                               ("decode", "d1")):
+                assert val("instance_up", model=MODEL, role=role, instance=name) == 1
+                assert val("instance_inflight", model=MODEL, role=role, instance=name) == 0
 
     run(main())
