@@ -452,6 +452,12 @@ class PrefixIndex:
         """Whether any instance has in-flight (pending) blocks."""
         return bool(self._pending)
 
+    def pending_size(self, instance: int) -> int:
+        """How many blocks ``instance`` has pending (distinct keys of its in-flight
+        prefills); a scan of every pending key, for reports."""
+        bit = 1 << instance
+        return sum(1 for mask in self._pending.values() if mask & bit)
+
     def holder_mask(self, key: int) -> int:
         return self.holders.get(key, 0)
 

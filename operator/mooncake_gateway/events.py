@@ -8,6 +8,8 @@ Adds to :class:`~mooncake_contract.kvevents.subscriber.KVEventSubscriber`:
   ``(seq, payload digest)`` and dropped instead of being taken for a publisher restart;
 - a gap the replay could not fill calls ``on_lost``: the gateway then drops that
   instance's entries (a resync), because later events may remove blocks it never saw.
+  It is called where the loss is, before the replayed batches that came after it, so
+  those rebuild the index instead of being dropped with what was stale.
 """
 
 from __future__ import annotations
@@ -83,7 +85,21 @@ class EngineSubscriber(KVEventSubscriber):
         return got
 
     async def _recover(self, start: int, until: int) -> None:
-        lost = self.lost
-        await super()._recover(start, until)
-        if self.lost > lost:
+        """Deliver what the replay still has of ``start..until-1`` in order, with
+        ``on_lost`` at each loss: before the batches after it, not after them all."""
+        found = sorted(((seq, batch, payload) for seq, batch, payload
+                        in await self.replay(start) if start <= seq < until),
+                       key=lambda item: item[0])
+        expected = start
+        for seq, batch, payload in found:
+            if seq < expected:
+                continue  # the same batch twice
+            if seq > expected:
+                self.lost += seq - expected
+                self.on_lost()
+            self.replayed += 1
+            await self._deliver(seq, batch, payload)
+            expected = seq + 1
+        if until > expected:
+            self.lost += until - expected
             self.on_lost()

@@ -587,6 +587,7 @@ class ModelRuntime:
             if i.role is Role.PREFILL:
                 p = self.cluster.prefill[i.iid]
                 v.update({"predicted_wait_s": p.wait_time(now), "queued": len(p.queue),
+                          "pending_blocks": feeder.index.pending_size(i.iid),
                           "slowdown": self.slowdown(i.iid)})
             else:
                 d = self.cluster.decode[i.iid]
