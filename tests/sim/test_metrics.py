@@ -5,7 +5,7 @@ import math
 import pytest
 from mooncake_sim.metrics import latency_summary, percentile
 
-KEYS = {"ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_mean_ms", "tbt_p90_ms",
+KEYS = {"ttft_mean_s", "ttft_mean_charged_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_mean_ms", "tbt_p90_ms",
         "tbt_p99_ms", "slo_attainment"}
 
 
@@ -41,6 +41,7 @@ def test_summary_statistics_by_hand() -> None:
     s = latency_summary(served, 20, ttft_slo_s=100.0, tbt_slo_s=1.0)
     assert set(s) == KEYS
     assert s["ttft_mean_s"] == pytest.approx(10.5)  # (1 + ... + 20) / 20
+    assert s["ttft_mean_charged_s"] == pytest.approx(10.5)  # nothing rejected: the same
     assert s["ttft_p50_s"] == 10.0  # rank 10
     assert s["ttft_p90_s"] == 18.0  # rank 18
     assert s["ttft_p99_s"] == 20.0  # rank ceil(19.8) = 20
@@ -101,13 +102,16 @@ def test_slo_attainment_is_over_all_requests_rejected_count_as_misses() -> None:
     # latency statistics are over the served requests only
     assert s["ttft_mean_s"] == pytest.approx(1.5)
     assert s["tbt_mean_ms"] == pytest.approx(15.0)
+    # the charged mean is over all five, the three rejected at the 30 s SLO
+    assert s["ttft_mean_charged_s"] == pytest.approx((1.0 + 2.0 + 3 * 30.0) / 5)
 
 
 def test_all_rejected() -> None:
     s = latency_summary([], 4, ttft_slo_s=30.0, tbt_slo_s=0.1)
     assert set(s) == KEYS
     assert s["slo_attainment"] == 0.0
-    for k in KEYS - {"slo_attainment"}:
+    assert s["ttft_mean_charged_s"] == pytest.approx(30.0)  # each charged the TTFT SLO
+    for k in KEYS - {"slo_attainment", "ttft_mean_charged_s"}:
         assert math.isnan(s[k]), k
 
 
@@ -120,6 +124,6 @@ def test_no_requests_at_all() -> None:
 
 def test_single_request() -> None:
     s = latency_summary([(0.25, 0.04)], 1, ttft_slo_s=30.0, tbt_slo_s=0.1)
-    assert s == {"ttft_mean_s": 0.25, "ttft_p50_s": 0.25, "ttft_p90_s": 0.25,
+    assert s == {"ttft_mean_s": 0.25, "ttft_mean_charged_s": 0.25, "ttft_p50_s": 0.25, "ttft_p90_s": 0.25,
                  "ttft_p99_s": 0.25, "tbt_mean_ms": 40.0, "tbt_p90_ms": 40.0,
                  "tbt_p99_ms": 40.0, "slo_attainment": 1.0}
