@@ -206,7 +206,7 @@ def test_an_instance_marked_down_loses_its_entries_and_resyncs_when_it_is_back()
         a, b, c = Chain(1, 4), Chain(2, 3), Chain(3, 2)
         try:
             async with engines("p0", "d0") as (p0, d0), \
-                    _gateway_with(pub, p0, d0, **FAST_HEALTH) as gw:
+                    _gateway_with(pub, p0, d0, replay_timeout_s=10, **FAST_HEALTH) as gw:
                 await pub.publish([a.stored()])
                 p = await _wait_seq(gw, await pub.publish([b.stored()]))
                 assert p["index_blocks"] == 7 and p["routable"]
@@ -275,7 +275,8 @@ def test_an_instance_that_leaves_the_endpoint_list_and_rejoins_is_resynced() -> 
                     os.replace(tmp, path)
                 write(with_p0)
                 cfg = {"name": MODEL, "block_size": BLOCK, "endpoints_file": path}
-                async with running_gateway([cfg], discovery_poll_s=0.05) as gw:
+                async with running_gateway([cfg], discovery_poll_s=0.05,
+                                           replay_timeout_s=10) as gw:
                     p = await _wait_seq(gw, await pub.publish([a.stored()]))
                     assert p["index_blocks"] == 4 and p["listed"]
                     write(without)
