@@ -88,6 +88,34 @@ def _gateway_with(pub: ScriptedPublisher, p0: ScriptedEngine, d0: ScriptedEngine
     return running_gateway([model([endpoint], [d0])], **settings)
 
 
+# -- what a batch says -------------------------------------------------------------------------
+def test_stored_blocks_are_indexed_whole_and_of_the_model_block_size_removed_ones_go() -> None:
+    async def main() -> None:
+        pub = ScriptedPublisher()
+        a, b, c = Chain(1, 4), Chain(2, 3), Chain(3, 2)
+        try:
+            async with engines("p0", "d0") as (p0, d0), _gateway_with(pub, p0, d0) as gw:
+                half = BlockStored(b.hashes, None, b.tokens[: 2 * BLOCK + 3], BLOCK)
+                other_size = BlockStored(c.hashes, None, c.tokens, BLOCK * 2)
+                on_cpu = BlockStored(a.hashes, None, a.tokens, BLOCK, medium="CPU")
+                p = await _wait_seq(gw, await pub.publish([half, other_size, on_cpu]))
+                ev = p["events"]
+                # B: only the blocks its tokens cover; C: another block size, left out
+                assert (ev["applied"], ev["stored_blocks"], ev["block_size_mismatches"]) \
+                    == (3, 2 + 4, 1)
+                assert p["index_blocks"] == 6
+                assert await _matched(gw, b.tokens) == 2
+                assert await _matched(gw, a.tokens) == 4  # on another tier, still held
+                p = await _wait_seq(gw, await pub.publish(
+                    [BlockRemoved(a.hashes[2:]), BlockRemoved([999_999])]))
+                assert p["events"]["removed_blocks"] == 2 and p["index_blocks"] == 4
+                assert await _matched(gw, a.tokens) == 2
+        finally:
+            await pub.close()
+
+    run(main())
+
+
 # -- a gap the replay cannot fill --------------------------------------------------------------
 @pytest.mark.parametrize("replay", ["evicted", "none", "silent"])
 def test_an_unrecoverable_gap_drops_the_instance_entries_and_rebuilds_from_later_events(
@@ -178,7 +206,7 @@ def test_an_instance_marked_down_loses_its_entries_and_resyncs_when_it_is_back()
         a, b, c = Chain(1, 4), Chain(2, 3), Chain(3, 2)
         try:
             async with engines("p0", "d0") as (p0, d0), \
-                    _gateway_with(pub, p0, d0, **FAST_HEALTH) as gw:
+                    _gateway_with(pub, p0, d0, replay_timeout_s=10, **FAST_HEALTH) as gw:
                 await pub.publish([a.stored()])
                 p = await _wait_seq(gw, await pub.publish([b.stored()]))
                 assert p["index_blocks"] == 7 and p["routable"]
@@ -247,7 +275,8 @@ def test_an_instance_that_leaves_the_endpoint_list_and_rejoins_is_resynced() -> 
                     os.replace(tmp, path)
                 write(with_p0)
                 cfg = {"name": MODEL, "block_size": BLOCK, "endpoints_file": path}
-                async with running_gateway([cfg], discovery_poll_s=0.05) as gw:
+                async with running_gateway([cfg], discovery_poll_s=0.05,
+                                           replay_timeout_s=10) as gw:
                     p = await _wait_seq(gw, await pub.publish([a.stored()]))
                     assert p["index_blocks"] == 4 and p["listed"]
                     write(without)

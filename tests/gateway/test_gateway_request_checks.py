@@ -149,3 +149,43 @@ def test_the_explain_header_values(value: str, explained: bool) -> None:
                     assert ("conductor" in json.loads(raw)) == explained
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("via", ["front", "stream", "explain"])
+def test_a_scheduler_rejection_is_a_429_with_retry_after_and_reaches_no_engine(
+        via: str) -> None:
+    async def main() -> None:
+        strict = {"policy": "conductor", "slo": {"ttft_s": 1e-9}}
+        async with engines("p0", "d0") as (p0, d0), running_gateway(
+                [model([p0], [d0], conductor=strict)], retry_after_s=7) as gw:
+            body = _c(stream=True) if via == "stream" else _c()
+            status, headers, raw = await gw.post(
+                CMPL, body, {"x-conductor-explain": "1"} if via == "explain" else None)
+            assert status == 429, raw
+            assert headers["Retry-After"] == "7"
+            err = json.loads(raw)["error"]
+            assert (err["type"], err["code"]) == ("rate_limit_error", "ttft_slo")
+            assert p0.calls == [] and d0.calls == []
+            metrics = await gw.text("/metrics")
+            assert f'mooncake_gateway_rejections_total{{model="{MODEL}",reason="ttft-slo"}} 1.0' \
+                in metrics
+            assert (f'mooncake_gateway_requests_total{{endpoint="completions",model="{MODEL}",'
+                    'outcome="rejected"} 1.0') in metrics
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_a_body_over_the_limit_is_a_413_and_reaches_no_engine(stream: bool) -> None:
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), running_gateway(
+                [model([p0], [d0])], max_body_bytes=2000) as gw:
+            status, _h, raw = await gw.post(CMPL, _c(prompt=prompt_ids(500), stream=stream))
+            assert status == 413, raw
+            err = json.loads(raw)["error"]
+            assert (err["type"], err["code"]) == ("invalid_request_error", "request_too_large")
+            assert p0.calls == [] and d0.calls == []
+            status, _h, raw = await gw.post(CMPL, _c(prompt=prompt_ids(50), stream=stream))
+            assert status == 200, raw
+
+    asyncio.run(main())
