@@ -336,7 +336,12 @@ class PrefillState(_Instance):
 
 
 class DecodeState(_Instance):
-    """A decode instance running a continuous batch."""
+    """A decode instance running a continuous batch.
+
+    ``context_tokens + reserved_tokens`` is the KV its running requests hold or will
+    hold, prompt plus output each (the gateway counts their prompts and outputs; the
+    simulator their context so far and what is left): the KV room checks and
+    :attr:`kv_usage` compare that sum with ``capacity_tokens``."""
 
     #: fields mirrored in a :class:`Board` (name -> numpy type)
     COLUMNS: ClassVar[dict[str, type]] = {

@@ -127,6 +127,9 @@ class _Decoder:
     waiting: deque[int] = field(default_factory=deque)
     last: float = 0.0
     version: int = 0
+    #: prompt plus output of every admitted request (what admission checks); the state
+    #: shows the scheduler the part not yet in ``context_tokens`` as ``reserved_tokens``
+    reserved: int = 0
     seg_start: list[float] = field(default_factory=list)
     seg_dt: list[float] = field(default_factory=list)
     seg_steps: list[int] = field(default_factory=list)
@@ -478,7 +481,7 @@ class Simulation:
         req = self.reqs[rid]
         need = req.info.input_tokens + req.info.output_tokens
         self._advance(dec, now)
-        if st.capacity_tokens and st.reserved_tokens + need > st.capacity_tokens and st.batch:
+        if st.capacity_tokens and dec.reserved + need > st.capacity_tokens and st.batch:
             dec.waiting.append(rid)
             st.waiting += 1
             return
@@ -498,7 +501,8 @@ class Simulation:
         dec.running.append(rid)
         st.batch += 1
         st.context_tokens += req.ctx
-        st.reserved_tokens += req.info.input_tokens + req.info.output_tokens
+        dec.reserved += req.info.input_tokens + req.info.output_tokens
+        st.reserved_tokens = dec.reserved - st.context_tokens
 
     def _step_time(self, st: DecodeState) -> float:
         return self.cost.decode_step_time(st.batch, st.context_tokens) * self._slow
@@ -515,6 +519,7 @@ class Simulation:
         dec.seg_steps.append(k)
         dec.last += k * dt
         st.context_tokens += st.batch * k
+        st.reserved_tokens = dec.reserved - st.context_tokens
         finished: list[int] = []
         for rid in dec.running:
             r = self.reqs[rid]
@@ -532,14 +537,15 @@ class Simulation:
         dec.running.remove(rid)
         st.batch -= 1
         st.context_tokens -= r.ctx
-        st.reserved_tokens -= r.info.input_tokens + r.info.output_tokens
+        dec.reserved -= r.info.input_tokens + r.info.output_tokens
+        st.reserved_tokens = dec.reserved - st.context_tokens
         r.tbt = self._tbt(dec, r)
         assert r.decision is not None
         self.conductor.finished(r.info, r.decision)
         while dec.waiting:
             nxt = self.reqs[dec.waiting[0]]
             need = nxt.info.input_tokens + nxt.info.output_tokens
-            if st.batch and st.reserved_tokens + need > st.capacity_tokens:
+            if st.batch and dec.reserved + need > st.capacity_tokens:
                 break
             dec.waiting.popleft()
             st.waiting -= 1

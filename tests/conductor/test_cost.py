@@ -111,3 +111,36 @@ def test_fit_rejects_bad_samples() -> None:
         fit_prefill_predictor([(1, 0, 1.0)])
     with pytest.raises(ValueError, match="bad sample"):
         fit_prefill_predictor([(100, 200, 1.0)] * 6)
+
+
+def test_decode_kv_capacity_is_the_usable_share_of_hbm_left_after_weights() -> None:
+    # (8 GPUs x 80 GB - 70.6e9 params x 2 bytes) x 0.9 usable / 320 KiB per token
+    assert PAPER.kv_capacity_tokens == int((640e9 - 141.2e9) * 0.9 / 327_680)
+    assert PAPER.kv_capacity_tokens == 1_369_995
+
+
+def test_transfer_and_load_times_by_hand() -> None:
+    # 1000 tokens = 327.68 MB over min(800 Gbit/s NIC, 128 GB/s H2D) x 0.9 efficiency
+    assert PAPER.transfer_time(1000) == pytest.approx(327.68e6 / (100e9 * 0.9), rel=1e-12)
+    assert PAPER.h2d_time(1000) == pytest.approx(327.68e6 / (128e9 * 0.9), rel=1e-12)
+    assert PAPER.transfer_time(0) == 0.0 and PAPER.transfer_time(-5) == 0.0
+    assert PAPER.h2d_time(-5) == 0.0
+
+
+def test_out_of_range_cached_prefixes_are_clamped() -> None:
+    n = 4096
+    for fn in (PAPER.prefill_compute_time, PAPER.prefill_time):
+        assert fn(n, -100) == fn(n, 0) == fn(n)
+    overhead = 0.010
+    assert PAPER.prefill_compute_time(n, n) == overhead
+    assert PAPER.prefill_compute_time(n, n + 500) == overhead
+    # fully cached: the pass is the larger of the overhead and loading the prefix
+    assert PAPER.prefill_time(n, n) == max(overhead, PAPER.h2d_time(n))
+    assert PAPER.prefill_time(n, n, cached_in_hbm=n) == overhead
+
+
+def test_decode_step_by_hand() -> None:
+    # memory-bound: (weights 141.2 GB + 10k tokens x 320 KiB) / (8 x 2039 GB/s x 0.7) + 3 ms
+    mem = (141.2e9 + 10_000 * 327_680) / (8 * 2039e9 * 0.7)
+    assert PAPER.decode_step_time(4, 10_000) == pytest.approx(0.003 + mem, rel=1e-12)
+    assert PAPER.decode_step_time(0, 10_000) == 0.0

@@ -388,6 +388,40 @@ def test_replication_rounds_copy_the_planned_blocks() -> None:
     assert s.index.match(0, keys) == 8 and s.index.match(1, keys) == 8
 
 
+def test_the_schedulers_view_of_decode_kv_is_what_the_requests_hold_and_reserve() -> None:
+    """``context_tokens + reserved_tokens`` is the KV a decode instance's requests hold
+    or will hold (prompt plus output each), as the gateway reports it (context: prompts,
+    reserved: outputs): the tbt-slo room check and ``kv_usage`` read that sum."""
+    recs = [TraceRecord(0.0, 4096, 50, tuple(range(8))),
+            TraceRecord(1000.0, 2048, 30, tuple(range(100, 104)))]
+    s = sim(recs, "round-robin")
+    seen: list[tuple[int, int, int]] = []
+    arrive = s._arrive
+
+    def spy(now: float, rid: int) -> None:
+        d = s.cluster.decode[0]
+        seen.append((d.batch, d.context_tokens, d.reserved_tokens))
+        arrive(now, rid)
+
+    s._arrive = spy  # type: ignore[method-assign]
+    s.run()
+    batch, context, reserved = seen[1]  # at 1 s the first request is decoding
+    assert batch == 1
+    assert 4097 < context < 4096 + 50  # its prompt plus the tokens decoded so far
+    assert context + reserved == 4096 + 50
+
+
+def test_conductor_sees_room_for_requests_that_fit_the_decode_instance() -> None:
+    """A decode instance with room for exactly both requests: the second arrives while
+    the first decodes and fits, so the conductor's tbt-slo rule finds room for it
+    instead of rejecting it."""
+    recs = [TraceRecord(0.0, 4096, 50, tuple(range(8))),
+            TraceRecord(1000.0, 2048, 30, tuple(range(100, 104)))]
+    s = sim(recs, "conductor", decode_capacity_tokens=(4096 + 50) + (2048 + 30))
+    r = s.run()
+    assert r["rejected"] == 0 and r["completed"] == 2
+
+
 # -- SLO attainment in the result row ---------------------------------------------------------
 
 def test_sim_slo_attainment_counts_rejected_requests_as_misses() -> None:

@@ -1,0 +1,123 @@
+"""The conductor policy's chunked-pipeline (CPP) choices on small hand-made pools.
+
+Single-instance prefill (cost model defaults): 100k tokens 30.56 s, 60k 13.31 s.
+Pipeline makespans (:func:`plan_cpp`, 4096-token chunks) for groups of 2 / 3 / 4:
+100k 17.46 / 12.37 / 9.83 s; 60k 7.85 / 5.72 / 4.65 s."""
+
+from mooncake_conductor.cpp import plan_cpp
+from mooncake_conductor.policies.base import SLOConfig
+from mooncake_conductor.state import ClusterState
+
+from .helpers import BT, COST, cluster, policy, queue, request
+
+BIG = request(list(range(196)), tokens=100_000)  # one instance alone breaks the 30 s SLO
+MID = request(list(range(118)), tokens=60_000)  # one instance alone meets it
+
+
+def makespan(n: int, size: int, cached: int = 0) -> float:
+    return plan_cpp(COST, n, cached, size, 4096).makespan_s
+
+
+def loaded(n: int) -> ClusterState:
+    """``n`` prefill instances, the last busy with 20 queued requests: kappa (the price of
+    a GPU second) is (1 busy + 20 waiting) / n."""
+    c = cluster(n)
+    queue(c.prefill[-1], 100.0, requests=20)
+    return c
+
+
+def test_rescue_uses_all_idle_instances_and_the_plans_makespan() -> None:
+    pl = policy("conductor").choose(BIG, cluster(4), 0.0)
+    assert sorted(pl.cpp_group) == [0, 1, 2, 3]
+    assert (pl.queue_s, pl.transfer_s) == (0.0, 0.0)
+    assert pl.prefill_s == makespan(100_000, 4)
+
+
+def test_rescue_beats_the_work_price_when_the_slo_is_at_stake() -> None:
+    """kappa 4.2: the group's 39 GPU seconds score worse than one instance's 30.6, but
+    the single instance breaks the TTFT SLO and the group does not."""
+    pl = policy("conductor").choose(BIG, loaded(5), 0.0)
+    assert sorted(pl.cpp_group) == [0, 1, 2, 3]
+    assert pl.ttft_s == makespan(100_000, 4)
+
+
+def test_without_an_slo_at_stake_the_work_price_decides() -> None:
+    """60k tokens meet the SLO on one instance; a pair would be faster (7.9 s against
+    13.3 s) but costs 15.7 GPU seconds at kappa 4.2: one instance serves it."""
+    pl = policy("conductor").choose(MID, loaded(5), 0.0)
+    assert pl.cpp_group == []
+    assert pl.ttft_s == COST.prefill_time(60_000)
+
+
+def test_opportunistic_groups_leave_a_share_of_the_pool_idle() -> None:
+    # idle pool of 4, reserve_idle_share 0.25: at most 3 join, the fastest such group
+    pl = policy("conductor").choose(MID, cluster(4), 0.0)
+    assert len(pl.cpp_group) == 3
+    assert pl.ttft_s == makespan(60_000, 3)
+
+
+def test_a_rescue_uses_idle_instances_only() -> None:
+    # instance 3 is half a second from free: a group of 4 would be faster (10.3 s)
+    c = cluster(4)
+    queue(c.prefill[3], 0.5)
+    pl = policy("conductor").choose(BIG, c, 0.0)
+    assert sorted(pl.cpp_group) == [0, 1, 2]
+    assert pl.ttft_s == makespan(100_000, 3)
+
+
+def test_a_group_waits_for_its_busiest_member() -> None:
+    """``rescue_idle_only`` off, every instance busy (1..4 s): the group of all four
+    starts when the last one is free, 4 s + 9.83 s beating 3 s + 12.37 s."""
+    c = cluster(4)
+    for i, p in enumerate(c.prefill):
+        queue(p, float(i + 1))
+    pl = policy("conductor", cpp={"rescue_idle_only": False}).choose(BIG, c, 0.0)
+    assert sorted(pl.cpp_group) == [0, 1, 2, 3]
+    assert pl.queue_s == 4.0
+    assert pl.ttft_s == 4.0 + makespan(100_000, 4)
+
+
+def test_the_group_size_counts_the_wait_for_members() -> None:
+    # two idle, two 10 s from free: a pair now (17.5 s) beats all four later (19.8 s)
+    c = cluster(4)
+    queue(c.prefill[2], 10.0)
+    queue(c.prefill[3], 10.0)
+    pl = policy("conductor", cpp={"rescue_idle_only": False}).choose(BIG, c, 0.0)
+    assert sorted(pl.cpp_group) == [0, 1]
+    assert pl.ttft_s == makespan(100_000, 2)
+
+
+def test_cpp_needs_enough_new_tokens_not_a_long_prompt() -> None:
+    """20000 tokens of which instance 0 holds 12288: 7712 to compute, under
+    ``min_new_tokens`` (8192), so no group (one would be faster: 0.91 s against 1.30 s)."""
+    c = cluster(4)
+    keys = list(range(40))
+    c.index.store(0, keys[:24])
+    pl = policy("conductor").choose(request(keys, tokens=20_000), c, 0.0)
+    assert pl.cpp_group == [] and pl.prefill == 0 and pl.local_blocks == 24
+    assert pl.ttft_s == COST.prefill_time(20_000, 24 * BT)
+
+
+def test_the_group_leader_is_the_member_holding_the_prefix() -> None:
+    # a 20 s SLO makes the 100k prompt a rescue even with 16384 tokens cached on one
+    for seed in range(8):
+        c = cluster(4)
+        c.index.store(2, BIG.keys[:32])
+        pl = policy("conductor", seed=seed, slo=SLOConfig(ttft_s=20.0)).choose(BIG, c, 0.0)
+        assert len(pl.cpp_group) == 4 and pl.cpp_group[0] == pl.prefill == 2, seed
+        assert (pl.local_blocks, pl.fetch_blocks, pl.source) == (32, 0, None)
+        assert pl.ttft_s == makespan(100_000, 4, cached=32 * BT)
+
+
+def test_only_a_fetch_migrates() -> None:
+    keys = list(range(20))
+    c = cluster(2)
+    c.index.store(0, keys)
+    local = policy("conductor").choose(request(keys), c, 0.0)
+    assert (local.prefill, local.fetch_blocks, local.migrate) == (0, 0, False)
+    queue(c.prefill[0], 5.0)  # the holder is busy: fetch to the idle one
+    fetched = policy("conductor").choose(request(keys), c, 0.0)
+    assert (fetched.prefill, fetched.source, fetched.fetch_blocks) == (1, 0, 20)
+    assert fetched.migrate is True
+    kept = policy("conductor", migrate_on_fetch=False).choose(request(keys), c, 0.0)
+    assert kept.fetch_blocks == 20 and kept.migrate is False
