@@ -27,15 +27,15 @@ def test_aibrix_matched_tokens_add_to_the_estimate() -> None:
     assert pl.prefill_s == COST.prefill_time(N, N)
 
 
-def test_least_load_is_the_papers_queued_work_without_the_running_prefill() -> None:
+def test_least_load_counts_the_running_prefill_in_its_queue() -> None:
     # instance 0 runs a prefill for 10 more seconds with nothing queued; instance 1 has
-    # 1 s queued: the paper's T_queue sees instance 0 as free
+    # 1 s queued: the strongest reading of T_queue sees 10 s against 1 s
     c = cluster(2)
     c.prefill[0].busy_until = 10.0
     queue(c.prefill[1], 1.0)
     pl = policy("least-load").choose(request(KEYS), c, 0.0)
-    assert pl.prefill == 0
-    assert pl.queue_s == 10.0  # the placement still predicts the real wait
+    assert pl.prefill == 1
+    assert pl.queue_s == 1.0
 
 
 def test_least_load_placement_reuses_the_chosen_instances_cache() -> None:
