@@ -502,7 +502,7 @@ class Progress:
             self._line(text, final=True)
 
     def _line(self, text: str, final: bool = False) -> None:
-        line = f"{self.target:<16} {_clock(time.monotonic() - self.started):>7}  {text}"
+        line = f"{self.target:<20} {_clock(time.monotonic() - self.started):>7}  {text}"
         if self.tty:
             self.out.write("\r\x1b[K" + line + ("\n" if final else ""))
         else:
@@ -799,7 +799,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         for t in cfg.targets.values():
             flag = f" [gate, floor {t.floor:.0%}]" if t.gate and t.floor is not None else ""
-            print(f"{t.name:<16} {t.description}{flag}")
+            print(f"{t.name:<20} {t.description}{flag}")
         return 0
     unknown = [n for n in args.targets if n not in cfg.targets]
     if unknown:
