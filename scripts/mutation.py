@@ -18,6 +18,7 @@ undetected. ``--gate`` runs the targets with ``gate = true`` (or the named ones)
 from __future__ import annotations
 
 import argparse
+import ast
 import codecs
 import datetime as dt
 import fnmatch
@@ -240,6 +241,41 @@ def gate_failure(result: Mapping[str, Any], floor: float) -> str | None:
     if rate < floor:
         return f"kill rate {rate:.1%} is under the floor {floor:.1%}"
     return None
+
+
+def compact_diff(diff: str, context: int = 1) -> str:
+    """A unified diff's changed lines with ``context`` lines around them, without the file
+    headers and hunk markers (mutmut's hunks count lines from the function's start)."""
+    body = [line for line in diff.splitlines()
+            if not line.startswith(("---", "+++", "@@"))]
+    changed = [i for i, line in enumerate(body) if line[:1] in "+-" and line]
+    keep = {j for i in changed for j in range(i - context, i + context + 1)}
+    return "\n".join(line for i, line in enumerate(body) if i in keep)
+
+
+def function_spans(source: str) -> dict[str, tuple[int, int]]:
+    """First and last line of each top-level function and method (``Cls.meth``)."""
+    funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
+    spans: dict[str, tuple[int, int]] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, funcs):
+            spans[node.name] = (node.lineno, node.end_lineno or node.lineno)
+        elif isinstance(node, ast.ClassDef):
+            for sub in node.body:
+                if isinstance(sub, funcs):
+                    spans[f"{node.name}.{sub.name}"] = (sub.lineno, sub.end_lineno or sub.lineno)
+    return spans
+
+
+def changed_line(source: str, span: tuple[int, int], diff: str) -> int | None:
+    """Line of ``source`` (within ``span``) that a mutant's diff changes first."""
+    removed = [line[1:].strip() for line in diff.splitlines()
+               if line.startswith("-") and not line.startswith("---")]
+    if not removed:
+        return None
+    lines = source.splitlines()
+    return next((i for i in range(span[0], min(span[1], len(lines)) + 1)
+                 if lines[i - 1].strip() == removed[0]), None)
 
 
 # -- staging ------------------------------------------------------------------------------
@@ -611,6 +647,17 @@ def run_target(root: Path, cfg: Config, target: Target, work: Path, logs: Path,
     undetected = sorted((n for n, s in statuses.items()
                          if BUCKET_OF_STATUS.get(s, "survived") in UNDETECTED), key=mutant_sort_key)
     diffs = mutant_diffs(staging.path, env, undetected)
+    sources: dict[str, tuple[str, dict[str, tuple[int, int]]]] = {}
+
+    def line_of(name: str) -> int | None:
+        module, function = split_mutant_name(name)
+        if module not in sources:
+            text = (staging.path / module_path(module, staging.path)).read_text(encoding="utf-8")
+            sources[module] = (text, function_spans(text))
+        text, spans = sources[module]
+        span = spans.get(function)
+        return changed_line(text, span, diffs.get(name, "")) if span else None
+
     modules = count_by_module(statuses)
     counts = total(modules.values())
     wall = time.monotonic() - started
@@ -632,7 +679,7 @@ def run_target(root: Path, cfg: Config, target: Target, work: Path, logs: Path,
         "undetected": [
             {"name": n, "module": split_mutant_name(n)[0],
              "function": split_mutant_name(n)[1], "status": statuses[n],
-             "diff": diffs.get(n, "")}
+             "line": line_of(n), "diff": diffs.get(n, "")}
             for n in undetected
         ],
     }
@@ -726,8 +773,9 @@ def markdown_report(report: Mapping[str, Any]) -> str:
             for u in items:
                 if u["status"] == "no tests":
                     continue
-                out += ["", f"`{u['name']}` ({u['status']})", "", "```diff",
-                        u["diff"].strip("\n"), "```"]
+                where = f", line {u['line']}" if u.get("line") else ""
+                out += ["", f"`{u['name']}` ({u['status']}{where})", "", "```diff",
+                        compact_diff(u["diff"]), "```"]
     return "\n".join(out) + "\n"
 
 

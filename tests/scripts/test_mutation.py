@@ -283,7 +283,7 @@ def _report() -> dict[str, Any]:
             "counts": Counts(killed=3, survived=1, no_tests=2).as_dict(), "modules": modules,
             "undetected": [
                 {"name": "pkg.mod.x_f__mutmut_1", "module": "pkg.mod", "function": "f",
-                 "status": "survived", "diff": "--- a\n+++ b\n-x = 1\n+x = 2\n"},
+                 "status": "survived", "line": 7, "diff": "--- a\n+++ b\n-x = 1\n+x = 2\n"},
                 {"name": "pkg.mod.x_g__mutmut_1", "module": "pkg.mod", "function": "g",
                  "status": "no tests", "diff": "--- a\n"},
                 {"name": "pkg.mod.x_g__mutmut_2", "module": "pkg.mod", "function": "g",
@@ -299,9 +299,20 @@ def test_markdown_report_has_the_table_the_survivors_and_the_gate() -> None:
     md = mutation.markdown_report(_report())
     assert "| t | pkg.mod | 6 | 3 | 1 | 0 | 2 | 0 | 50.0% |  |" in md
     assert "| **t** | **(all)** | **6** |" in md and "**1:15** |" in md
-    assert "```diff\n--- a\n+++ b\n-x = 1\n+x = 2\n```" in md
+    assert "`pkg.mod.x_f__mutmut_1` (survived, line 7)\n\n```diff\n-x = 1\n+x = 2\n```" in md
     assert "No test reaches: `g` (2)." in md
     assert "FAIL: kill rate 50.0% is under the floor 60.0%" in md
+
+
+def test_diffs_are_shown_compact_and_located_in_the_file() -> None:
+    diff = ("--- m.py\n+++ m.py\n@@ -1,6 +1,6 @@\n def f(x):\n     a = 1\n"
+            "-    return x < a\n+    return x <= a\n \n     # end\n")
+    assert mutation.compact_diff(diff) == "     a = 1\n-    return x < a\n+    return x <= a\n "
+    source = "import m\n\n\ndef f(x):\n    a = 1\n    return x < a\n\n    # end\n"
+    spans = mutation.function_spans(source + "\n\nclass C:\n    def g(self):\n        pass\n")
+    assert spans == {"f": (4, 6), "C.g": (12, 13)}
+    assert mutation.changed_line(source, spans["f"], diff) == 6
+    assert mutation.changed_line(source, spans["f"], "+    added\n") is None
 
 
 def test_text_table_aligns_columns() -> None:
