@@ -5,6 +5,7 @@ from mooncake_conductor.cost import (
     CostModel,
     CostModelConfig,
     EfficiencySpec,
+    ModelSpec,
     fit_prefill_predictor,
 )
 
@@ -144,3 +145,49 @@ def test_decode_step_by_hand() -> None:
     mem = (141.2e9 + 10_000 * 327_680) / (8 * 2039e9 * 0.7)
     assert PAPER.decode_step_time(4, 10_000) == pytest.approx(0.003 + mem, rel=1e-12)
     assert PAPER.decode_step_time(0, 10_000) == 0.0
+
+
+def test_model_flops_by_hand() -> None:
+    # l * (a * n^2 * d + b * n * d^2) with l=2, a=4, b=22, d=8
+    spec = ModelSpec(layers=2, d_model=8, flops_a=4.0, flops_b=22.0)
+    assert spec.flops(3) == 2 * (4 * 9 * 8 + 22 * 3 * 64)
+    assert spec.flops(0) == 0.0
+
+
+def test_prefill_scale_multiplies_compute_and_overhead_exactly() -> None:
+    cm = CostModel()
+    base = [cm.prefill_compute_time(n, c) for n, c in ((1, 0), (4096, 0), (8192, 4096))]
+    assert cm.version == 0 and cm.prefill_scale == 1.0
+    cm.set_prefill_scale(2.0)
+    assert cm.version == 1 and cm.prefill_scale == 2.0
+    assert [cm.prefill_compute_time(n, c) for n, c in ((1, 0), (4096, 0), (8192, 4096))] == \
+        pytest.approx([2 * t for t in base], rel=1e-12)
+    cm.set_prefill_scale(0.5)
+    assert cm.version == 2
+    assert cm.prefill_compute_time(4096) == pytest.approx(base[1] / 2, rel=1e-12)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="positive"):
+            cm.set_prefill_scale(bad)
+    cm.set_prefill_scale(0.9)  # below 1 is fine
+    assert cm.prefill_scale == 0.9
+
+
+def test_fit_reports_relative_errors_and_validates_each_field() -> None:
+    # a cubic the quadratic cannot follow exactly: known, nonzero relative errors
+    samples = [(float(n), 0.0, 1.0 + (n / 1000.0) ** 3) for n in range(1000, 9000, 1000)]
+    fit = fit_prefill_predictor(samples)
+    errs = [abs(fit.predict(n, p) - t) / t for n, p, t in samples]
+    assert fit.mean_abs_pct_error == pytest.approx(100 * sum(errs) / len(errs))
+    assert fit.max_abs_pct_error == pytest.approx(100 * max(errs))
+    assert fit.samples == len(samples)
+    ok = [(float(n), 0.0, 1.0) for n in range(1, 7)]
+    for bad in ((0.0, 0.0, 1.0), (10.0, -1.0, 1.0), (10.0, 11.0, 1.0), (10.0, 0.0, -1.0),
+                (10.0, 0.0, math.inf), (10.0, 0.0, math.nan)):
+        with pytest.raises(ValueError, match="bad sample"):
+            fit_prefill_predictor([*ok, bad])
+    fit_prefill_predictor([*ok, (1.0, 1.0, 0.0)])  # p == n and zero seconds are valid
+
+
+def test_fit_of_too_few_distinct_lengths_is_singular() -> None:
+    with pytest.raises(ValueError, match="singular"):
+        fit_prefill_predictor([(1000.0, 0.0, 1.0)] * 6, ridge=0.0)

@@ -180,3 +180,30 @@ def test_load_blind_selectors_skip_down_instances(name: str) -> None:
     for d in ds:
         d.up = False
     assert sel.choose(request(KEYS), ds).reject_reason == "no-decode-instance"
+
+
+# -- every selector: nothing up, and what it predicts ------------------------------------------
+
+@pytest.mark.parametrize("name", ["random", "round-robin", "least-load", "tbt-slo", "aibrix"])
+def test_no_live_decode_instance_is_a_named_rejection(name: str) -> None:
+    ch = selector(name).choose(request(KEYS), [inst(0, up=False), inst(1, up=False)])
+    assert (ch.decode, ch.reject_reason) == (None, "no-decode-instance")
+    assert selector(name).choose(request(KEYS), []).reject_reason == "no-decode-instance"
+
+
+@pytest.mark.parametrize("name", ["random", "round-robin", "least-load", "aibrix"])
+def test_the_predicted_step_is_the_chosen_instances_next_step(name: str) -> None:
+    ds = [inst(0, 3, 9000, rate=40.0), inst(1, 5, 20_000, rate=40.0)]
+    ch = selector(name).choose(request(KEYS), ds)
+    d = ds[ch.decode or 0]
+    assert ch.predicted_tbt_s == pytest.approx(COST.decode_step_time(d.batch + 1,
+                                                                     d.context_tokens + N))
+
+
+def test_aibrix_estimate_weighs_the_batch_term_as_one_over_the_batch() -> None:
+    # (1000 / tps) * (1 + 1 / batch): 19.63 ms on a big slow batch beats 20 ms alone
+    # at 100 tokens/s; counted as (2 + 1/batch) or (1 + 2/batch) the order flips
+    ds = [inst(0, 1000, 1000, rate=51.0), inst(1, 1, 1000, rate=100.0)]
+    assert selector("aibrix").choose(request(KEYS), ds).decode == 0
+    ds = [inst(0, 1, 1000, rate=100.0), inst(1, 4, 1000, rate=60.0)]
+    assert selector("aibrix").choose(request(KEYS), ds).decode == 0  # 20 < 20.83 ms
