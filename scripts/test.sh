@@ -35,6 +35,11 @@ echo "== tests"
 # installed them all, so nothing is opted out here.
 $PY -m pytest -m "not store" "$@"
 
+echo "== mutation testing gate (docs/mutation-testing.md): kill rates of the gated targets"
+# A few minutes: the simulator's metrics and one core module, each against its floor in
+# mutation.toml. `python scripts/mutation.py` (no --gate) runs every target (an hour+).
+$PY scripts/mutation.py --gate --report mutation-report
+
 echo "== Mooncake Store tests, in a network namespace that has only loopback"
 # The PyPI transfer engine listens on 0.0.0.0 whatever it is told; inside its own
 # network namespace the only interface is lo, so nothing can leave 127.0.0.0/8.
