@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from mooncake_conductor.cost import CostModel, CostModelConfig
 
-from .trace import TRACE_BLOCK_TOKENS, TraceRecord
+from .trace import TRACE_BLOCK_TOKENS, TraceRecord, seen_prefix_blocks
 
 #: the paper's definition: share of all requests that must meet both SLOs
 DEFAULT_TARGET = 0.9
@@ -47,18 +47,8 @@ def ideal_reuse_prefill_times(
     """Each request's prefill GPU seconds when it reuses every leading block any earlier
     request held (unbounded global cache, no transfer cost)."""
     cm = cost or CostModel(CostModelConfig())
-    seen: set[int] = set()
-    times = []
-    for r in records:
-        k = 0
-        for h in r.hash_ids:
-            if h not in seen:
-                break
-            k += 1
-        cached = min(k * block_tokens, r.input_length)
-        times.append(cm.prefill_compute_time(r.input_length, cached))
-        seen.update(r.hash_ids)
-    return times
+    return [cm.prefill_compute_time(r.input_length, min(k * block_tokens, r.input_length))
+            for r, k in seen_prefix_blocks(records)]
 
 
 def ideal_reuse_prefill_seconds(

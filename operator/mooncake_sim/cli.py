@@ -494,6 +494,11 @@ def format_capacity(results: list[dict[str, Any]], sweep: bool) -> str:
             f"{100 * at['slo_attainment']:.1f}%" if at else "–",
             f"{at['ttft_p90_s']:.2f} s" if at else "–", note,
         ])
+    return _columns(cols, rows)
+
+
+def _columns(cols: list[str], rows: list[list[str]]) -> str:
+    """A text table: the first column left-aligned, the others right-aligned."""
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     line = "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                      enumerate(zip(cols, widths, strict=True)))
@@ -525,16 +530,8 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"{100 * r['slo_attainment']:.2f}%", f"{100 * r['token_hit_ratio']:.1f}%",
             f"{r['prefill_gpu_seconds']:,.0f}", ratio,
         ])
-    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
-    line = "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
-                     enumerate(zip(cols, widths, strict=True)))
-    out = [line, "-" * len(line)]
-    for row in rows:
-        out.append("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in
-                             enumerate(zip(row, widths, strict=True))))
-    out.append("TTFT mean: served requests; charged: all requests, each rejected one "
-               "charged the TTFT SLO")
-    return "\n".join(out)
+    return (_columns(cols, rows) + "\nTTFT mean: served requests; charged: all requests, "
+            "each rejected one charged the TTFT SLO")
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:

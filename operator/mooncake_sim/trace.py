@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -132,20 +133,27 @@ def reuse_ceiling(
 ) -> tuple[float, float]:
     """Share of input tokens (and of blocks) an unbounded, global cache could reuse: the
     leading blocks of each request already seen in any earlier request."""
-    seen: set[int] = set()
     reused_tokens = total_tokens = reused_blocks = total_blocks = 0
+    for r, k in seen_prefix_blocks(records):
+        reused_tokens += min(k * block_tokens, r.input_length)
+        total_tokens += r.input_length
+        reused_blocks += k
+        total_blocks += len(r.hash_ids)
+    return reused_tokens / max(1, total_tokens), reused_blocks / max(1, total_blocks)
+
+
+def seen_prefix_blocks(records: list[TraceRecord]) -> Iterator[tuple[TraceRecord, int]]:
+    """Each request with its count of leading blocks some earlier request already had
+    (what an unbounded, global cache could reuse), in trace order."""
+    seen: set[int] = set()
     for r in records:
         k = 0
         for h in r.hash_ids:
             if h not in seen:
                 break
             k += 1
-        reused_tokens += min(k * block_tokens, r.input_length)
-        total_tokens += r.input_length
-        reused_blocks += k
-        total_blocks += len(r.hash_ids)
+        yield r, k
         seen.update(r.hash_ids)
-    return reused_tokens / max(1, total_tokens), reused_blocks / max(1, total_blocks)
 
 
 def trace_stats(records: list[TraceRecord], block_tokens: int = TRACE_BLOCK_TOKENS) -> TraceStats:

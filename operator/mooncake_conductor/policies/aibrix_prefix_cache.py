@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..index import PrefixIndex
 from ..state import ClusterState, PrefillState, RequestInfo
-from .base import Placement, PolicyContext, PrefillPolicy, least, register
+from .base import Placement, PolicyContext, PrefillPolicy, least, register, router_mask
 
 
 class AIBrixPrefixParams(BaseModel):
@@ -68,12 +68,7 @@ class AIBrixPrefixCachePolicy(PrefillPolicy):
                 return self._on(req, cluster, least([(v, i) for i, v in loads.items()],
                                                     self.ctx.rng), now)
         table = self._prefix_table(req.block_tokens, len(cluster.prefill))
-        mask = 0
-        for iid in loads:
-            mask |= 1 << iid
-            if not table.live_mask >> iid & 1:
-                table.add_instance(iid)
-        matches = table.match_all(req.keys, mask)
+        matches = table.match_all(req.keys, router_mask(table, loads))
         total = max(1, len(req.keys))
         mean = statistics.fmean(loads.values())
         bound = mean + prm.load_factor * statistics.pstdev(loads.values())
@@ -91,6 +86,5 @@ class AIBrixPrefixCachePolicy(PrefillPolicy):
     def on_placed(self, req: RequestInfo, placement: Placement, cluster: ClusterState) -> None:
         if placement.prefill is not None:
             table = self._prefix_table(req.block_tokens, len(cluster.prefill))
-            if not table.live_mask >> placement.prefill & 1:
-                table.add_instance(placement.prefill)
+            router_mask(table, (placement.prefill,))
             table.store(placement.prefill, req.keys)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..cost import CostModel
+from ..index import PrefixIndex
 from ..state import ClusterState, PrefillState, RequestInfo
 
 
@@ -176,6 +177,17 @@ def _load_all() -> None:
         from . import _all  # noqa: F401  (imports every policy module once)
 
         _loader.append(lambda: None)
+
+
+def router_mask(index: PrefixIndex, iids: Iterable[int]) -> int:
+    """Bit mask of ``iids`` in a router-side index (an approximate tree the policy fills
+    from its own decisions), adding the instances it has not seen yet."""
+    mask = 0
+    for iid in iids:
+        mask |= 1 << iid
+        if not index.live_mask >> iid & 1:
+            index.add_instance(iid)
+    return mask
 
 
 def longest(matches: dict[int, int]) -> tuple[int | None, int]:

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..index import PrefixIndex
 from ..state import ClusterState, PrefillState, RequestInfo
-from .base import Placement, PolicyContext, PrefillPolicy, least, register
+from .base import Placement, PolicyContext, PrefillPolicy, least, register, router_mask
 
 
 class LLMDParams(BaseModel):
@@ -61,11 +61,7 @@ class LLMDBase(PrefillPolicy):
         cap = max(1, self.params.approx_max_tokens // req.block_tokens)
         keys = req.keys[:cap]
         hist = self._approx(req.block_tokens)
-        mask = 0
-        for p in live:
-            mask |= 1 << p.iid
-            if not hist.live_mask >> p.iid & 1:
-                hist.add_instance(p.iid)
+        mask = router_mask(hist, (p.iid for p in live))
         return hist.match_all(keys, mask), len(keys)
 
     def pick(

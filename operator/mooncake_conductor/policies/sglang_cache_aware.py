@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..index import PrefixIndex
 from ..state import ClusterState, PrefillState, RequestInfo
-from .base import Placement, PolicyContext, PrefillPolicy, least, register
+from .base import Placement, PolicyContext, PrefillPolicy, least, register, router_mask
 
 
 class SGLangParams(BaseModel):
@@ -71,12 +71,7 @@ class SGLangBase(PrefillPolicy):
             iid = least([(v, i) for i, v in loads.items()], rng)
         else:
             tree = self._trees(req.block_tokens)
-            mask = 0
-            for p in live:
-                mask |= 1 << p.iid
-                if not tree.live_mask >> p.iid & 1:
-                    tree.add_instance(p.iid)
-            approx = tree.match_all(req.keys, mask)
+            approx = tree.match_all(req.keys, router_mask(tree, (p.iid for p in live)))
             best = max(approx.values(), default=0)
             rate = req.tokens_of(best) / max(1, req.input_tokens)
             if rate > prm.cache_threshold:
