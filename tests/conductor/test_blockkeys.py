@@ -20,10 +20,13 @@ GOLDEN = json.loads((Path(__file__).parent / "golden" / "block-keys.json").read_
 
 @pytest.fixture(params=["numpy", "compiled"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test through both implementations of :func:`block_keys`."""
+    """Run a test through both implementations of :func:`block_keys`, the numpy one with
+    its per-block-size tables built afresh (a table cached by an earlier test would hide a
+    fault in building it)."""
     numpy = request.param == "numpy"
     monkeypatch.setattr(blockkeys, "COMPILED_MIN_TOKENS", 10**9 if numpy else 0)
     monkeypatch.setattr(blockkeys, "chain_loaded", lambda: not numpy)
+    monkeypatch.setattr(blockkeys, "_POWERS", {})
     return str(request.param)
 
 
@@ -77,15 +80,17 @@ def test_namespace_separates(field: str) -> None:
 )
 def test_vectorised_equals_reference(tokens: list[int], block: int, seed: int) -> None:
     want = block_keys_reference(tokens, block, seed)
-    saved = blockkeys.COMPILED_MIN_TOKENS, blockkeys.chain_loaded
+    saved = blockkeys.COMPILED_MIN_TOKENS, blockkeys.chain_loaded, blockkeys._POWERS
     for compiled in (False, True):  # the numpy formulation, the compiled loop
         blockkeys.COMPILED_MIN_TOKENS = 0 if compiled else 10**9
         blockkeys.chain_loaded = lambda c=compiled: c  # type: ignore[misc]
+        blockkeys._POWERS = {}  # tables built afresh for this block size
         try:
             assert block_keys(tokens, block, seed) == want
             assert block_keys(np.asarray(tokens, dtype=np.int64), block, seed) == want
+            assert block_keys(np.asarray(tokens, dtype=np.uint32), block, seed) == want
         finally:
-            blockkeys.COMPILED_MIN_TOKENS, blockkeys.chain_loaded = saved
+            blockkeys.COMPILED_MIN_TOKENS, blockkeys.chain_loaded, blockkeys._POWERS = saved
 
 
 def test_long_prompts_take_the_compiled_path_and_agree() -> None:
@@ -100,8 +105,59 @@ def test_mix64_is_a_bijection_sample() -> None:
     assert len(outs) == 10_000
 
 
-def test_bad_block_size() -> None:
-    with pytest.raises(ValueError):
-        block_keys([1, 2], 0, 1)
-    with pytest.raises(ValueError):
-        block_keys_reference([1, 2], -1, 1)
+@pytest.mark.parametrize("size", [0, -1])
+def test_bad_block_size(size: int) -> None:
+    with pytest.raises(ValueError, match=r"^block_size must be positive$"):
+        block_keys([1, 2], size, 1)
+    with pytest.raises(ValueError, match=r"^block_size must be positive$"):
+        block_keys_reference([1, 2], size, 1)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint32, np.uint64])
+def test_token_arrays_of_any_integer_type(dtype: type, path: str) -> None:
+    """Engines hand token ids as int32 or int64 arrays; the keys do not depend on it."""
+    tokens = [0, 7, 2**31 - 1, 5, 1, 9, 3, 4, 100]
+    seed = namespace_seed("m", 4)
+    want = block_keys_reference(tokens, 4, seed)
+    assert len(want) == 2
+    assert block_keys(np.asarray(tokens, dtype=dtype), 4, seed) == want
+
+
+def test_no_full_block_gives_an_empty_uint64_array(path: str) -> None:
+    out = blockkeys.block_keys_array([1, 2, 3], 4, 9)
+    assert out.dtype == np.uint64
+    assert out.shape == (0,)
+
+
+def test_namespace_seed_defaults_are_no_lora_and_no_salt() -> None:
+    case = next(c for c in GOLDEN["tokens"] if c["lora"] == "" and c["salt"] == "")
+    assert namespace_seed(case["model"], case["block_size"]) == case["seed"]
+
+
+def test_block_powers_tables() -> None:
+    """The numpy path's tables: ``weights[j] = P^(B-1-j)``, ``ones = sum(weights)``,
+    ``fwd[k] = Q^k`` and ``inv[k] = Q^-k`` with ``Q = P^B``, grown on demand."""
+    mod = 1 << 64
+    for b in (1, 3, 16):
+        pw = blockkeys._BlockPowers(b)
+        assert pw.weights.dtype == np.uint64
+        assert pw.weights.tolist() == [pow(P, b - 1 - j, mod) for j in range(b)]
+        assert int(pw.ones) == sum(pow(P, b - 1 - j, mod) for j in range(b)) % mod
+        q = pow(P, b, mod)
+        assert pw.q == q
+        assert (pw.q * pw.q_inv) % mod == 1
+        assert pw.fwd.tolist() == [1] and pw.inv.tolist() == [1]
+        pw.ensure(0)
+        assert len(pw.fwd) == 1  # already enough
+        pw.ensure(5)
+        assert len(pw.fwd) == len(pw.inv) == 6
+        assert pw.fwd.dtype == pw.inv.dtype == np.uint64
+        assert pw.fwd.tolist() == [pow(q, k, mod) for k in range(6)]
+        assert pw.inv.tolist() == [pow(pw.q_inv, k, mod) for k in range(6)]
+        pw.ensure(6)  # grows to at least double, keeping what it had
+        assert len(pw.fwd) == 12
+        assert pw.fwd.tolist() == [pow(q, k, mod) for k in range(12)]
+        assert pw.inv.tolist() == [pow(pw.q_inv, k, mod) for k in range(12)]
+        pw.ensure(30)
+        assert len(pw.fwd) == 31
+        assert pw.fwd.tolist()[-1] == pow(q, 30, mod)
