@@ -1,0 +1,115 @@
+"""The codec's field checks and error messages, case by case.
+
+The type table of :mod:`mooncake_contract.kvevents.codec` is built once at import from
+two small check builders (``_list_of``, ``_opt``); the builders are pinned here directly
+as well as through :func:`decode_event`, so a fault in either shows up in a test run
+that imports the codec once (mutation testing forks from such a process)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+from mooncake_contract.kvevents import codec
+from mooncake_contract.kvevents.codec import DecodeError, decode_batch, decode_event
+
+
+def stored(**fields: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {"type": "BlockStored", "block_hashes": [1, 2],
+                            "parent_block_hash": None, "token_ids": [5, 6, 7, 8],
+                            "block_size": 2}
+    return {**base, **fields}
+
+
+@pytest.mark.parametrize(("value", "ok"), [
+    ([], True),
+    ([1], True),
+    ([b"\x01" * 8], True),
+    ([1, b"\x02"], True),
+    ([1.0], False),       # a float is no block hash
+    ([True], False),      # bool is not an int on this wire
+    ([1, "x"], False),
+    ((1, 2), False),      # msgpack arrays decode as lists only
+    ("ab", False),
+    (None, False),
+    (b"ab", False),
+])
+def test_list_of_accepts_exactly_lists_of_the_named_types(value: Any, ok: bool) -> None:
+    check = codec._list_of(int, bytes)
+    assert check(value) is ok
+
+
+def test_list_of_one_type_refuses_the_other() -> None:
+    ints = codec._list_of(int)
+    assert ints([1, 2, 3]) is True
+    assert ints([1, b"x"]) is False
+
+
+def test_opt_lets_none_through_and_checks_the_rest() -> None:
+    seen: list[Any] = []
+
+    def check(v: Any) -> bool:
+        seen.append(v)
+        return bool(v == 3)
+
+    opt = codec._opt(check)
+    assert opt(None) is True
+    assert seen == []  # None never reaches the inner check
+    assert opt(3) is True
+    assert opt(4) is False
+    assert seen == [3, 4]
+
+
+@pytest.mark.parametrize(("name", "value", "type_name"), [
+    ("token_ids", [1, 2.5], "list"),
+    ("token_ids", (1, 2), "tuple"),
+    ("block_hashes", [1, None], "list"),
+    ("block_hashes", 7, "int"),
+    ("lookahead_token_ids", [1, "a"], "list"),
+    ("lookahead_token_ids", 3, "int"),
+])
+def test_wrongly_typed_lists_are_refused_with_the_field_named(
+        name: str, value: Any, type_name: str) -> None:
+    with pytest.raises(DecodeError) as err:
+        decode_event(stored(**{name: value}))
+    assert str(err.value) == f"BlockStored.{name} has the wrong type: {type_name}"
+
+
+def test_optional_lists_may_be_nil_or_well_typed() -> None:
+    ev = decode_event(stored(lookahead_token_ids=None))
+    assert isinstance(ev, codec.BlockStored)
+    assert ev.lookahead_token_ids is None
+    ev = decode_event(stored(lookahead_token_ids=[4, 5]))
+    assert isinstance(ev, codec.BlockStored)
+    assert ev.lookahead_token_ids == [4, 5]
+    ev = decode_event(stored(block_hashes=[b"\x00" * 8, 9]))
+    assert isinstance(ev, codec.BlockStored)
+    assert ev.block_hashes == [b"\x00" * 8, 9]
+
+
+@pytest.mark.parametrize(("meta", "type_name"), [([1], "list"), ("salt", "str"), (3, "int")])
+def test_metadata_must_be_a_map(meta: Any, type_name: str) -> None:
+    with pytest.raises(DecodeError) as err:
+        decode_event(stored(metadata=meta))
+    assert str(err.value) == f"BlockStored metadata must be a map, got {type_name}"
+
+
+def test_metadata_keeps_only_the_namespace_fields() -> None:
+    ev = decode_event(stored(metadata={"cache_salt": "s1", "session_id": "abc", "other": 1}))
+    assert isinstance(ev, codec.BlockStored)
+    assert (ev.cache_salt, ev.session_id) == ("s1", "abc")
+    # a field of the event itself wins over the same one in its metadata
+    ev = decode_event(stored(cache_salt="outer", metadata={"cache_salt": "inner"}))
+    assert isinstance(ev, codec.BlockStored)
+    assert ev.cache_salt == "outer"
+
+
+def test_unknown_type_is_named_in_the_error() -> None:
+    with pytest.raises(DecodeError) as err:
+        decode_event({"type": "BlockMoved", "block_hashes": [1]})
+    assert str(err.value) == "unknown event type 'BlockMoved'"
+    # in a batch the same event is skipped and its tag kept
+    batch = decode_batch(msgpack.packb([1.5, [{"type": "BlockMoved"}, stored()]]))
+    assert batch.skipped == ("BlockMoved",)
+    assert len(batch.events) == 1
