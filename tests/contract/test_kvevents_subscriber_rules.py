@@ -14,9 +14,11 @@ from typing import Any
 import zmq
 import zmq.asyncio
 from mooncake_contract.kvevents.codec import (
+    END_SEQ,
     BlockRemoved,
     KVEventBatch,
     decode_batch,
+    decode_seq,
     encode_batch,
     encode_seq,
 )
@@ -207,3 +209,64 @@ def test_a_failing_handler_is_counted_and_the_loop_goes_on_and_restarts() -> Non
         ctx.term()
 
     run(go())
+
+
+def _replay_with(answers: list[list[bytes]], end: bool = True,
+                 timeout: float = 2.0) -> tuple[Replayed, list[int]]:
+    """``replay(3)`` against a real ROUTER that answers each request with ``answers``
+    (frames after the requester's identity), then the end marker unless not ``end``."""
+    async def go() -> tuple[Replayed, list[int]]:
+        ctx = zmq.asyncio.Context()
+        router = ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.bind("tcp://127.0.0.1:*")
+        asked: list[int] = []
+
+        async def serve() -> None:
+            ident, empty, start = await router.recv_multipart()
+            assert empty == b""
+            asked.append(decode_seq(start))
+            for frames in answers:
+                await router.send_multipart([ident, *frames])
+            if end:
+                await router.send_multipart([ident, b"", b"", encode_seq(END_SEQ), b""])
+
+        server = asyncio.create_task(serve())
+        sub = KVEventSubscriber("tcp://127.0.0.1:1", lambda s, b: None,
+                                replay_endpoint=router.getsockopt_string(zmq.LAST_ENDPOINT),
+                                replay_timeout_s=timeout, context=ctx)
+        out = await sub.replay(3)
+        await server
+        router.close(0)
+        ctx.term()
+        return out, asked
+
+    return asyncio.run(go())
+
+
+def test_replay_reads_both_framings_and_skips_what_it_cannot_read() -> None:
+    out, asked = _replay_with([
+        [b"", b"topic", encode_seq(3), payload(3)],   # vLLM >= 0.26: with the topic
+        [b"", encode_seq(4), payload(4)],             # older vLLM, SGLang: without
+        [b"x", encode_seq(5), payload(5)],            # no empty delimiter: not a reply
+        [b"", b"t", b"u", encode_seq(5), payload(5)],  # five frames: not a reply
+        [b""],                                         # too short
+        [b"", b"\x00", payload(5)],                   # a sequence frame of the wrong size
+        [b"", encode_seq(6), b"\xc1"],                # a payload that is no msgpack
+        [b"", b"topic", encode_seq(7), payload(7)],   # still read after all that
+    ])
+    assert asked == [3]
+    assert [(s, p) for s, _b, p in out] == [(3, payload(3)), (4, payload(4)), (7, payload(7))]
+    assert [s for s, b, _p in out] == [int(b.ts) for _s, b, _p in out]
+
+
+def test_replay_without_an_end_marker_returns_what_came_by_the_timeout() -> None:
+    t0 = time.monotonic()
+    out, _ = _replay_with([[b"", encode_seq(3), payload(3)]], end=False, timeout=0.3)
+    assert [s for s, _b, _p in out] == [3]
+    assert time.monotonic() - t0 < 5
+
+
+def test_no_replay_socket_means_nothing_to_replay() -> None:
+    sub = KVEventSubscriber("tcp://127.0.0.1:1", lambda s, b: None)
+    assert asyncio.run(sub.replay(0)) == []
