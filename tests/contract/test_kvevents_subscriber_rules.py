@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import msgpack
+import pytest
 import zmq
 import zmq.asyncio
 from mooncake_contract.kvevents.codec import (
@@ -270,3 +273,24 @@ def test_replay_without_an_end_marker_returns_what_came_by_the_timeout() -> None
 def test_no_replay_socket_means_nothing_to_replay() -> None:
     sub = KVEventSubscriber("tcp://127.0.0.1:1", lambda s, b: None)
     assert asyncio.run(sub.replay(0)) == []
+
+
+def test_unknown_event_types_are_counted_and_warned_about_once_each(
+        caplog: pytest.LogCaptureFixture) -> None:
+    got: list[KVEventBatch] = []
+    sub = KVEventSubscriber("tcp://127.0.0.1:1", lambda s, b: got.append(b), expected_seq=None)
+    known = {"type": "BlockRemoved", "block_hashes": [1]}
+    frames = [msgpack.packb([1.0, [{"type": "BlockMoved"}, known, {"type": "BlockMoved"}]]),
+              msgpack.packb([2.0, [{"type": "BlockMoved"}, {"type": "Pinned"}]])]
+
+    async def go() -> None:
+        for seq, payload_ in enumerate(frames):
+            await sub.handle([b"", encode_seq(seq), payload_])
+
+    with caplog.at_level(logging.WARNING, logger="mooncake_contract.kvevents.subscriber"):
+        asyncio.run(go())
+    assert sub.unknown_events == 4
+    assert [len(b.events) for b in got] == [1, 0]
+    warned = [r.getMessage() for r in caplog.records if "unknown type" in r.getMessage()]
+    assert len(warned) == 2  # BlockMoved once, Pinned once
+    assert any("'BlockMoved'" in w for w in warned) and any("'Pinned'" in w for w in warned)
