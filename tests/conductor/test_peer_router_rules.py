@@ -413,6 +413,9 @@ def loaded(loads: list[int]) -> ClusterState:
     [
         # max - min = 7 < 8: no gate; pod 3 has all of K, under mean + 2 sd (2 + 5.83)
         ([1, 0, 0, 7], {3: 4}, {3}),
+        # 8 - 1 = 7 < 8: no gate, pod 4 stays (its 8 is over 2 x (2.6 + 1)) and is under
+        # mean + 2 sd = 2.6 + 2 x 2.73: its full match beats pod 3's half
+        ([1, 1, 1, 2, 8], {4: 4, 3: 2}, {4}),
         # max - min = 8 >= 8: pods over 2 x (2 + 1) = 6 go (pod 3); the rest (0, 0, 0) is
         # balanced, so pod 1's half of K wins among them
         ([0, 0, 0, 8], {3: 4, 1: 2}, {1}),
