@@ -103,6 +103,30 @@ def test_the_ranking_follows_a_recalibrated_cost_model() -> None:
     assert pl.prefill_s == cost.prefill_time(N, 18 * BT)
 
 
+
+class _CountingCost(CostModel):
+    """A cost model that counts how often its ranking constants are read."""
+
+    reads = 0
+
+    def prefill_constants(self) -> list[float]:
+        self.reads += 1
+        return super().prefill_constants()
+
+
+def test_the_ranking_constants_are_copied_once_per_calibration() -> None:
+    cost = _CountingCost()
+    pol = create_policy("conductor", PolicyContext(cost=cost, slo=SLOConfig(),
+                                                   rng=random.Random(0)), {})
+    c = cluster(2)
+    for _ in range(3):
+        pol.choose(request(KEYS), c, 0.0)
+    assert cost.reads == 1  # at creation only
+    cost.set_prefill_scale(2.0)
+    for _ in range(3):
+        pol.choose(request(KEYS), c, 0.0)
+    assert cost.reads == 2
+
 # -- priority queues (priority_weight > 0) ------------------------------------------------
 def test_a_stored_prefix_does_not_wait_behind_later_priorities() -> None:
     """Instance 0 stores the prompt; a request of priority 50 waits there. Ours,
