@@ -192,6 +192,17 @@ def test_max_group_two_still_makes_pairs() -> None:
     assert len(pl.cpp_group) == 2 and pl.prefill_s == makespan(100_000, 2)
 
 
+def test_max_group_one_is_cpp_off_decision_for_decision() -> None:
+    """No group can form, so the policy draws nothing for one: with the same seed, the
+    tie-breaks among 4 idle instances come out as with CPP disabled."""
+    c = cluster(4)
+    one = policy("conductor", seed=3, cpp={"max_group": 1})
+    off = policy("conductor", seed=3, cpp={"enabled": False})
+    picks = [one.choose(request(KEYS), c, 0.0).prefill for _ in range(12)]
+    assert picks == [off.choose(request(KEYS), c, 0.0).prefill for _ in range(12)]
+    assert len(set(picks)) > 1
+
+
 def test_a_pool_of_two_can_pair_up() -> None:
     pl = policy("conductor").choose(BIG, cluster(2), 0.0)
     assert sorted(pl.cpp_group) == [0, 1] and pl.prefill_s == makespan(100_000, 2)
