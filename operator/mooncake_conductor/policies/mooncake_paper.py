@@ -50,7 +50,9 @@ class MooncakePaperPolicy(KVCacheCentricPolicy):
         if len(idle) < 2:
             return single
         reuse = single.reused_blocks
-        source = single.source
+        # the holder of that prefix: where the single placement fetches it from, or the
+        # single placement's own instance (which may be busy, so not in the group)
+        source = single.source if single.source is not None else single.prefill
         # the leader holds the most of the prompt locally; the rest is fetched to it
         idle.sort(key=lambda p: -cluster.index.match(p.iid, req.keys))
         best = single
@@ -58,10 +60,9 @@ class MooncakePaperPolicy(KVCacheCentricPolicy):
             members = idle[:size]
             leader = members[0]
             local = min(cluster.index.match(leader.iid, req.keys), reuse)
-            fetch = reuse - local if source is not None and source != leader.iid else 0
-            got = local + fetch
-            transfer = self.ctx.cost.transfer_time(req.tokens_of(got) - req.tokens_of(local))
-            plan = plan_cpp(self.ctx.cost, n, req.tokens_of(got), size, cfg.chunk_tokens)
+            fetch = reuse - local  # 0 when the leader is the holder
+            transfer = self.ctx.cost.transfer_time(req.tokens_of(reuse) - req.tokens_of(local))
+            plan = plan_cpp(self.ctx.cost, n, req.tokens_of(reuse), size, cfg.chunk_tokens)
             if transfer + plan.makespan_s < best.ttft_s:
                 best = Placement(
                     prefill=leader.iid, local_blocks=local, fetch_blocks=fetch,
