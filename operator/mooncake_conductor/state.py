@@ -223,15 +223,15 @@ class _Instance:
     COLUMNS: ClassVar[dict[str, type]] = {"up": np.bool_, "group": np.int64}
     __slots__ = ("_board", "_group", "_row", "_up", "iid", "name")
     _up: bool  # the slot behind ``up`` (Board.take_down writes it directly)
+    _row: int  # the state's row on ``_board``, set with it
     up: _Column[bool] = _column("up")
     group: _Column[int] = _group_column()
     #: states (of any cluster) whose group is not 0 now; a state that is dropped while
     #: in another group is never subtracted, which only costs the fast path
     nonzero_groups: ClassVar[int] = 0
 
-    def __init__(self, iid: int, name: str, up: bool, group: int = 0) -> None:
+    def __init__(self, iid: int, name: str, up: bool, group: int) -> None:
         self._board: Board | None = None
-        self._row = 0
         self.iid = iid
         self.name = name
         self.up = up
