@@ -110,13 +110,13 @@ class Board:
 
     def take_down(self, rows: npt.NDArray[np.intp]) -> Callable[[], None]:
         """Mark the states at ``rows`` (rows of states that are up) down; the returned
-        call puts them up again and restores the cached live mask and groups as they
-        were. For one decision that must not see them: the slots and the column are
-        written directly (one numpy write, not a property write per state), and the
-        live mask is narrowed rather than recomputed."""
+        call puts them up again and restores the cached live mask, groups and rows
+        outside groups as they were. For one decision that must not see them: the slots
+        and the column are written directly (one numpy write, not a property write per
+        state), and the live mask is narrowed rather than recomputed."""
         if not len(rows):
             return _nothing
-        saved = (self._live_mask, self._live_groups)
+        saved = (self._live_mask, self._live_groups, self._outside)
         states = [self.states[r] for r in rows.tolist()]
         up = self.columns["up"]
         for st in states:
@@ -126,12 +126,13 @@ class Board:
             gone = sum(1 << iid for iid in self.columns["iid"][rows].tolist())  # distinct
             self._live_mask = saved[0] & ~gone
         self._live_groups = None
+        self._outside = {}  # the cached rows may hold the states taken down
 
         def undo() -> None:
             for st in states:
                 st._up = True
             up[rows] = True
-            self._live_mask, self._live_groups = saved
+            self._live_mask, self._live_groups, self._outside = saved
 
         return undo
 

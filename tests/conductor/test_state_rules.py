@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 from mooncake_conductor import state as state_mod
 from mooncake_conductor.index import PrefixIndex
@@ -166,6 +167,25 @@ def test_rows_outside_a_group_are_kept_until_up_or_group_changes(groups: None) -
     assert board.rows_outside(0).tolist() == [3]
     states[3].group = 0
     assert board.rows_outside(0).tolist() == [] and board.rows_outside(1).tolist() == [0, 3]
+
+
+def test_take_down_hides_states_from_the_cached_rows_until_undone(groups: None) -> None:
+    states = [DecodeState(0), DecodeState(1, group=1), DecodeState(2, group=2),
+              DecodeState(3, group=1)]
+    board = board_of(states)
+    before = board.rows_outside(0)
+    assert before.tolist() == [1, 2, 3] and board.live_mask == 0b1111
+    undo = board.take_down(np.array([1, 3], dtype=np.intp))  # group 1, for one decision
+    assert not states[1].up and not states[3].up
+    assert board["up"].tolist() == [True, False, True, False]
+    assert board.live_mask == 0b0101 and board.live_groups == frozenset({0, 2})
+    assert board.rows_outside(0).tolist() == [2]
+    undo()
+    assert states[1].up and states[3].up and board["up"].all()
+    assert board.live_mask == 0b1111 and board.live_groups == frozenset({0, 1, 2})
+    assert board.rows_outside(0) is before
+    board.take_down(np.array([], dtype=np.intp))()  # taking nothing down changes nothing
+    assert board.live_mask == 0b1111 and board.rows_outside(0) is before
 
 
 # --- groups ----------------------------------------------------------------------------
