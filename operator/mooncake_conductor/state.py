@@ -110,13 +110,13 @@ class Board:
 
     def take_down(self, rows: npt.NDArray[np.intp]) -> Callable[[], None]:
         """Mark the states at ``rows`` (rows of states that are up) down; the returned
-        call puts them up again and restores the cached live mask and groups as they
-        were. For one decision that must not see them: the slots and the column are
-        written directly (one numpy write, not a property write per state), and the
-        live mask is narrowed rather than recomputed."""
+        call puts them up again and restores the cached live mask, groups and rows
+        outside groups as they were. For one decision that must not see them: the slots
+        and the column are written directly (one numpy write, not a property write per
+        state), and the live mask is narrowed rather than recomputed."""
         if not len(rows):
             return _nothing
-        saved = (self._live_mask, self._live_groups)
+        saved = (self._live_mask, self._live_groups, self._outside)
         states = [self.states[r] for r in rows.tolist()]
         up = self.columns["up"]
         for st in states:
@@ -126,12 +126,13 @@ class Board:
             gone = sum(1 << iid for iid in self.columns["iid"][rows].tolist())  # distinct
             self._live_mask = saved[0] & ~gone
         self._live_groups = None
+        self._outside = {}  # the cached rows may hold the states taken down
 
         def undo() -> None:
             for st in states:
                 st._up = True
             up[rows] = True
-            self._live_mask, self._live_groups = saved
+            self._live_mask, self._live_groups, self._outside = saved
 
         return undo
 
@@ -223,15 +224,15 @@ class _Instance:
     COLUMNS: ClassVar[dict[str, type]] = {"up": np.bool_, "group": np.int64}
     __slots__ = ("_board", "_group", "_row", "_up", "iid", "name")
     _up: bool  # the slot behind ``up`` (Board.take_down writes it directly)
+    _row: int  # the state's row on ``_board``, set with it
     up: _Column[bool] = _column("up")
     group: _Column[int] = _group_column()
     #: states (of any cluster) whose group is not 0 now; a state that is dropped while
     #: in another group is never subtracted, which only costs the fast path
     nonzero_groups: ClassVar[int] = 0
 
-    def __init__(self, iid: int, name: str, up: bool, group: int = 0) -> None:
+    def __init__(self, iid: int, name: str, up: bool, group: int) -> None:
         self._board: Board | None = None
-        self._row = 0
         self.iid = iid
         self.name = name
         self.up = up
