@@ -115,6 +115,7 @@ def test_a_restarted_publisher_is_read_from_its_start() -> None:
     run(go())
     assert r.resets == 1
     assert r.sub.restarts == 1
+    assert r.sub.gaps == 1  # the restarted stream's 0 and 1 were a gap
     assert r.asked == [0]
     assert r.batches == [0, 1, 2, 3, 0, 1, 2]  # the new stream from seq 0 on
     assert (r.sub.replayed, r.sub.lost) == (2, 0)
@@ -150,9 +151,9 @@ def test_bad_frames_are_counted_not_delivered() -> None:
     r = Recorder(replayed())
 
     async def go() -> None:
-        await r.sub.handle([b"", encode_seq(0)])  # two frames
         await r.sub.handle([b"", b"\x00", payload(0)])  # a seq frame of the wrong size
         await r.sub.handle([b"", encode_seq(0), b"\xc1"])  # not msgpack
+        await r.sub.handle([b"", encode_seq(0)])  # two frames
 
     run(go())
     assert r.sub.bad == 3
@@ -294,3 +295,20 @@ def test_unknown_event_types_are_counted_and_warned_about_once_each(
     warned = [r.getMessage() for r in caplog.records if "unknown type" in r.getMessage()]
     assert len(warned) == 2  # BlockMoved once, Pinned once
     assert any("'BlockMoved'" in w for w in warned) and any("'Pinned'" in w for w in warned)
+
+
+def test_every_restart_counts_and_a_late_join_at_seq_one_fetches_seq_zero() -> None:
+    r = Recorder(replayed(0))
+
+    async def go() -> None:
+        await r.frame(0)
+        await r.frame(1)
+        await r.frame(2)
+        await r.frame(1)  # restart, joined at 1: 0 is fetched first
+        await r.frame(2)
+        await r.frame(0)  # and again, from its start
+
+    run(go())
+    assert (r.resets, r.sub.restarts, r.sub.gaps) == (2, 2, 1)
+    assert r.asked == [0]
+    assert r.batches == [0, 1, 2, 0, 1, 2, 0]
