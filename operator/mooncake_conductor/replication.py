@@ -197,10 +197,9 @@ def assign_replicas(hot: Sequence[HotPrefix], instances: Sequence[InstanceLoad],
     """
     live = {i.name: i for i in instances}
     hot_ids = {h.prefix for h in hot}
-    out: dict[str, set[str]] = {name: set() for name in live}
-    for name, prefixes in current.items():
-        if name in live:
-            out[name] |= {p for p in prefixes if p in hot_ids}
+    out: dict[str, set[str]] = {
+        name: {p for p in current.get(name, ()) if p in hot_ids} for name in live
+    }
     if not cfg.enabled or len(live) < 2:
         return {k: frozenset(v) for k, v in out.items()}
     load = {name: i.load_s for name, i in live.items()}
