@@ -28,7 +28,7 @@ def cached_chain(c: PrefixCache, keys: list[int]) -> list[Block]:
 
 def test_sizes_must_be_positive() -> None:
     for cap, bs in ((0, 4), (4, 0), (-1, 4), (4, -1), (0, 0)):
-        with pytest.raises(ValueError, match="must be positive"):
+        with pytest.raises(ValueError, match="^capacity and block_size must be positive$"):
             PrefixCache(cap, bs)
     c = PrefixCache(1, 1)
     assert (c.capacity, c.block_size, c.medium) == (1, 1, "GPU")
@@ -141,7 +141,7 @@ def test_insert_adds_unreferenced_cached_blocks_with_their_chain() -> None:
     n = c.insert([1, 2, 3], None, [toks(1), toks(2), toks(3)])
     assert n == 3 and c.used == 0 and list(c.lru) == [1, 2, 3]
     assert [c.cached[k].tokens for k in (1, 2, 3)] == [toks(1), toks(2), toks(3)]
-    assert all(c.cached[k].ref == 0 for k in (1, 2, 3))
+    assert all(c.cached[k].ref == 0 and c.lru[k] is c.cached[k] for k in (1, 2, 3))
     assert c.events == [BlockStored([1, 2, 3], None, [*toks(1), *toks(2), *toks(3)], BS, None,
                                     "CPU", None)]
     c.take_events()
@@ -170,6 +170,33 @@ def test_insert_evicts_when_no_block_is_blank_and_stops_when_none_is_free() -> N
     assert c.insert([6, 7], None, [toks(6), toks(7)]) == 0 and 6 not in c.cached
     c.release(held)
     assert c.used == 0
+
+
+def test_insert_uses_the_last_free_block() -> None:
+    c = PrefixCache(2, BS)
+    c.insert([9], None, [toks(9)])  # another chain's evictable block
+    c.reserve(1)
+    assert c.free == 1 and c.blank == 0
+    assert c.insert([5], None, [toks(5)]) == 1 and set(c.cached) == {5}  # 9 evicted for it
+
+
+def test_insert_never_evicts_its_own_chain() -> None:
+    """Room for one block: the chain's second block would have to evict its first (bug:
+    insert evicted it, returned 2 and left block 2 cached without its parent)."""
+    c = PrefixCache(2, BS)
+    c.reserve(1)
+    assert c.insert([1, 2], None, [toks(1), toks(2)]) == 1 and set(c.cached) == {1}
+    assert not any(isinstance(ev, BlockRemoved) for ev in c.events)
+    # a chain refreshed from the LRU counts as its own, too
+    c.take_events()
+    assert c.insert([1, 3], None, [toks(1), toks(3)]) == 1 and set(c.cached) == {1}
+    assert c.events == []
+    # with an older chain's block evictable, the new chain takes that one
+    d = PrefixCache(3, BS)
+    d.insert([7], None, [toks(7)])
+    d.reserve(1)
+    assert d.insert([1, 2], None, [toks(1), toks(2)]) == 2 and set(d.cached) == {1, 2}
+    assert list(d.lru) == [1, 2]
 
 
 def test_insert_needs_one_token_list_per_key() -> None:
