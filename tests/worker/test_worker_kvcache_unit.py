@@ -28,7 +28,7 @@ def cached_chain(c: PrefixCache, keys: list[int]) -> list[Block]:
 
 def test_sizes_must_be_positive() -> None:
     for cap, bs in ((0, 4), (4, 0), (-1, 4), (4, -1), (0, 0)):
-        with pytest.raises(ValueError, match="^capacity and block_size must be positive$"):
+        with pytest.raises(ValueError, match=r"^capacity and block_size must be positive$"):
             PrefixCache(cap, bs)
     c = PrefixCache(1, 1)
     assert (c.capacity, c.block_size, c.medium) == (1, 1, "GPU")
