@@ -191,6 +191,22 @@ def test_insert_never_evicts_its_own_chain() -> None:
     c.take_events()
     assert c.insert([1, 3], None, [toks(1), toks(3)]) == 1 and set(c.cached) == {1}
     assert c.events == []
+    # counting the chain's own blocks: two refreshed, or two new, leave no room here
+    e = PrefixCache(3, BS)
+    e.insert([1, 2], None, [toks(1), toks(2)])
+    e.reserve(1)
+    assert e.insert([1, 2, 3], None, [toks(1), toks(2), toks(3)]) == 2
+    assert set(e.cached) == {1, 2}
+    f = PrefixCache(3, BS)
+    f.reserve(1)
+    assert f.insert([1, 2, 3], None, [toks(1), toks(2), toks(3)]) == 2
+    assert set(f.cached) == {1, 2}
+    # one refreshed block leaves room when another chain's block can go
+    g = PrefixCache(3, BS)
+    g.insert([1], None, [toks(1)])
+    g.insert([7], None, [toks(7)])
+    g.reserve(1)
+    assert g.insert([1, 2], None, [toks(1), toks(2)]) == 2 and set(g.cached) == {1, 2}
     # with an older chain's block evictable, the new chain takes that one
     d = PrefixCache(3, BS)
     d.insert([7], None, [toks(7)])
