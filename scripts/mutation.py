@@ -63,7 +63,9 @@ BUCKET_OF_STATUS = {
 BUCKETS = ("killed", "timeout", "survived", "no_tests", "not_run")
 UNDETECTED = ("survived", "no_tests")
 TARGET_KEYS = {"description", "mutate", "tests", "deselect", "do_not_mutate",
-               "subprocess_coverage", "gate", "floor"}
+               "subprocess_coverage", "markers", "process_isolation", "gate", "floor"}
+#: mutmut's ways to start a mutant's test process (its ``process_isolation`` setting)
+PROCESS_ISOLATION = ("fork", "forkserver")
 SETTINGS_KEYS = {"packages", "pytest_args", "do_not_mutate"}
 
 
@@ -81,6 +83,8 @@ class Target:
     deselect: tuple[str, ...] = ()
     do_not_mutate: tuple[str, ...] = ()
     subprocess_coverage: bool = False
+    markers: str | None = None
+    process_isolation: str = "fork"
     gate: bool = False
     floor: float | None = None
 
@@ -125,6 +129,12 @@ def parse_config(data: Mapping[str, Any]) -> Config:
             raise ConfigError(f"{where}: floor must be a kill rate between 0 and 1")
         if raw.get("gate") and floor is None:
             raise ConfigError(f"{where}: a gated target needs a floor")
+        markers = raw.get("markers")
+        if markers is not None and not isinstance(markers, str):
+            raise ConfigError(f"{where}: markers must be a pytest -m expression (a string)")
+        isolation = raw.get("process_isolation", "fork")
+        if isolation not in PROCESS_ISOLATION:
+            raise ConfigError(f"{where}: process_isolation must be one of {PROCESS_ISOLATION}")
         targets[name] = Target(
             name=name,
             description=str(raw.get("description", "")),
@@ -133,6 +143,8 @@ def parse_config(data: Mapping[str, Any]) -> Config:
             deselect=_strings(raw.get("deselect", []), f"{where} deselect"),
             do_not_mutate=_strings(raw.get("do_not_mutate", []), f"{where} do_not_mutate"),
             subprocess_coverage=bool(raw.get("subprocess_coverage", False)),
+            markers=markers,
+            process_isolation=isolation,
             gate=bool(raw.get("gate", False)),
             floor=None if floor is None else float(floor),
         )
@@ -388,6 +400,19 @@ def toml_table(name: str, values: Mapping[str, Any]) -> str:
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis")
 
 
+def with_markers(pytest_args: Sequence[str], markers: str | None) -> list[str]:
+    """``pytest_args`` with the target's ``-m`` expression in place of the default one
+    (added when the defaults have none); unchanged when the target names none."""
+    args = list(pytest_args)
+    if markers is None:
+        return args
+    for i, arg in enumerate(args[:-1]):
+        if arg == "-m":
+            args[i + 1] = markers
+            return args
+    return [*args, "-m", markers]
+
+
 @dataclass
 class Staging:
     path: Path
@@ -428,7 +453,7 @@ def build_staging(root: Path, cfg: Config, target: Target, path: Path) -> Stagin
     tests, unmatched = expand_tests(root, target.tests)
     if not tests:
         raise ConfigError(f"[targets.{target.name}] selects no tests")
-    pytest_args = [*cfg.settings.pytest_args, "-p", PLUGIN]
+    pytest_args = [*with_markers(cfg.settings.pytest_args, target.markers), "-p", PLUGIN]
     for node in target.deselect:
         pytest_args += ["--deselect", node]
     mutmut = {
@@ -438,6 +463,7 @@ def build_staging(root: Path, cfg: Config, target: Target, path: Path) -> Stagin
         "pytest_add_cli_args": pytest_args,
         "pytest_add_cli_args_test_selection": tests,
         "use_git_change_detection": False,
+        "process_isolation": target.process_isolation,
     }
     with (root / "pyproject.toml").open("rb") as f:
         pytest_ini = dict(tomllib.load(f).get("tool", {}).get("pytest", {})
@@ -670,6 +696,8 @@ def run_target(root: Path, cfg: Config, target: Target, work: Path, logs: Path,
         "tests": staging.tests,
         "deselect": list(target.deselect),
         "subprocess_coverage": target.subprocess_coverage,
+        "markers": target.markers,
+        "process_isolation": target.process_isolation,
         "wall_s": round(wall, 1),
         "max_children": max_children,
         "error": error,
@@ -755,6 +783,9 @@ def markdown_report(report: Mapping[str, Any]) -> str:
                 + (f" (deselected: {', '.join(f'`{d}`' for d in t['deselect'])})"
                    if t["deselect"] else "")
                 + ("; subprocess coverage on" if t["subprocess_coverage"] else "")
+                + (f"; markers `{t['markers']}`" if t.get("markers") else "")
+                + (f"; process isolation {t['process_isolation']}"
+                   if t.get("process_isolation", "fork") != "fork" else "")
                 + f". Wall time {_clock(t['wall_s'])} with {t['max_children']} workers."]
         if t.get("error"):
             out += ["", f"**Error:** {t['error']}"]

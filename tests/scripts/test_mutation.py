@@ -147,6 +147,56 @@ def test_config_rejects_typos_and_gates_without_a_floor() -> None:
         mutation.parse_config({"targets": {"a": {"mutate": ["p/a.py"]}}})
 
 
+def test_config_reads_a_target_s_markers_and_process_isolation() -> None:
+    base = {"mutate": ["p/a.py"], "tests": ["tests/a.py"]}
+    cfg = mutation.parse_config({"targets": {
+        "plain": base,
+        "store": {**base, "markers": "not cluster", "process_isolation": "forkserver"}}})
+    plain, store = cfg.targets["plain"], cfg.targets["store"]
+    assert (plain.markers, plain.process_isolation) == (None, "fork")
+    assert (store.markers, store.process_isolation) == ("not cluster", "forkserver")
+    with pytest.raises(mutation.ConfigError, match="markers must be"):
+        mutation.parse_config({"targets": {"a": {**base, "markers": ["store"]}}})
+    with pytest.raises(mutation.ConfigError, match="process_isolation must be"):
+        mutation.parse_config({"targets": {"a": {**base, "process_isolation": "spawn"}}})
+
+
+def test_a_target_s_markers_replace_the_default_expression() -> None:
+    default = ["-p", "no:cacheprovider", "-m", "not store and not cluster", "-q"]
+    assert mutation.with_markers(default, None) == default
+    assert mutation.with_markers(default, "not cluster") == [
+        "-p", "no:cacheprovider", "-m", "not cluster", "-q"]
+    assert mutation.with_markers(["-q"], "store") == ["-q", "-m", "store"]
+    assert default[3] == "not store and not cluster"  # the settings are left as they were
+
+
+def test_staging_hands_markers_and_isolation_to_mutmut(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "src" / "mooncake_tiny").mkdir(parents=True)
+    (repo / "src" / "mooncake_tiny" / "__init__.py").write_text("")
+    (repo / "src" / "mooncake_tiny" / "calc.py").write_text("def f() -> int:\n    return 1\n")
+    (repo / "tests").mkdir()
+    (repo / "tests" / "test_calc.py").write_text("")
+    (repo / "pyproject.toml").write_text("")
+    cfg = mutation.parse_config({
+        "settings": {"packages": ["src/mooncake_*"],
+                     "pytest_args": ["-m", "not store and not cluster"]},
+        "targets": {
+            "plain": {"mutate": ["mooncake_tiny/calc.py"], "tests": ["tests/test_calc.py"]},
+            "store": {"mutate": ["mooncake_tiny/calc.py"], "tests": ["tests/test_calc.py"],
+                      "markers": "not cluster", "process_isolation": "forkserver"}}})
+    generated = {}
+    for name, target in cfg.targets.items():
+        mutation.build_staging(repo, cfg, target, tmp_path / name)
+        text = (tmp_path / name / "pyproject.toml").read_text()
+        generated[name] = tomllib.loads(text)["tool"]["mutmut"]
+    plain, store = generated["plain"], generated["store"]
+    assert plain["pytest_add_cli_args"][:2] == ["-m", "not store and not cluster"]
+    assert plain["process_isolation"] == "fork"
+    assert store["pytest_add_cli_args"][:2] == ["-m", "not cluster"]
+    assert store["process_isolation"] == "forkserver"
+
+
 def test_the_repository_config_names_real_files_and_tests() -> None:
     cfg = mutation.load_config(ROOT / "mutation.toml")
     gated = [t for t in cfg.targets.values() if t.gate]

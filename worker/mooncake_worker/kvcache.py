@@ -160,14 +160,17 @@ class PrefixCache:
         """Add computed-elsewhere blocks (from the store) as cached, unreferenced blocks.
 
         Stops at the first block that does not fit; returns how many of ``keys`` are now
-        cached."""
+        cached. A block fits when a blank block or an evictable block of *another* chain is
+        left: evicting one of this call's own blocks would cut the chain it extends."""
         n = 0
+        own = 0  # blocks of ``keys`` in the LRU (evictable, but not to make room for ``keys``)
         for key, toks in zip(keys, tokens, strict=True):
             if key in self.cached:
                 if key in self.lru:
                     self.lru.move_to_end(key)
+                    own += 1
             else:
-                if self.free <= 0:
+                if self.free - own <= 0:
                     break
                 if self.blank <= 0:
                     self._evict_one()
@@ -177,6 +180,7 @@ class PrefixCache:
                 b = self.commit(b, key, parent, tuple(toks))
                 self.used -= 1
                 self.lru[key] = b
+                own += 1
             parent = key
             n += 1
         return n

