@@ -113,3 +113,37 @@ def test_unknown_type_is_named_in_the_error() -> None:
     batch = decode_batch(msgpack.packb([1.5, [{"type": "BlockMoved"}, stored()]]))
     assert batch.skipped == ("BlockMoved",)
     assert len(batch.events) == 1
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 65535, 65536, 70000])
+def test_array_headers_match_msgpack_at_every_size_class(n: int) -> None:
+    """The encoder writes array headers itself (no per-event Python list): each size class
+    (fixarray < 16, array16 < 65536, array32) must be what msgpack itself writes."""
+    reference = msgpack.packb([None] * n)
+    header = codec._array_header(n)
+    assert reference == header + b"\xc0" * n
+
+
+@pytest.mark.parametrize(("max_entries", "entries", "want"), [
+    (1, 1, b"\x81"),
+    (15, 3, b"\x83"),
+    (15, 15, b"\x8f"),
+    (16, 3, b"\xde\x00\x03"),            # msgspec sizes the header by the struct's fields
+    (17, 16, b"\xde\x00\x10"),
+    (65535, 7, b"\xde\x00\x07"),
+    (65536, 7, b"\xdf\x00\x00\x00\x07"),
+    (70000, 65536, b"\xdf\x00\x01\x00\x00"),
+])
+def test_map_headers_by_the_size_class_of_the_field_count(
+        max_entries: int, entries: int, want: bytes) -> None:
+    assert codec._map_header(max_entries, entries) == want
+    # and msgpack reads it as a map of ``entries`` entries
+    body = b"".join(msgpack.packb(i) + b"\xc0" for i in range(entries))
+    assert msgpack.unpackb(want + body, strict_map_key=False) == dict.fromkeys(range(entries))
+
+
+@pytest.mark.parametrize("frame", [b"", b"\x00" * 7, b"\x00" * 9])
+def test_a_sequence_frame_must_be_eight_bytes(frame: bytes) -> None:
+    with pytest.raises(ValueError) as err:
+        codec.decode_seq(frame)
+    assert str(err.value) == f"sequence frame must be 8 bytes, got {len(frame)}"

@@ -208,3 +208,49 @@ def test_only_its_own_topic_is_taken_and_replay_waits_as_long_as_configured() ->
     assert r.log and set(r.log) == {0}  # no restart either: eng-b's seq 0 never came in
     assert set(r.variants) == {0}  # eng-b's batches (variant 9) never reached the handler
     assert waited < 1.5  # 0.2 s configured; the default is 2 s
+
+
+def test_live_batches_keep_the_memory_of_synced_ones() -> None:
+    """A new live batch does not make the subscriber forget what the sync delivered: the
+    late live copy of a synced batch is still a duplicate, not a restart."""
+    r = Recorder(replayed(0, 1, 2))
+
+    async def go() -> None:
+        await r.sub.sync()
+        await r.frame(3)  # new
+        await r.frame(1)  # the live copy of a synced batch, arriving late
+
+    asyncio.run(go())
+    assert (r.sub.duplicates, r.sub.restarts) == (1, 0)
+    assert r.log == [0, 1, 2, 3]
+
+
+def test_the_duplicate_memory_keeps_the_latest_batches() -> None:
+    from mooncake_gateway.events import RECENT_BATCHES
+
+    r = Recorder(replayed())
+
+    async def go() -> None:
+        for s in range(RECENT_BATCHES + 1):
+            await r.frame(s)
+        await r.frame(1)  # still remembered (the latest RECENT_BATCHES)
+        assert (r.sub.duplicates, r.sub.restarts) == (1, 0)
+        await r.frame(0)  # forgotten: the same seq again reads as a restart
+        assert r.sub.restarts == 1
+
+    asyncio.run(go())
+
+
+def test_malformed_frames_are_counted_bad_not_raised() -> None:
+    r = Recorder(replayed())
+
+    async def go() -> None:
+        await r.frame(0)
+        await r.sub.handle([b"", encode_seq(1)])                 # two frames
+        await r.sub.handle([b"", b"\x00" * 7, payload(1)])       # a short sequence frame
+        await r.frame(1)
+
+    asyncio.run(go())
+    assert r.sub.bad == 2
+    assert r.log == [0, 1]
+    assert (r.sub.restarts, r.sub.duplicates) == (0, 0)
