@@ -126,11 +126,8 @@ class KeyMaskTable:
         keys, masks = self._entries()
         pad = np.zeros((len(masks), words - self.words), dtype=np.uint64)
         self._zero = np.concatenate([self._zero, np.zeros(words - self.words, np.uint64)])
-        self._stash = {}
-        self._stash_view = None
-        self._meta = None
         self.words = words
-        self._alloc(self._log2)
+        self._alloc(self._log2)  # empty rows and stash, views to rebuild
         self.count = 0
         self._insert(keys, np.hstack([masks, pad]))
 
