@@ -124,12 +124,15 @@ class KeyMaskTable:
         if words <= self.words:
             return
         keys, masks = self._entries()
-        pad = np.zeros((len(masks), words - self.words), dtype=np.uint64)
-        self._zero = np.concatenate([self._zero, np.zeros(words - self.words, np.uint64)])
+        wide = np.zeros((len(masks), words), dtype=np.uint64)
+        wide[:, : self.words] = masks
+        zero = np.zeros(words, dtype=np.uint64)
+        zero[: self.words] = self._zero
+        self._zero = zero
         self.words = words
         self._alloc(self._log2)  # empty rows and stash, views to rebuild
         self.count = 0
-        self._insert(keys, np.hstack([masks, pad]))
+        self._insert(keys, wide)
 
     # -- lookup ------------------------------------------------------------------------------
     def _home_of(self, key: int) -> int:
@@ -143,24 +146,21 @@ class KeyMaskTable:
         out: IntpArray = ((keys * _H2) >> self._shift).astype(np.intp)
         return out
 
-    def _probe(
-        self, keys: U64Array, buckets: IntpArray
-    ) -> tuple[BoolArray, IntpArray, npt.NDArray[Any]]:
-        """Whether each key is in its bucket, at which slot, and the gathered rows."""
-        rows = np.take(self._rows, buckets, axis=0)
-        eq = rows[:, :SLOTS] == keys[:, None]
+    def _probe(self, keys: U64Array, buckets: IntpArray) -> tuple[BoolArray, IntpArray]:
+        """Whether each (non-zero) key is in its bucket, and at which slot."""
+        eq = np.take(self._rows, buckets, axis=0)[:, :SLOTS] == keys[:, None]
         j = eq.argmax(axis=1)
-        hit = eq[np.arange(len(keys)), j] & (keys != 0)
-        return hit, j, rows
+        hit: BoolArray = eq[np.arange(len(keys)), j]
+        return hit, j
 
     def _find(self, keys: U64Array) -> tuple[IntpArray, IntpArray, BoolArray]:
-        """Bucket and slot of every key, and whether it is there (key 0 never is)."""
+        """Bucket and slot of every (non-zero) key, and whether it is there."""
         bucket = self._home(keys)
-        hit, j, _ = self._probe(keys, bucket)
+        hit, j = self._probe(keys, bucket)
         retry = np.flatnonzero(~hit & (self._overflowed[bucket] != 0))
         if len(retry):
             away = self._away(keys[retry])
-            hit2, j2, _ = self._probe(keys[retry], away)
+            hit2, j2 = self._probe(keys[retry], away)
             found = retry[hit2]
             bucket[found], j[found], hit[found] = away[hit2], j2[hit2], True
         return bucket, j, hit
@@ -210,11 +210,11 @@ class KeyMaskTable:
         words); a zero row removes its key."""
         if not len(keys):
             return
-        if masks.shape[1] > self.words:
-            self.ensure_words(masks.shape[1])
-        elif masks.shape[1] < self.words:
-            pad = np.zeros((len(masks), self.words - masks.shape[1]), dtype=np.uint64)
-            masks = np.hstack([masks, pad])
+        self.ensure_words(masks.shape[1])
+        if masks.shape[1] != self.words:  # narrower: padded with zero words
+            wide = np.zeros((len(masks), self.words), dtype=np.uint64)
+            wide[:, : masks.shape[1]] = masks
+            masks = wide
         zero = keys == 0
         if zero.any():
             self._zero = masks[zero][-1].copy()

@@ -336,6 +336,10 @@ def test_one_compiled_pass_for_one_word_ids(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(calls) == 3
     ix.match_lengths([1, 2], 1 << 64)  # past 64 ids: the per-instance walk
     assert len(calls) == 3
+    idle = PrefixIndex(100, instances=2, vector_min_keys=VEC)  # nothing pending
+    idle.store(0, [1])
+    assert lengths(idle, [1, 2], 0, -1) == ({}, {}, None, 0)  # nothing asked: no walk
+    assert len(calls) == 3
     ix.add_instance(64)
     ix.store(64, [1])
     assert lengths(ix, [1, 2], 1, 1) == ({0: 2}, {0: 2}, 0, 2)  # two-word masks

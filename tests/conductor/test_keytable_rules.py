@@ -6,10 +6,11 @@ each case's layout is known in advance."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
-from mooncake_conductor import keytable
+from mooncake_conductor import kernels, keytable
 from mooncake_conductor.keytable import (
     KeyMaskTable,
     _aligned_zeros,
@@ -33,15 +34,18 @@ def away(key: int, log2: int = LOG2) -> int:
     return ((key * keytable._H2_INT) & MASK64) >> (64 - log2)
 
 
-def pick(n: int, ok: Callable[[int], bool], skip: set[int] | None = None) -> list[int]:
-    """The first ``n`` small keys (from 1) that satisfy ``ok``."""
+def pick(n: int, ok: Callable[[int], bool], start: int = 1) -> list[int]:
+    """The first ``n`` keys from ``start`` on that satisfy ``ok``."""
     out: list[int] = []
-    key = 0
+    key = start
     while len(out) < n:
-        key += 1
-        if ok(key) and key not in (skip or set()):
+        if ok(key):
             out.append(key)
+        key += 1
     return out
+
+
+BIG = 2**63 + 2**60  # keys past 2**53, which a float cannot hold
 
 
 def u64(values: list[int]) -> np.ndarray:
@@ -154,14 +158,14 @@ def test_key_zero_is_kept_aside(path: str) -> None:
     t.assign(u64([0]), col([0]))
     assert t.mask_of(0) == 0 and len(t) == 1 and t.mask_of(9) == 3
     assert t.kernel_view()[2].tolist() == [64 - LOG2, 0]
-    t.assign(u64([]), np.zeros((0, 1), dtype=np.uint64))  # nothing to do
-    assert len(t) == 1
+    t.assign(u64([]), np.zeros((0, 3), dtype=np.uint64))  # nothing to do, not even widen
+    assert len(t) == 1 and t.words == 1
 
 
 # -- placement ---------------------------------------------------------------------------------
 def test_home_slots_then_the_overflow_bucket(path: str) -> None:
     b = 5
-    k = pick(7, lambda key: home(key) == b and away(key) != b)
+    k = pick(7, lambda key: home(key) == b and away(key) != b, start=BIG)
     a5 = away(k[4])
     t = KeyMaskTable()
     t.assign(u64(k[:5]), col([1, 2, 3, 4, 5]))
@@ -205,9 +209,9 @@ def test_a_miss_at_home_is_final_unless_the_home_sent_keys_away() -> None:
     assert t.mask_of(k[4]) == 0
     t._overflowed[b] = 1
     assert t.mask_of(k[4]) == 3
-    bucket, slot, hit = t._find(u64([k[4], k[0], 0]))
-    assert hit.tolist() == [True, True, False]
-    assert bucket.tolist()[:2] == [a, b] and slot.tolist()[:2] == [0, 0]
+    bucket, slot, hit = t._find(u64([k[4], k[0], k[3]]))
+    assert hit.tolist() == [True, True, True]
+    assert bucket.tolist() == [a, b, b] and slot.tolist() == [0, 0, 3]
 
 
 def stash_case() -> tuple[int, int, list[int], list[int], list[int]]:
@@ -226,6 +230,8 @@ def test_keys_whose_buckets_are_full_wait_in_the_stash(path: str) -> None:
     t.assign(u64(at_b + at_a), col([1] * 8))
     assert not t._overflowed.any() and not t._stash
     t.assign(u64([s[1]]), col([5]))
+    if path == "compiled":  # the walk's sorted copy is made here, not in the next match
+        assert t._stash_view is not None and t._stash_view.tolist() == [[s[1], 5]]
     assert set(t._stash) == {s[1]} and t._stash[s[1]].tolist() == [5]
     assert t._overflowed.tolist() == [int(i == b) for i in range(BUCKETS)]
     assert (t.count, len(t)) == (8, 9)
@@ -249,8 +255,11 @@ def test_keys_whose_buckets_are_full_wait_in_the_stash(path: str) -> None:
     assert s[2] in row_keys(t, a) and t._overflowed[b] == 1 and not t._stash
 
 
-def test_a_full_stash_doubles_the_table(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+@pytest.mark.parametrize(("max_load", "log2"), [(keytable.MAX_LOAD, 7), (0.5, 6)])
+def test_a_full_stash_doubles_the_table(monkeypatch: pytest.MonkeyPatch, path: str,
+                                        max_load: float, log2: int) -> None:
     monkeypatch.setattr(keytable, "MIN_STASH", 1)
+    monkeypatch.setattr(keytable, "MAX_LOAD", max_load)
     _, _, at_b, at_a, s = stash_case()
     t = KeyMaskTable()
     assert t._stash_max == 1
@@ -258,8 +267,8 @@ def test_a_full_stash_doubles_the_table(monkeypatch: pytest.MonkeyPatch, path: s
     t.assign(u64([s[0]]), col([20]))
     assert t.capacity == BUCKETS * SLOTS and set(t._stash) == {s[0]}
     t.assign(u64([s[1]]), col([21]))
-    # twice the capacity (128 keys) must fit under the load limit: 2**7 buckets
-    assert t.capacity == SLOTS << 7 and t._stash_max == 1
+    # twice the capacity (128 keys) must fit under the load limit
+    assert t.capacity == SLOTS << log2 and t._stash_max == 1
     keys = at_b + at_a + s[:2]
     assert [t.mask_of(x) for x in keys] == [*range(1, 9), 20, 21]
     assert (t.count + len(t._stash), len(t)) == (10, 10)
@@ -330,8 +339,48 @@ def test_wider_masks_rebuild_the_table_in_place(path: str) -> None:
     t.ensure_words(1)  # narrower: untouched
     assert t._rows is rows and t.words == 2
     # narrower masks are padded
-    t.assign(u64([at_a[0]]), col([11]))
-    assert t.mask_of(at_a[0]) == 11 and t.words == 2
+    t.assign(u64([at_a[0], s[2]]), col([11, 12]))
+    assert t.mask_of(at_a[0]) == 11 and t.words == 2 and t._stash[s[2]].tolist() == [12, 0]
+    assert t.kernel_view()[3].tolist() == sorted([[s[0], 30, 0], [s[1], 0, 2], [s[2], 12, 0]])
     t.ensure_words(3)
-    assert t._zero.tolist() == [40, 0, 0] and t.kernel_view()[3].shape == (2, 4)
-    assert t.mask_of(s[1]) == 1 << 65 and t.mask_of(at_a[0]) == 11 and len(t) == 11
+    assert t._zero.tolist() == [40, 0, 0] and t.kernel_view()[3].shape == (3, 4)
+    assert t.mask_of(s[1]) == 1 << 65 and t.mask_of(at_a[0]) == 11 and len(t) == 12
+
+
+def test_wide_masks_in_an_overflow_bucket() -> None:
+    b, a = 6, 13
+    at_b = pick(4, lambda key: home(key) == b and away(key) != a, start=BIG)
+    moved = pick(3, lambda key: home(key) == b and away(key) == a, start=BIG)
+    masks = [1 << 64 | 1, 2 << 64 | 2, 3 << 64 | 3, 4 << 64 | 4, 5 << 64, 6, 7 << 64 | 7]
+    t = KeyMaskTable(words=2)
+    t.assign(u64(at_b + moved), np.stack([mask_to_words(m, 2) for m in masks]))
+    assert row_keys(t, a) == [*moved, 0] and t._overflowed[b] == 3
+    assert row_masks(t, a) == [0, 5, 6, 0, 7, 7, 0, 0]
+    assert [t.mask_of(x) for x in at_b + moved] == masks
+    t.ensure_words(3)  # rebuilt from every slot
+    assert [t.mask_of(x) for x in at_b + moved] == masks and t.count == 7
+    assert_counts_exact(t)
+
+
+def test_batches_from_the_compiled_minimum_use_the_compiled_upsert(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+    real = kernels.upsert_keys
+
+    def counted(*args: Any) -> Any:
+        calls.append(len(args[4]))
+        return real(*args)
+
+    monkeypatch.setattr(keytable, "upsert_keys", counted)
+    n = keytable.COMPILED_MIN_BATCH
+    keys = pick(3 * n, lambda key: True, start=BIG)
+    t = KeyMaskTable()
+    t.assign(u64(keys[: n - 1]), col([1] * (n - 1)))
+    assert calls == []
+    t.assign(u64(keys[n - 1 : 2 * n - 1]), col([2] * n))
+    assert calls == [n]
+    wide = KeyMaskTable(words=2)
+    wide.assign(u64(keys[:n]), np.ones((n, 2), dtype=np.uint64))  # two words: numpy
+    assert calls == [n]
+    assert [t.mask_of(x) for x in keys[: 2 * n]] == [1] * (n - 1) + [2] * n + [0]
