@@ -226,7 +226,8 @@ class PrefixIndex:
 
     def _evict_to(self, instance: int, capacity: int) -> list[int]:
         table = self._lru[instance]
-        if table is None or len(table) <= capacity:
+        assert table is not None
+        if len(table) <= capacity:
             return []
         keep = ~(1 << instance)
         holders = self.holders

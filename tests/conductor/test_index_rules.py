@@ -141,6 +141,8 @@ def test_store_touch_demote_and_evict() -> None:
     ix.store(0, [2])  # held: just moved to the recent end
     assert ix.store(0, [9]) == [5] and ix.evictions == 5
     assert ix.blocks(1) == {1, 2} and len(ix) == 5 and ix.size() == 6
+    ix.touch(0, [8, 7])  # 2, 9, 7, 8: the first key is the most recent
+    assert ix.store(0, [10, 11, 12]) == [2, 9, 7]
 
 
 def test_tiers_keep_the_fastest() -> None:
