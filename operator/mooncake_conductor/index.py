@@ -24,10 +24,11 @@ Tier numbers follow the KV-event ``medium`` field: :data:`HBM` ("GPU"),
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, repeat, takewhile
-from operator import and_
+from operator import and_, neg
 from typing import Any
 
 import numpy as np
@@ -426,8 +427,9 @@ class PrefixIndex:
     def _match_dict(self, keys: Sequence[int], start: int, include_pending: bool) -> dict[int, int]:
         """``alive[k]`` = the instances holding all of ``keys[:k]``: a running AND of the
         holder masks, computed in C (``accumulate``) and cut where it reaches zero.
-        Bits only ever drop, so each instance's match is the end of the last run that
-        still has its bit; runs are found by binary search, one per drop.
+        Bits only ever drop, so ``alive`` never grows and each instance's match is the end
+        of the last run that still has its bit; runs are found by binary search
+        (``bisect`` on the negated values), one per drop.
         """
         if not start:
             return {}
@@ -440,22 +442,16 @@ class PrefixIndex:
         out: dict[int, int] = {}
         last = len(alive) - 1
         i = 0
-        while True:
+        for _ in alive:  # a run per pass, so never more passes than values
             value = alive[i]
-            lo, hi = i, last  # the run of ``value`` ends at the last index holding it
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if alive[mid] == value:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            gone = value if lo == last else value & ~alive[lo + 1]
-            if lo:
-                for inst in _bits(gone):
-                    out[inst] = lo
-            if lo == last:
-                return out
-            i = lo + 1
+            end = bisect_right(alive, -value, i, key=neg) - 1  # where the run of value ends
+            if end:
+                for inst in _bits(value if end == last else value & ~alive[end + 1]):
+                    out[inst] = end
+            if end == last:
+                break
+            i = end + 1
+        return out
 
     @property
     def has_pending(self) -> bool:

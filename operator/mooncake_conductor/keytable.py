@@ -27,6 +27,7 @@ pending blocks) for the vectorised queries; the dicts stay the source of truth.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -316,11 +317,10 @@ class KeyMaskTable:
             keys, masks = keys[left], masks[left]
 
     def _grow(self, need: int) -> None:
+        """Double the table at least once, and until ``need`` keys fit under MAX_LOAD."""
         keys, masks = self._entries()
-        log2 = self._log2 + 1
-        while need > MAX_LOAD * (SLOTS << log2):
-            log2 += 1
-        self._alloc(log2)
+        buckets = math.ceil(need / (MAX_LOAD * SLOTS))
+        self._alloc(max(self._log2 + 1, (buckets - 1).bit_length()))  # log2, rounded up
         self.count = 0
         self._insert(keys, masks)
 
