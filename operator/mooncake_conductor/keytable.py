@@ -112,11 +112,11 @@ class KeyMaskTable:
 
     def _entries(self) -> tuple[U64Array, U64Array]:
         """Every stored key (key 0 excluded) and its mask."""
-        keys = self._rows[:, :SLOTS].reshape(-1)
+        keys = self._rows[:, :SLOTS].ravel()
         used = np.flatnonzero(keys)
-        masks = self._rows[:, SLOTS:].reshape(-1, self.words)[used]
+        masks = self._rows[:, SLOTS:].reshape(self.capacity, self.words)[used]
         if self._stash:
-            extra = np.fromiter(self._stash, dtype=np.uint64, count=len(self._stash))
+            extra = np.array(list(self._stash), dtype=np.uint64)
             return (np.concatenate([keys[used], extra]),
                     np.concatenate([masks, np.stack(list(self._stash.values()))]))
         return keys[used], masks

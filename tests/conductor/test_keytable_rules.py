@@ -303,6 +303,18 @@ def test_growth_by_more_than_one_doubling(path: str) -> None:
     assert_counts_exact(t)
 
 
+@pytest.mark.parametrize("n", [25, 26, 51, 52, 53, 102, 103, 205, 206])
+def test_growth_picks_the_smallest_table_under_the_load_limit(path: str, n: int) -> None:
+    keys = pick(n, lambda key: True, start=BIG)
+    t = KeyMaskTable()
+    t.assign(u64(keys), col([1] * n))
+    want = BUCKETS * SLOTS  # 64 slots, doubled while n keys are over 0.4 of them
+    while n > keytable.MAX_LOAD * want:
+        want *= 2
+    assert t.capacity == want and t.count + len(t._stash) == n
+    assert [t.mask_of(x) for x in keys] == [1] * n
+
+
 def assert_counts_exact(t: KeyMaskTable) -> None:
     """Every bucket counts exactly the keys homed there that live elsewhere."""
     log2 = int(np.log2(len(t._rows)))
