@@ -340,10 +340,9 @@ def _rank_within(groups: IntpArray) -> IntpArray:
     sorted_groups = groups[order]
     n = len(groups)
     idx = np.arange(n)
-    starts = np.empty(n, dtype=bool)
-    starts[:1] = True
-    starts[1:] = sorted_groups[1:] != sorted_groups[:-1]
-    first = np.maximum.accumulate(np.where(starts, idx, 0))
+    # each sorted position's group starts at the last position where the value changed
+    first = np.zeros(n, dtype=np.intp)
+    first[1:] = np.where(sorted_groups[1:] != sorted_groups[:-1], idx[1:], 0)
     rank = np.empty(n, dtype=np.intp)
-    rank[order] = idx - first
+    rank[order] = idx - np.maximum.accumulate(first)
     return rank
