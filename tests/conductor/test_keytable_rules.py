@@ -46,6 +46,7 @@ def pick(n: int, ok: Callable[[int], bool], start: int = 1) -> list[int]:
 
 
 BIG = 2**63 + 2**60  # keys past 2**53, which a float cannot hold
+TOP = 1 << 63  # with a low bit, a mask a float cannot hold
 
 
 def u64(values: list[int]) -> np.ndarray:
@@ -218,9 +219,9 @@ def stash_case() -> tuple[int, int, list[int], list[int], list[int]]:
     """Buckets b and a, four keys homed at each (overflowing elsewhere), and keys homed at
     b whose overflow bucket is a."""
     b, a = 3, 11
-    at_b = pick(4, lambda key: home(key) == b and away(key) not in (a, b))
-    at_a = pick(4, lambda key: home(key) == a and away(key) not in (a, b))
-    both = pick(3, lambda key: home(key) == b and away(key) == a)
+    at_b = pick(4, lambda key: home(key) == b and away(key) not in (a, b), start=BIG)
+    at_a = pick(4, lambda key: home(key) == a and away(key) not in (a, b), start=BIG)
+    both = pick(3, lambda key: home(key) == b and away(key) == a, start=BIG)
     return b, a, at_b, at_a, both
 
 
@@ -332,7 +333,7 @@ def assert_counts_exact(t: KeyMaskTable) -> None:
 def test_wider_masks_rebuild_the_table_in_place(path: str) -> None:
     _, _, at_b, at_a, s = stash_case()
     t = KeyMaskTable()
-    t.assign(u64([*at_b, *at_a, s[0], 0]), col([*range(1, 9), 30, 40]))
+    t.assign(u64([*at_b, *at_a, s[0], 0]), col([*range(1, 9), TOP | 30, 40]))
     assert set(t._stash) == {s[0]}
     rows = t._rows
     t.ensure_words(1)  # as wide already: untouched
@@ -343,20 +344,22 @@ def test_wider_masks_rebuild_the_table_in_place(path: str) -> None:
     assert t._rows.shape == (BUCKETS, SLOTS * 3) and t._zero.tolist() == [40, 0]
     assert t.kernel_view()[2].tolist() == [64 - LOG2, 40, 0]
     assert [t.mask_of(x) for x in [*at_b, *at_a]] == [1, 1 << 100 | 2, *range(3, 9)]
-    assert t.mask_of(s[0]) == 30 and t.mask_of(s[1]) == 1 << 65 and t.mask_of(0) == 40
+    assert t.mask_of(s[0]) == TOP | 30 and t.mask_of(s[1]) == 1 << 65 and t.mask_of(0) == 40
     assert (t.count, len(t)) == (8, 11) and set(t._stash) == {s[0], s[1]}
-    assert t.kernel_view()[3].tolist() == sorted([[s[0], 30, 0], [s[1], 0, 2]])
+    assert t.kernel_view()[3].tolist() == sorted([[s[0], TOP | 30, 0], [s[1], 0, 2]])
     assert_counts_exact(t)
     rows = t._rows
     t.ensure_words(1)  # narrower: untouched
     assert t._rows is rows and t.words == 2
     # narrower masks are padded
-    t.assign(u64([at_a[0], s[2]]), col([11, 12]))
-    assert t.mask_of(at_a[0]) == 11 and t.words == 2 and t._stash[s[2]].tolist() == [12, 0]
-    assert t.kernel_view()[3].tolist() == sorted([[s[0], 30, 0], [s[1], 0, 2], [s[2], 12, 0]])
+    t.assign(u64([at_a[0], s[2]]), col([TOP | 11, TOP | 12]))
+    assert t.mask_of(at_a[0]) == TOP | 11 and t.words == 2
+    assert t._stash[s[2]].tolist() == [TOP | 12, 0]
+    assert t.kernel_view()[3].tolist() == sorted([[s[0], TOP | 30, 0], [s[1], 0, 2],
+                                                  [s[2], TOP | 12, 0]])
     t.ensure_words(3)
     assert t._zero.tolist() == [40, 0, 0] and t.kernel_view()[3].shape == (3, 4)
-    assert t.mask_of(s[1]) == 1 << 65 and t.mask_of(at_a[0]) == 11 and len(t) == 12
+    assert t.mask_of(s[1]) == 1 << 65 and t.mask_of(at_a[0]) == TOP | 11 and len(t) == 12
 
 
 def test_wide_masks_in_an_overflow_bucket() -> None:
