@@ -57,12 +57,12 @@ def test_matches_from_drops() -> None:
 # -- instances ---------------------------------------------------------------------------------
 def test_capacity_must_be_positive() -> None:
     for bad in (0, -1):
-        with pytest.raises(ValueError, match="capacity_blocks must be positive"):
+        with pytest.raises(ValueError, match=r"^capacity_blocks must be positive$"):
             PrefixIndex(bad)
     ix = PrefixIndex(5)
-    with pytest.raises(ValueError, match="capacity_blocks must be positive"):
+    with pytest.raises(ValueError, match=r"^capacity_blocks must be positive$"):
         ix.add_instance(0, 0)
-    with pytest.raises(ValueError, match="capacity_blocks must be positive"):
+    with pytest.raises(ValueError, match=r"^capacity_blocks must be positive$"):
         ix.add_instance(0, -2)
 
 
@@ -91,6 +91,8 @@ def test_add_instance_sets_capacity_and_evicts_to_it() -> None:
     assert ix.live_mask == 1 << 4
     ix.add_instance(1, 5)
     assert ix.live_mask == 0b10010 and ix.size() == 2 and ix.size(1) == 0
+    ix.add_instance(2, 2)  # storing keeps an instance's own capacity
+    assert ix.store(2, [7, 8, 9]) == [9] and ix.capacity(2) == 2
 
 
 def test_remove_instance_forgets_it() -> None:
