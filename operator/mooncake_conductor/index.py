@@ -24,10 +24,11 @@ Tier numbers follow the KV-event ``medium`` field: :data:`HBM` ("GPU"),
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, repeat, takewhile
-from operator import and_
+from operator import and_, neg
 from typing import Any
 
 import numpy as np
@@ -105,7 +106,7 @@ def _assign(table: KeyMaskTable, dirty: set[int], source: dict[int, int]) -> Non
     try:
         marr = np.fromiter(masks, dtype=np.uint64, count=len(masks))[:, None]
     except OverflowError:  # instance ids past 63: several words per mask
-        words = max(m.bit_length() for m in masks) // WORD_BITS + 1
+        words = -(-max(m.bit_length() for m in masks) // WORD_BITS)  # as many as needed
         marr = np.stack([mask_to_words(m, words) for m in masks])
     table.assign(karr, marr)
 
@@ -170,11 +171,18 @@ class PrefixIndex:
         return self._capacity[instance]
 
     def _table(self, instance: int) -> OrderedDict[int, int]:
-        if instance >= len(self._lru) or self._lru[instance] is None:
+        """The instance's LRU, adding the instance if it is not there (for storing)."""
+        table = self._held(instance)
+        if table is None:
             self.add_instance(instance)
-        table = self._lru[instance]
-        assert table is not None
+            table = self._lru[instance]
+            assert table is not None
         return table
+
+    def _held(self, instance: int) -> OrderedDict[int, int] | None:
+        """The instance's LRU, ``None`` for an instance never added or removed (queries
+        and removals leave the set of instances as it is)."""
+        return self._lru[instance] if instance < len(self._lru) else None
 
     # -- mutation --------------------------------------------------------------------------
     def store(self, instance: int, keys: Sequence[int], tier: int = HBM) -> list[int]:
@@ -201,21 +209,26 @@ class PrefixIndex:
 
     def touch(self, instance: int, keys: Sequence[int]) -> None:
         """Mark the held ones of ``keys`` as just used (roots most recent)."""
-        table = self._table(instance)
+        table = self._held(instance)
+        if table is None:
+            return
         for key in reversed(keys):
             if key in table:
                 table.move_to_end(key)
 
     def demote(self, instance: int, keys: Sequence[int]) -> None:
         """Move the held ones of ``keys`` to the least-recently-used end (evicted first)."""
-        table = self._table(instance)
+        table = self._held(instance)
+        if table is None:
+            return
         for key in keys:
             if key in table:
                 table.move_to_end(key, last=False)
 
     def _evict_to(self, instance: int, capacity: int) -> list[int]:
         table = self._lru[instance]
-        if table is None or len(table) <= capacity:
+        assert table is not None
+        if len(table) <= capacity:
             return []
         keep = ~(1 << instance)
         holders = self.holders
@@ -234,10 +247,9 @@ class PrefixIndex:
         return evicted
 
     def remove(self, instance: int, keys: Iterable[int]) -> None:
-        if instance >= len(self._lru) or self._lru[instance] is None:
+        table = self._held(instance)
+        if table is None:
             return
-        table = self._lru[instance]
-        assert table is not None
         keep = ~(1 << instance)
         dirty = self._mirror.dirty_stored if self._mirror is not None else None
         for key in keys:
@@ -251,9 +263,8 @@ class PrefixIndex:
                     dirty.add(key)
 
     def clear(self, instance: int) -> None:
-        if instance < len(self._lru) and self._lru[instance] is not None:
-            table = self._lru[instance]
-            assert table is not None
+        table = self._held(instance)
+        if table is not None:
             self.remove(instance, list(table))
         for (key, inst), _ in list(self._pending_count.items()):
             if inst == instance:
@@ -416,8 +427,9 @@ class PrefixIndex:
     def _match_dict(self, keys: Sequence[int], start: int, include_pending: bool) -> dict[int, int]:
         """``alive[k]`` = the instances holding all of ``keys[:k]``: a running AND of the
         holder masks, computed in C (``accumulate``) and cut where it reaches zero.
-        Bits only ever drop, so each instance's match is the end of the last run that
-        still has its bit; runs are found by binary search, one per drop.
+        Bits only ever drop, so ``alive`` never grows and each instance's match is the end
+        of the last run that still has its bit; runs are found by binary search
+        (``bisect`` on the negated values), one per drop.
         """
         if not start:
             return {}
@@ -430,22 +442,16 @@ class PrefixIndex:
         out: dict[int, int] = {}
         last = len(alive) - 1
         i = 0
-        while True:
+        for _ in alive:  # a run per pass, so never more passes than values
             value = alive[i]
-            lo, hi = i, last  # the run of ``value`` ends at the last index holding it
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if alive[mid] == value:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            gone = value if lo == last else value & ~alive[lo + 1]
-            if lo:
-                for inst in _bits(gone):
-                    out[inst] = lo
-            if lo == last:
-                return out
-            i = lo + 1
+            end = bisect_right(alive, -value, i, key=neg) - 1  # where the run of value ends
+            if end:
+                for inst in _bits(value if end == last else value & ~alive[end + 1]):
+                    out[inst] = end
+            if end == last:
+                break
+            i = end + 1
+        return out
 
     @property
     def has_pending(self) -> bool:
@@ -463,8 +469,10 @@ class PrefixIndex:
 
     def tier_counts(self, instance: int, keys: Sequence[int]) -> dict[int, int]:
         """How many of ``keys`` (held by ``instance``) sit on each tier."""
-        table = self._table(instance)
+        table = self._held(instance)
         counts: dict[int, int] = {}
+        if table is None:
+            return counts
         for key in keys:
             tier = table.get(key)
             if tier is not None:
@@ -472,16 +480,12 @@ class PrefixIndex:
         return counts
 
     def blocks(self, instance: int) -> set[int]:
-        if instance >= len(self._lru) or self._lru[instance] is None:
-            return set()
-        table = self._lru[instance]
-        assert table is not None
-        return set(table)
+        return set(self._held(instance) or ())
 
     def size(self, instance: int | None = None) -> int:
         if instance is None:
             return sum(len(t) for t in self._lru if t is not None)
-        return len(self._table(instance))
+        return len(self._held(instance) or ())
 
     def __len__(self) -> int:
         return len(self.holders)

@@ -27,6 +27,7 @@ pending blocks) for the vectorised queries; the dicts stay the source of truth.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,11 +112,11 @@ class KeyMaskTable:
 
     def _entries(self) -> tuple[U64Array, U64Array]:
         """Every stored key (key 0 excluded) and its mask."""
-        keys = self._rows[:, :SLOTS].reshape(-1)
+        keys = self._rows[:, :SLOTS].ravel()
         used = np.flatnonzero(keys)
-        masks = self._rows[:, SLOTS:].reshape(-1, self.words)[used]
+        masks = self._rows[:, SLOTS:].reshape(self.capacity, self.words)[used]
         if self._stash:
-            extra = np.fromiter(self._stash, dtype=np.uint64, count=len(self._stash))
+            extra = np.array(list(self._stash), dtype=np.uint64)
             return (np.concatenate([keys[used], extra]),
                     np.concatenate([masks, np.stack(list(self._stash.values()))]))
         return keys[used], masks
@@ -124,15 +125,15 @@ class KeyMaskTable:
         if words <= self.words:
             return
         keys, masks = self._entries()
-        pad = np.zeros((len(masks), words - self.words), dtype=np.uint64)
-        self._zero = np.concatenate([self._zero, np.zeros(words - self.words, np.uint64)])
-        self._stash = {}
-        self._stash_view = None
-        self._meta = None
+        wide = np.zeros((len(masks), words), dtype=np.uint64)
+        wide[:, : self.words] = masks
+        zero = np.zeros(words, dtype=np.uint64)
+        zero[: self.words] = self._zero
+        self._zero = zero
         self.words = words
-        self._alloc(self._log2)
+        self._alloc(self._log2)  # empty rows and stash, views to rebuild
         self.count = 0
-        self._insert(keys, np.hstack([masks, pad]))
+        self._insert(keys, wide)
 
     # -- lookup ------------------------------------------------------------------------------
     def _home_of(self, key: int) -> int:
@@ -146,24 +147,21 @@ class KeyMaskTable:
         out: IntpArray = ((keys * _H2) >> self._shift).astype(np.intp)
         return out
 
-    def _probe(
-        self, keys: U64Array, buckets: IntpArray
-    ) -> tuple[BoolArray, IntpArray, npt.NDArray[Any]]:
-        """Whether each key is in its bucket, at which slot, and the gathered rows."""
-        rows = np.take(self._rows, buckets, axis=0)
-        eq = rows[:, :SLOTS] == keys[:, None]
+    def _probe(self, keys: U64Array, buckets: IntpArray) -> tuple[BoolArray, IntpArray]:
+        """Whether each (non-zero) key is in its bucket, and at which slot."""
+        eq = np.take(self._rows, buckets, axis=0)[:, :SLOTS] == keys[:, None]
         j = eq.argmax(axis=1)
-        hit = eq[np.arange(len(keys)), j] & (keys != 0)
-        return hit, j, rows
+        hit: BoolArray = eq[np.arange(len(keys)), j]
+        return hit, j
 
     def _find(self, keys: U64Array) -> tuple[IntpArray, IntpArray, BoolArray]:
-        """Bucket and slot of every key, and whether it is there (key 0 never is)."""
+        """Bucket and slot of every (non-zero) key, and whether it is there."""
         bucket = self._home(keys)
-        hit, j, _ = self._probe(keys, bucket)
+        hit, j = self._probe(keys, bucket)
         retry = np.flatnonzero(~hit & (self._overflowed[bucket] != 0))
         if len(retry):
             away = self._away(keys[retry])
-            hit2, j2, _ = self._probe(keys[retry], away)
+            hit2, j2 = self._probe(keys[retry], away)
             found = retry[hit2]
             bucket[found], j[found], hit[found] = away[hit2], j2[hit2], True
         return bucket, j, hit
@@ -213,11 +211,11 @@ class KeyMaskTable:
         words); a zero row removes its key."""
         if not len(keys):
             return
-        if masks.shape[1] > self.words:
-            self.ensure_words(masks.shape[1])
-        elif masks.shape[1] < self.words:
-            pad = np.zeros((len(masks), self.words - masks.shape[1]), dtype=np.uint64)
-            masks = np.hstack([masks, pad])
+        self.ensure_words(masks.shape[1])
+        if masks.shape[1] != self.words:  # narrower: padded with zero words
+            wide = np.zeros((len(masks), self.words), dtype=np.uint64)
+            wide[:, : masks.shape[1]] = masks
+            masks = wide
         zero = keys == 0
         if zero.any():
             self._zero = masks[zero][-1].copy()
@@ -319,11 +317,10 @@ class KeyMaskTable:
             keys, masks = keys[left], masks[left]
 
     def _grow(self, need: int) -> None:
+        """Double the table at least once, and until ``need`` keys fit under MAX_LOAD."""
         keys, masks = self._entries()
-        log2 = self._log2 + 1
-        while need > MAX_LOAD * (SLOTS << log2):
-            log2 += 1
-        self._alloc(log2)
+        buckets = math.ceil(need / (MAX_LOAD * SLOTS))
+        self._alloc(max(self._log2 + 1, (buckets - 1).bit_length()))  # log2, rounded up
         self.count = 0
         self._insert(keys, masks)
 
@@ -343,10 +340,9 @@ def _rank_within(groups: IntpArray) -> IntpArray:
     sorted_groups = groups[order]
     n = len(groups)
     idx = np.arange(n)
-    starts = np.empty(n, dtype=bool)
-    starts[:1] = True
-    starts[1:] = sorted_groups[1:] != sorted_groups[:-1]
-    first = np.maximum.accumulate(np.where(starts, idx, 0))
+    # each sorted position's group starts at the last position where the value changed
+    first = np.zeros(n, dtype=np.intp)
+    first[1:] = np.where(sorted_groups[1:] != sorted_groups[:-1], idx[1:], 0)
     rank = np.empty(n, dtype=np.intp)
-    rank[order] = idx - first
+    rank[order] = idx - np.maximum.accumulate(first)
     return rank

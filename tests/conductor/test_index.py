@@ -1,3 +1,4 @@
+import os
 import random
 
 import pytest
@@ -72,6 +73,10 @@ def test_tiers() -> None:
     assert ix.tier_counts(0, [1, 2]) == {HBM: 1, DRAM: 1}
 
 
+#: under mutation testing (``MUTANT_UNDER_TEST`` set) the property tests are backstops to
+#: test_index_rules.py that every surviving mutant runs in full: fewer examples there
+MUTATING = bool(os.environ.get("MUTANT_UNDER_TEST"))
+
 ops = st.lists(
     st.tuples(
         st.sampled_from(["store", "remove", "clear", "touch"]),
@@ -82,9 +87,11 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=50 if MUTATING else 150, deadline=None)
 @given(ops=ops, capacity=st.integers(1, 12), query=st.lists(st.integers(0, 30), max_size=10))
-def test_index_invariants(ops: list, capacity: int, query: list[int]) -> None:
+def test_index_invariants(
+    ops: list[tuple[str, int, list[int]]], capacity: int, query: list[int]
+) -> None:
     ix = PrefixIndex(capacity, instances=4)
     model: list[set[int]] = [set() for _ in range(4)]
     for op, inst, keys in ops:
@@ -117,7 +124,7 @@ def test_index_invariants(ops: list, capacity: int, query: list[int]) -> None:
         assert ix.match(inst, query) == m
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=30 if MUTATING else 80, deadline=None)
 @given(keys=st.lists(st.integers(0, 1000), min_size=1, max_size=20, unique=True))
 def test_removal_undoes_storage(keys: list[int]) -> None:
     ix = PrefixIndex(100, instances=2)
@@ -137,7 +144,9 @@ def test_vectorised_matching_equals_the_dict_walk(
     its order, which breaks ties downstream) must equal the dict walk's. A high table
     load puts many keys outside their home bucket (the lazily resolved case)."""
     monkeypatch.setattr(keytable, "MAX_LOAD", max_load)
-    for trial in range(12):
+    # under mutation testing half the trials (still every mask width, 3 to 130
+    # instances, and every capacity)
+    for trial in range(6 if MUTATING else 12):
         r = random.Random(trial)
         n_inst = r.choice([3, 64, 70, 130])  # 70 and 130: masks of several words
         cap = r.choice([5, 50, 500])

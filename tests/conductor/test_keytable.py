@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from mooncake_conductor import keytable
@@ -20,6 +22,11 @@ def _check(table: KeyMaskTable, truth: dict[int, int], probe: list[int]) -> None
     stash = np.array(list(table._stash), dtype=np.uint64)
     want += np.bincount(table._home(stash), minlength=len(keys))
     assert (table._overflowed == want).all()
+
+
+#: rounds of random batches; fewer under mutation testing (``MUTANT_UNDER_TEST`` set), where
+#: this is a backstop to test_keytable_rules.py and every surviving mutant runs it in full
+ROUNDS = 12 if os.environ.get("MUTANT_UNDER_TEST") else 40
 
 
 def _assign(table: KeyMaskTable, truth: dict[int, int], keys: np.ndarray,
@@ -46,7 +53,7 @@ def test_matches_a_dict_through_growth_deletes_and_overflow(
     table = KeyMaskTable()
     truth: dict[int, int] = {}
     overflowed = stashed = rewrote = False
-    for _ in range(40):
+    for _ in range(ROUNDS):
         keys = np.unique(rng.integers(0, 2**64 - 1, size=int(rng.integers(1, 3000)),
                                       dtype=np.uint64))
         if truth and rng.random() < 0.5:  # also rewrite and delete existing keys
