@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import pytest
 from aiohttp import web
 
 from .scripted import (
@@ -183,44 +182,39 @@ def test_engines_are_asked_in_order_skipping_unroutable_ones_until_one_answers()
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("status", [400, 404, 422, 499])
-def test_an_engine_refusing_the_prompt_is_relayed_and_no_other_engine_is_asked(
-        status: int) -> None:
-    async def main() -> None:
-        async with tokenizing("p0", "d0") as (p0, d0), running_gateway(
-                [model([p0], [d0])], tokenizer="engine") as gw:
-            p0.tokenize = _answer(status, {"error": {
-                "message": "prompt too long", "type": "BadRequestError",
-                "param": "prompt", "code": "too_long"}})
-            got, _h, raw = await gw.post(CMPL, {"model": MODEL, "prompt": "a"})
-            assert got == status
-            err = _error(raw)
-            assert (err["message"], err["param"], err["code"]) == \
-                ("prompt too long", "prompt", "too_long")
-            assert d0.tokenized == [] and p0.calls == [] and d0.calls == []
-
-    asyncio.run(main())
-
-
-@pytest.mark.parametrize("answer", [
-    _answer(400, {"detail": [{"loc": ["body"], "msg": "field required"}]}),
+NOT_OPENAI = [
+    _answer(400, {"detail": [{"loc": ["body"], "msg": "field required"}]}),  # FastAPI's
     _answer(400, [1, 2]),
     _answer(400, {"error": "a string"}),
     _answer(400, {"error": {"message": None, "param": None}}),
     _answer(400, {"error": {"message": ""}}),
     (400, b"", "application/json"),
-], ids=["fastapi", "list", "string-error", "null-message", "empty-message", "empty"])
-def test_an_engine_refusal_without_an_openai_error_is_a_bad_prompt(
-        answer: tuple[int, bytes, str]) -> None:
+]
+
+
+def test_an_engine_refusing_the_prompt_is_relayed_and_no_other_engine_is_asked() -> None:
     async def main() -> None:
         async with tokenizing("p0", "d0") as (p0, d0), running_gateway(
                 [model([p0], [d0])], tokenizer="engine") as gw:
-            p0.tokenize = answer
-            got, _h, raw = await gw.post(CMPL, {"model": MODEL, "prompt": "a"})
-            assert got == 400, raw
-            assert _error(raw) == {"message": "bad prompt", "type": "invalid_request_error",
-                                   "param": None, "code": None}
-            assert d0.tokenized == []
+            for status in (400, 404, 422, 499):
+                p0.tokenize = _answer(status, {"error": {
+                    "message": "prompt too long", "type": "BadRequestError",
+                    "param": "prompt", "code": "too_long"}})
+                got, _h, raw = await gw.post(CMPL, {"model": MODEL, "prompt": "a"})
+                assert got == status
+                err = _error(raw)
+                assert (err["message"], err["param"], err["code"]) == \
+                    ("prompt too long", "prompt", "too_long")
+            # without an OpenAI error: a bad prompt
+            for answer in NOT_OPENAI:
+                p0.tokenize = answer
+                got, _h, raw = await gw.post(CMPL, {"model": MODEL, "prompt": "a"})
+                assert got == 400, (answer, raw)
+                assert _error(raw) == {"message": "bad prompt",
+                                       "type": "invalid_request_error", "param": None,
+                                       "code": None}, answer
+            assert len(p0.tokenized) == 4 + len(NOT_OPENAI)
+            assert d0.tokenized == [] and p0.calls == [] and d0.calls == []
 
     asyncio.run(main())
 
