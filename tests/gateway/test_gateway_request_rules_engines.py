@@ -11,6 +11,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from aiohttp import web
+from mooncake_conductor.cost import CostModel
+from mooncake_gateway.settings import GatewaySettings
 
 from .scripted import (
     BLOCK,
@@ -19,6 +21,7 @@ from .scripted import (
     ScriptedEngine,
     engines,
     model,
+    prompt_ids,
     running_gateway,
     until,
 )
@@ -264,5 +267,60 @@ def test_a_gateway_without_models_is_not_ready() -> None:
         async with running_gateway([], wait_ready=False) as gw, \
                 gw.session.get(gw.url + "/ready") as r:
             assert (r.status, await r.json()) == (503, {"ready": False, "missing": []})
+
+    asyncio.run(main())
+
+
+def test_explained_candidates_are_the_up_prefill_instances_best_first() -> None:
+    async def main() -> None:
+        async with engines("p0", "p1", "p2", "p3", "d0") as (p0, p1, p2, p3, d0):
+            p0.healthy = False  # never up: never a candidate
+            doc = model([p0, p1, p2, p3], [d0])
+            async with running_gateway([doc], explain_top=2) as gw:
+                async def up() -> bool:
+                    st = await gw.state()
+                    return [i["routable"] for i in st["prefill"]] == [False, True, True, True]
+                await until(up)
+                held = asyncio.Event()
+                for e in (p1, p2, p3):
+                    e.hold = held
+                prefix = prompt_ids(4 * BLOCK, 7)
+                first = asyncio.create_task(gw.post(CMPL, {
+                    "model": MODEL, "prompt": [*prefix, 1, 2, 3], "max_tokens": 1}))
+
+                async def arrived() -> bool:
+                    return len(p1.calls) + len(p2.calls) + len(p3.calls) == 1
+                await until(arrived)
+                busy = next(e for e in (p1, p2, p3) if e.calls)
+                second = asyncio.create_task(gw.post(
+                    CMPL, {"model": MODEL, "prompt": [*prefix, 4, 5, 6], "max_tokens": 1},
+                    {"x-conductor-explain": "1"}))
+
+                async def both() -> bool:
+                    return len(p1.calls) + len(p2.calls) + len(p3.calls) == 2
+                await until(both)
+                held.set()
+                for status, _h, raw in (await first, await second):
+                    assert status == 200, raw
+                _s, headers, raw = await second
+                cands = json.loads(headers["x-conductor-decision"])["candidates"]
+                assert json.loads(raw)["conductor"]["candidates"] == cands
+                cost = CostModel(GatewaySettings.model_validate(
+                    {"models": [doc]}).models[0].conductor.cost)
+                n = len(prefix) + 3
+                want = []
+                for e in (p1, p2, p3):  # every up instance, the prefix pending on one
+                    blocks = 4 if e is busy else 0
+                    got = next((c for c in cands if c["instance"] == e.name), None)
+                    queue = got["queue_s"] if got is not None else 0.0
+                    assert queue >= 0
+                    prefill = cost.prefill_time(n, blocks * BLOCK)
+                    want.append({"instance": e.name, "matched_blocks": blocks,
+                                 "cached_tokens": blocks * BLOCK, "queue_s": queue,
+                                 "prefill_s": prefill, "ttft_s": queue + prefill})
+                want.sort(key=lambda c: c["ttft_s"])
+                assert cands == want[:2]
+                assert cands[0]["instance"] == busy.name  # the prefix pending there
+                assert cost.prefill_time(n, 4 * BLOCK) < cost.prefill_time(n)
 
     asyncio.run(main())
