@@ -28,7 +28,7 @@ from mooncake_gateway.server import (
     splice_json,
 )
 from mooncake_gateway.upstream import UpstreamCallError, UpstreamPool, _Connection
-from mooncake_gateway.validate import _text_part
+from mooncake_gateway.validate import _text_part, parse_request
 
 
 # -- an engine's error, passed on ---------------------------------------------------------
@@ -156,6 +156,24 @@ PARTS: list[tuple[Any, bool]] = [
 def test_text_parts() -> None:
     for part, ok in PARTS:
         assert _text_part(part) is ok, part
+
+
+def test_chat_content_that_is_no_text_parts_is_refused_naming_the_message() -> None:
+    for messages, problem in (
+            ([{"role": "user", "content": [{"type": "text", "text": 5}]}],
+             "messages[0].content must be a string or text parts"),
+            ([{"role": "user", "content": "ok"}, {"role": "user", "content": ["x"]}],
+             "messages[1].content must be a string or text parts"),
+            ([{"role": "user", "content": 3}],
+             "messages[0].content must be a string or text parts"),
+            ([], "'messages' must be a non-empty list")):
+        with pytest.raises(ApiError) as e:
+            parse_request({"model": "m", "messages": messages}, True, None)
+        assert _err(e.value) == (400, problem, "messages", None)
+    parts = [{"type": "text", "text": "a"}, {"text": "b"}]
+    p = parse_request({"model": "m", "messages": [{"role": "user", "content": parts}]},
+                      True, None)
+    assert p.messages == [{"role": "user", "content": parts}] and p.chat
 
 
 # -- SSE events -----------------------------------------------------------------------------
