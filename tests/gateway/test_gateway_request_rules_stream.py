@@ -159,3 +159,30 @@ def test_a_failed_decode_goes_to_the_least_loaded_other_instance() -> None:
                 await d.stop()
 
     asyncio.run(main())
+
+
+def test_a_stream_without_done_ends_with_an_openai_error_event() -> None:
+    async def answer(request: web.Request, call: Call) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "half"}]}\n\n')
+        await resp.write_eof()
+        return resp
+
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), \
+                running_gateway([model([p0], [d0])], unhealthy_after=1) as gw:
+            d0.answer = answer
+            status, _h, raw = await gw.post(CMPL, _body(4))
+            assert status == 200
+            assert raw.endswith(b"\n\n")
+            first, last = _events(raw)
+            assert first == b'data: {"choices": [{"text": "half"}]}'
+            assert last.startswith(b"data: ")
+            assert json.loads(last[len(b"data: "):]) == {"error": {
+                "message": "decode failed mid-stream on d0: UpstreamError",
+                "type": "upstream_error", "param": None, "code": "upstream_failed"}}
+            st = await gw.state()
+            assert not st["decode"][0]["healthy"]  # the failure counted against it
+
+    asyncio.run(main())
