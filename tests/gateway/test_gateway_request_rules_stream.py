@@ -186,3 +186,30 @@ def test_a_stream_without_done_ends_with_an_openai_error_event() -> None:
             assert not st["decode"][0]["healthy"]  # the failure counted against it
 
     asyncio.run(main())
+
+
+def test_an_explained_answer_is_json_and_one_that_is_no_object_is_a_502() -> None:
+    async def not_an_object(_request: web.Request, _call: Call) -> web.StreamResponse:
+        return web.json_response(["not", "an", "object"])
+
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), \
+                running_gateway([model([p0], [d0])]) as gw:
+            explain = {"x-conductor-explain": "1"}
+            status, headers, raw = await gw.post(CMPL, _body(5, False), explain)
+            assert status == 200, raw
+            assert headers["Content-Type"].split(";")[0] == "application/json"
+            body = json.loads(raw)
+            assert body["conductor"]["decode"] == "d0"
+            assert {k: v for k, v in body.items() if k != "conductor"} == \
+                d0.decode_json(d0.decodes[0])
+            # without explain the answer goes back as it came, with explain it cannot
+            d0.answer = not_an_object
+            status, _h, raw = await gw.post(CMPL, _body(6, False))
+            assert (status, json.loads(raw)) == (200, ["not", "an", "object"])
+            status, _h, raw = await gw.post(CMPL, _body(7, False), explain)
+            assert status == 502
+            assert json.loads(raw)["error"]["message"] == \
+                "decode failed (d0: answer is not a JSON object)"
+
+    asyncio.run(main())
