@@ -276,11 +276,12 @@ def test_explained_candidates_are_the_up_prefill_instances_best_first() -> None:
         async with engines("p0", "p1", "p2", "p3", "d0") as (p0, p1, p2, p3, d0):
             p0.healthy = False  # never up: never a candidate
             doc = model([p0, p1, p2, p3], [d0])
-            async with running_gateway([doc], explain_top=2) as gw:
-                async def up() -> bool:
-                    st = await gw.state()
-                    return [i["routable"] for i in st["prefill"]] == [False, True, True, True]
-                await until(up)
+
+            async def up(gw: Any) -> bool:
+                st = await gw.state()
+                return [i["routable"] for i in st["prefill"]] == [False, True, True, True]
+            async with running_gateway([doc], explain_top=3) as gw:
+                await until(lambda: up(gw))
                 held = asyncio.Event()
                 for e in (p1, p2, p3):
                     e.hold = held
@@ -308,19 +309,31 @@ def test_explained_candidates_are_the_up_prefill_instances_best_first() -> None:
                 cost = CostModel(GatewaySettings.model_validate(
                     {"models": [doc]}).models[0].conductor.cost)
                 n = len(prefix) + 3
+                queues = {c["instance"]: c["queue_s"] for c in cands}
+                assert set(queues) == {"p1", "p2", "p3"}  # every one that is up
                 want = []
-                for e in (p1, p2, p3):  # every up instance, the prefix pending on one
+                for e in (p1, p2, p3):  # the prefix is pending on the busy one
                     blocks = 4 if e is busy else 0
-                    got = next((c for c in cands if c["instance"] == e.name), None)
-                    queue = got["queue_s"] if got is not None else 0.0
-                    assert queue >= 0
+                    queue = queues[e.name]
+                    assert queue >= 0 and (queue == 0 or e is busy)
                     prefill = cost.prefill_time(n, blocks * BLOCK)
                     want.append({"instance": e.name, "matched_blocks": blocks,
                                  "cached_tokens": blocks * BLOCK, "queue_s": queue,
                                  "prefill_s": prefill, "ttft_s": queue + prefill})
                 want.sort(key=lambda c: c["ttft_s"])
-                assert cands == want[:2]
-                assert cands[0]["instance"] == busy.name  # the prefix pending there
+                assert cands == want
                 assert cost.prefill_time(n, 4 * BLOCK) < cost.prefill_time(n)
+            # at most explain_top of them (equal: in instance order)
+            for e in (p1, p2, p3):
+                e.hold = None
+            async with running_gateway([doc], explain_top=1) as gw:
+                await until(lambda: up(gw))
+                status, headers, raw = await gw.post(
+                    CMPL, {"model": MODEL, "prompt": prompt_ids(20, 9), "max_tokens": 1},
+                    {"x-conductor-explain": "1"})
+                assert status == 200, raw
+                cands = json.loads(headers["x-conductor-decision"])["candidates"]
+                assert [(c["instance"], c["matched_blocks"], c["queue_s"]) for c in cands] \
+                    == [("p1", 0, 0.0)]
 
     asyncio.run(main())
