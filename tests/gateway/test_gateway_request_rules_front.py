@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from typing import Any
 from urllib.parse import urlsplit
@@ -323,6 +324,43 @@ def test_a_connection_in_use_is_not_swept() -> None:
                 assert line == "HTTP/1.1 200 OK"
                 await asyncio.sleep(IDLE_S / 10)
             assert len(d0.decodes) == n
+            c.close()
+
+    asyncio.run(main())
+
+
+def test_a_slow_reader_of_a_handed_over_stream_gets_it_all() -> None:
+    """Megabytes of events to a client that reads late: the handed-over connection's
+    writes pause and resume (aiohttp's flow control through the front end's protocol)."""
+    event = b'data: {"choices": [{"text": "' + b"x" * 1000 + b'"}]}\n\n'
+    count = 3000
+
+    async def answer(request: Any, _call: Any) -> Any:
+        from aiohttp import web
+
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(count // 100):
+            await resp.write(event * 100)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), \
+                running_gateway([model([p0], [d0])]) as gw:
+            d0.answer = answer
+            u = urlsplit(gw.url)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, (u.hostname, u.port))
+            c = _Conn(*await asyncio.open_connection(sock=sock))
+            await c.send(_request("/v1/completions", _completion(30, stream=True)))
+            await asyncio.sleep(0.3)  # nothing read: the gateway's buffer fills
+            line, _h, body = await asyncio.wait_for(c.answer(), WAIT_S)
+            assert line == "HTTP/1.1 200 OK"
+            assert body == event * count + b"data: [DONE]\n\n"
             c.close()
 
     asyncio.run(main())
