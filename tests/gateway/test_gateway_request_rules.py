@@ -8,15 +8,21 @@ by the connection's end)."""
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import itertools
 import json
 import math
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import numpy as np
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+from mooncake_contract.tokenizer import VOCAB_SIZE
 from mooncake_gateway.errors import ApiError
+from mooncake_gateway.front import FrontServer, _Date
 from mooncake_gateway.server import (
     _bool_query,
     _finite,
@@ -425,5 +431,67 @@ def test_a_new_call_on_a_connection_starts_from_a_clean_parser() -> None:
                            b"1\r\nq\r\n0\r\n\r\n")
         assert third.result() == (200, b"q")
         assert transport.written == [b"A", b"B", b"C"] and conn.reusable
+
+    asyncio.run(main())
+
+
+# -- prompts as token ids -------------------------------------------------------------------
+def test_token_id_prompts_accepted_and_refused() -> None:
+    good: list[Any] = [[5], [[5]], [0, VOCAB_SIZE - 1], [7] * 3]
+    for prompt in good:
+        p = parse_request({"model": "m", "prompt": prompt}, False, None)
+        assert p.prompt_ids is not None and p.prompt_ids.dtype == np.int64
+        assert p.prompt_ids.tolist() == (prompt[0] if isinstance(prompt[0], list) else prompt)
+    not_ids = "'prompt' must be a string or a list of token ids"
+    bad: list[tuple[Any, str]] = [
+            ([2**64 - 1], not_ids),  # unsigned 64-bit: no token id, not wrapped around
+            ([1, 2**64 - 1], not_ids),
+            ([2**70], not_ids),
+            ([True, 1], not_ids),
+            ([1.0, 2], not_ids),
+            ([-1], f"token ids must be in [0, {VOCAB_SIZE})"),
+            ([1, VOCAB_SIZE], f"token ids must be in [0, {VOCAB_SIZE})"),
+            ([1, "a"], not_ids)]
+    for prompt, message in bad:
+        with pytest.raises(ApiError) as e:
+            parse_request({"model": "m", "prompt": prompt}, False, None)
+        assert _err(e.value) == (400, message, "prompt", None), prompt
+
+
+# -- the front end's answer head ------------------------------------------------------------
+def test_the_date_header_is_now_in_gmt() -> None:
+    d = _Date()
+    before = time.time()
+    value = d.get()
+    stamp = email.utils.parsedate_to_datetime(value.decode("ascii")).timestamp()
+    assert value.endswith(b" GMT")
+    assert int(before) - 1 <= stamp <= time.time() + 1
+    assert d.get() in (value, _Date().get())  # the same within a second
+
+
+def test_the_front_end_writes_its_own_length_date_and_connection_headers() -> None:
+    async def main() -> None:
+        front = FrontServer(None, lambda: asyncio.Protocol(), 1000,  # type: ignore[arg-type]
+                            60.0)
+        try:
+            resp = web.Response(body=b'{"a":1}', status=404, headers={
+                "Content-Type": "application/json", "X-Keep": "1", "Content-Length": "99",
+                "Connection": "keep-alive", "Transfer-Encoding": "chunked", "Date": "x"})
+            for keep_alive in (True, False):
+                raw = front.encode(resp, keep_alive)
+                head, body = raw.split(b"\r\n\r\n")
+                lines = head.split(b"\r\n")
+                assert lines[0] == b"HTTP/1.1 404 Not Found" and body == b'{"a":1}'
+                date = next(x for x in lines if x.startswith(b"Date: "))
+                assert email.utils.parsedate_to_datetime(date[6:].decode()).timestamp() > 0
+                assert sorted(x for x in lines[1:] if x != date) == sorted(
+                    [b"Content-Type: application/json", b"X-Keep: 1", b"Content-Length: 7"]
+                    + ([] if keep_alive else [b"Connection: close"]))
+            # no body, a status without a phrase
+            raw = front.encode(web.Response(status=599), True)
+            assert raw.startswith(b"HTTP/1.1 599 Unknown\r\n")
+            assert b"\r\nContent-Length: 0\r\n" in raw and raw.endswith(b"\r\n\r\n")
+        finally:
+            front.close()
 
     asyncio.run(main())
