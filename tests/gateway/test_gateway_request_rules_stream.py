@@ -213,3 +213,64 @@ def test_an_explained_answer_is_json_and_one_that_is_no_object_is_a_502() -> Non
                 "decode failed (d0: answer is not a JSON object)"
 
     asyncio.run(main())
+
+
+def test_prefill_engines_out_of_reach_are_named_in_the_502() -> None:
+    async def main() -> None:
+        async with engines("p0", "p1", "d0") as (p0, p1, d0), \
+                running_gateway([model([p0, p1], [d0])]) as gw:
+            await p0.stop()
+            await p1.stop()
+            status, _h, raw = await gw.post(CMPL, _body(8, False))
+            assert status == 502
+            err = json.loads(raw)["error"]
+            got = (await gw.get(f"/conductor/decisions?model={MODEL}"))[-1]
+            tried = [a["prefill"] for a in got["attempts"]]
+            assert sorted(tried) == ["p0", "p1"]
+            assert got["attempts"] == [{"prefill": n, "error": "ConnectionRefusedError"}
+                                       for n in tried]
+            assert err["message"] == \
+                f"prefill failed on every instance tried ({tried[-1]}: ConnectionRefusedError)"
+            assert d0.calls == []
+
+    asyncio.run(main())
+
+
+def test_a_direct_request_reaches_decode_as_the_client_sent_it() -> None:
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), running_gateway(
+                [model([p0], [d0], direct={"uncached_tokens_below": 100_000})]) as gw:
+            for stream in (False, True):
+                raw = json.dumps(_body(9, stream), indent=2).encode()
+                status, _h, _b = await gw.post(CMPL, raw)
+                assert status == 200
+                assert d0.decodes[-1].raw == raw  # no kv_transfer_params added
+            assert p0.calls == []
+
+    asyncio.run(main())
+
+
+def test_a_decode_retry_after_a_prefill_stays_in_the_prefill_group() -> None:
+    async def main() -> None:
+        async with engines("p0", "e0", "d0", "d1") as (p0, e0, d0, d1):
+            first: list[ScriptedEngine] = []
+
+            async def refuse_once(_request: web.Request, call: Call) -> web.StreamResponse:
+                for d in (e0, d0, d1):
+                    d.answer = None
+                first.append(next(d for d in (e0, d0, d1) if call in d.calls))
+                return web.json_response({"error": {"message": "busy"}}, status=503)
+            # e0 is of another revision (another engine group) and first in the list
+            doc = model([p0.endpoint(revision="r1")],
+                        [e0.endpoint(revision="r2"), d0.endpoint(revision="r1"),
+                         d1.endpoint(revision="r1")])
+            async with running_gateway([doc]) as gw:
+                for d in (e0, d0, d1):
+                    d.answer = refuse_once
+                status, _h, raw = await gw.post(CMPL, _body(10, False))
+                assert status == 200, raw
+                assert first and first[0] in (d0, d1)
+                other = d1 if first[0] is d0 else d0
+                assert (len(first[0].calls), len(other.calls), len(e0.calls)) == (1, 1, 0)
+
+    asyncio.run(main())
