@@ -423,8 +423,10 @@ class Gateway:
                             if isinstance(toks, list):
                                 return [int(t) for t in toks]
                         if 400 <= r.status < 500:
-                            err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
-                            raise ApiError(r.status, str(err.get("message", "bad prompt")),
+                            err = data.get("error") if isinstance(data, dict) else None
+                            if not isinstance(err, dict):  # not OpenAI's shape
+                                err = {}
+                            raise ApiError(r.status, str(err.get("message") or "bad prompt"),
                                            err.get("param"), err.get("code"))
                 except (aiohttp.ClientError, TimeoutError, ValueError):
                     continue
