@@ -147,3 +147,38 @@ def test_a_sequence_frame_must_be_eight_bytes(frame: bytes) -> None:
     with pytest.raises(ValueError) as err:
         codec.decode_seq(frame)
     assert str(err.value) == f"sequence frame must be 8 bytes, got {len(frame)}"
+
+
+def test_a_map_batch_takes_its_rank_from_sglang_attn_dp_rank_too() -> None:
+    assert decode_batch(msgpack.packb({"ts": 1.0, "events": [], "attn_dp_rank": 3})) \
+        .data_parallel_rank == 3
+    both = {"ts": 1.0, "events": [], "data_parallel_rank": 1, "attn_dp_rank": 3}
+    assert decode_batch(msgpack.packb(both)).data_parallel_rank == 1
+    assert decode_batch(msgpack.packb({"ts": 1.0, "events": []})).data_parallel_rank is None
+
+
+@pytest.mark.parametrize(("obj", "message"), [
+    ({"ts": 1.0}, "batch map lacks ts or events"),
+    ({"events": []}, "batch map lacks ts or events"),
+    ([1.0], "batch array has 1 elements, needs [ts, events]"),
+    ("x", "batch must be an array or a map, got str"),
+    (["t", []], "batch timestamp must be a number, got str"),
+    ([True, []], "batch timestamp must be a number, got bool"),
+    ([1.0, {}], "batch events must be an array, got dict"),
+    ([1.0, [], "r"], "data_parallel_rank must be an int, got str"),
+    ([1.0, [5]], "event must be a map or an array, got int"),
+    ([1.0, [[]]], "event without a string type tag: None"),
+    ([1.0, [{"type": 7}]], "event without a string type tag: 7"),
+    ([1.0, [{"type": "BlockRemoved"}]], "BlockRemoved lacks ['block_hashes']"),
+    ([1.0, [["BlockStored", [1]]]], "BlockStored has 1 fields, needs 4"),
+])
+def test_malformed_batches_are_refused_with_what_is_wrong(obj: Any, message: str) -> None:
+    with pytest.raises(DecodeError) as err:
+        decode_batch(msgpack.packb(obj))
+    assert str(err.value) == message
+
+
+def test_bytes_that_are_not_msgpack_say_so() -> None:
+    with pytest.raises(DecodeError) as err:
+        decode_batch(b"\xc1")
+    assert str(err.value).startswith("not msgpack: ")
