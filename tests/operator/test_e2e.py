@@ -309,8 +309,10 @@ def _check_degraded(cl: Clusters, cases: dict[str, Any], operator: Operator,
         wait_for(lambda n=name, r=reason: cl.condition(n, "Degraded") == ("True", r), 90,
                  f"{name} Degraded/{reason}")
         assert cl.condition(name, "Ready")[0] == "False"
-        assert any(e["reason"] == reason and e["type"] == "Warning"
-                   for e in cl.events(name)), name
+        # the status is patched first; kopf posts the event from its own queue afterwards
+        wait_for(lambda n=name, r=reason: any(e["reason"] == r and e["type"] == "Warning"
+                                              for e in cl.events(n)), 30,
+                 f"{name} Warning event {reason}")
     assert operator.proc.poll() is None and operator.proc.pid == pid
     # a fix heals it
     cl.patch("bad-params", {"conductor": {"params": {"no_such_weight": None}}})  # merge patch
