@@ -20,7 +20,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import zmq
@@ -125,12 +125,16 @@ class ScriptedEngine:
         return b"".join(out)
 
     # -- server -------------------------------------------------------------------------------
-    async def start(self) -> ScriptedEngine:
-        app = web.Application()
+    def routes(self, app: web.Application) -> None:
+        """The engine's HTTP routes (a subclass adds its own after these)."""
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
+
+    async def start(self) -> Self:
+        app = web.Application()
+        self.routes(app)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=0.5)
         await self._runner.setup()

@@ -16,7 +16,6 @@ from mooncake_gateway.settings import GatewaySettings
 
 from .scripted import (
     BLOCK,
-    HOST,
     MODEL,
     ScriptedEngine,
     engines,
@@ -43,20 +42,9 @@ class TokenizingEngine(ScriptedEngine):
                              "tokens": TOKENS}).encode(), "application/json")
         self.tokenize_delay = 0.0
 
-    async def start(self) -> TokenizingEngine:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+    def routes(self, app: web.Application) -> None:
+        super().routes(app)
         app.router.add_post("/tokenize", self._tokenize)
-        app.router.add_post("/v1/completions", self._complete)
-        app.router.add_post("/v1/chat/completions", self._complete)
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, HOST, 0)
-        await site.start()
-        self.url = f"http://{HOST}:{self._runner.addresses[0][1]}"
-        return self
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         self.tokenized.append(json.loads(await request.read()))
