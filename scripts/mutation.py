@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Mutation testing with mutmut: per-target runs, a per-module report and a CI gate.
 
-    python scripts/mutation.py [TARGET ...] [--report DIR] [--gate] [--merge]
+    python scripts/mutation.py [TARGET ...] [--report DIR] [--gate] [--merge] [--resume]
 
 Targets live in ``mutation.toml`` (files to mutate, the fast tests that should kill the
 mutants, the gate's floor). For each target this builds a staging directory with the
@@ -421,11 +421,27 @@ class Staging:
     mutated_files: list[str]
 
 
-def build_staging(root: Path, cfg: Config, target: Target, path: Path) -> Staging:
-    """A fresh mutmut project for ``target`` at ``path``."""
-    if path.exists():
+#: mutmut exit codes a resumed run tests again: survived, no tests, interrupted (``mutmut results``)
+RETEST_EXIT_CODES = frozenset({0, 2, 5, 33})
+
+
+def build_staging(root: Path, cfg: Config, target: Target, path: Path,
+                  resume: bool = False) -> Staging:
+    """A fresh mutmut project for ``target`` at ``path``; with ``resume`` and an earlier
+    staging there, its ``mutants/`` (results, test timings) is kept and the sources and
+    tests around it are replaced by the current ones."""
+    kept = path / "mutants"
+    resuming = resume and kept.is_dir()
+    if resuming:
+        for child in path.iterdir():
+            if child != kept:
+                if child.is_dir():
+                    shutil.rmtree(child)
+                else:
+                    child.unlink()
+    elif path.exists():
         shutil.rmtree(path)
-    path.mkdir(parents=True)
+    path.mkdir(parents=True, exist_ok=True)
     packages: list[str] = []
     for pattern in cfg.settings.packages:
         for src in sorted(root.glob(pattern)):
@@ -478,12 +494,31 @@ def build_staging(root: Path, cfg: Config, target: Target, path: Path) -> Stagin
     # mutants/ must exist before Python starts with it on PYTHONPATH (a missing entry is
     # cached as absent, and `import tests` then fails)
     mutants = path / "mutants"
-    mutants.mkdir()
+    mutants.mkdir(exist_ok=True)
     shutil.copy(SUPPORT / f"{PLUGIN}.py", mutants)
+    if resuming:
+        reset_for_retest(mutants)
     if target.subprocess_coverage:
         shutil.copy(SUPPORT / "sitecustomize.py", mutants)
         (path / "hits").mkdir()
     return Staging(path, tests, unmatched, mutated)
+
+
+def reset_for_retest(mutants: Path) -> int:
+    """Forget the result of every mutant that survived or that no test reached, so a
+    resumed run tests it against the current tests; killed and timed-out mutants keep
+    theirs. mutmut itself re-tests the mutants of any function whose source changed, and
+    collects coverage for new tests. Returns how many results were forgotten."""
+    forgotten = 0
+    for meta in mutants.rglob("*.meta"):
+        data = json.loads(meta.read_text(encoding="utf-8"))
+        codes = data.get("exit_code_by_key", {})
+        for name, code in codes.items():
+            if code in RETEST_EXIT_CODES:
+                codes[name] = None
+                forgotten += 1
+        meta.write_text(json.dumps(data), encoding="utf-8")
+    return forgotten
 
 
 def mutmut_env(staging: Path, subprocess_coverage: bool) -> dict[str, str]:
@@ -652,10 +687,10 @@ def mutant_diffs(staging: Path, env: dict[str, str], names: Sequence[str]) -> di
 
 
 def run_target(root: Path, cfg: Config, target: Target, work: Path, logs: Path,
-               max_children: int, progress: Progress) -> dict[str, Any]:
+               max_children: int, progress: Progress, resume: bool = False) -> dict[str, Any]:
     progress.begin(target.name)
     started = time.monotonic()
-    staging = build_staging(root, cfg, target, work / target.name)
+    staging = build_staging(root, cfg, target, work / target.name, resume)
     for g in staging.unmatched_tests:
         progress.end(f"note: no test file matches {g} (skipped)")
     env = mutmut_env(staging.path, target.subprocess_coverage)
@@ -700,6 +735,7 @@ def run_target(root: Path, cfg: Config, target: Target, work: Path, logs: Path,
         "process_isolation": target.process_isolation,
         "wall_s": round(wall, 1),
         "max_children": max_children,
+        "resumed": resume,
         "error": error,
         "log": str(log_path),
         "counts": counts.as_dict(),
@@ -867,6 +903,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="staging folders, one per target (default: %(default)s)")
     ap.add_argument("--max-children", type=int, default=os.cpu_count() or 2,
                     help="mutants tested at once (default: %(default)s, the CPU count)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in --work (stopped, or before new tests): keep the "
+                         "killed and timed-out results, test the rest against the current tree")
     ap.add_argument("--list", action="store_true", help="list the targets and exit")
     args = ap.parse_args(argv)
 
@@ -903,7 +942,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:
         try:
             results.append(run_target(root, cfg, cfg.targets[name], args.work.resolve(), logs,
-                                      args.max_children, progress))
+                                      args.max_children, progress, args.resume))
         except ConfigError as exc:
             print(f"mutation: {name}: {exc}", file=sys.stderr)
             return 2

@@ -425,3 +425,33 @@ def test_a_tiny_target_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert all(u["diff"].startswith("---") for u in t["undetected"])
     assert rc == 1 and "gate tiny" in out and "FAIL" in out  # under the 95 % floor
     assert "tiny" in (report / "mutation-report.md").read_text()
+
+    # --resume after a new test: the killed results stand, the undetected mutants are
+    # tested again against the current tests (mutmut collects the new test's coverage)
+    (repo / "tests" / "test_calc.py").write_text(
+        TINY_TEST + "\n\ndef test_untested() -> None:\n"
+        "    from mooncake_tiny.calc import untested\n    assert untested(3) == 6\n")
+    rc = mutation.main(["--resume", "--root", str(repo), "--config", str(repo / "mutation.toml"),
+                        "--report", str(report), "--work", str(tmp_path / "work"),
+                        "--max-children", "1"])
+    (again,) = json.loads((report / "mutation-report.json").read_text())["targets"]
+    assert rc == 0 and again["error"] is None and again["resumed"] is True
+    assert again["counts"]["no_tests"] == 0
+    assert again["counts"]["killed"] > counts["killed"]
+    assert again["counts"]["survived"] == counts["survived"]  # the equivalent boundary one
+    assert {u["function"] for u in again["undetected"]} == {"clamp"}
+    assert again["counts"]["killed"] + again["counts"]["survived"] == \
+        sum(counts[k] for k in ("killed", "survived", "no_tests", "timeout"))
+
+
+def test_resuming_forgets_only_undetected_results(tmp_path: Path) -> None:
+    meta = tmp_path / "mutants" / "pkg" / "mod.py.meta"
+    meta.parent.mkdir(parents=True)
+    codes = {"m__mutmut_1": 1, "m__mutmut_2": 0, "m__mutmut_3": 33, "m__mutmut_4": 36,
+             "m__mutmut_5": None, "m__mutmut_6": 5, "m__mutmut_7": 2, "m__mutmut_8": -24}
+    meta.write_text(json.dumps({"exit_code_by_key": codes, "durations_by_key": {}}))
+    assert mutation.reset_for_retest(tmp_path / "mutants") == 4
+    after = json.loads(meta.read_text())
+    assert after["exit_code_by_key"] == {**codes, "m__mutmut_2": None, "m__mutmut_3": None,
+                                         "m__mutmut_6": None, "m__mutmut_7": None}
+    assert after["durations_by_key"] == {}
