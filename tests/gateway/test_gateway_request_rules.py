@@ -458,6 +458,23 @@ def test_token_id_prompts_accepted_and_refused() -> None:
         assert _err(e.value) == (400, message, "prompt", None), prompt
 
 
+def test_prompts_that_are_empty_batched_or_of_another_type_are_refused_by_name() -> None:
+    empty = "'prompt' must not be empty"
+    batch = "batches of several prompts are not supported"
+    not_ids = "'prompt' must be a string or a list of token ids"
+    cases: list[tuple[Any, str]] = [
+        ("", empty), ([], empty), ([""], empty), ([[]], empty),
+        (["a", "b"], batch), ([[1], [2]], batch), (["a", [1]], batch),
+        (None, not_ids), (3, not_ids), ({"text": "a"}, not_ids), ([None], not_ids),
+        ([1, None], not_ids), ([[1], "a", 3], not_ids)]
+    for prompt, message in cases:
+        with pytest.raises(ApiError) as e:
+            parse_request({"model": "m", "prompt": prompt}, False, None)
+        assert _err(e.value) == (400, message, "prompt", None), prompt
+    # a batch of one is its prompt
+    assert parse_request({"model": "m", "prompt": ["hi"]}, False, None).prompt_text == "hi"
+
+
 # -- the front end's answer head ------------------------------------------------------------
 def test_the_date_header_is_now_in_gmt() -> None:
     d = _Date()

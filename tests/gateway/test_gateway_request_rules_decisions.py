@@ -1,0 +1,235 @@
+"""What each request leaves behind, against scripted engines over real HTTP with the
+cache state coming from KV events on real ZeroMQ: the decision record (every field of
+``/conductor/decisions`` and of the explain header), the scheduler's 429 and its record,
+the token accounting of ``/conductor/state`` and ``/metrics`` (predicted reuse, computed
+tokens, prefill GPU seconds), the direct rule's threshold counted against what the decode
+instance holds, and policies that book their own requests releasing them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+from mooncake_contract.kvevents.codec import BlockStored
+from prometheus_client.parser import text_string_to_metric_families
+
+from .scripted import (
+    BLOCK,
+    MODEL,
+    ScriptedPublisher,
+    engines,
+    model,
+    prompt_ids,
+    running_gateway,
+    until,
+)
+
+CMPL = "/v1/completions"
+EXPLAIN = {"x-conductor-explain": "1"}
+RECORD_KEYS = {"id", "time", "model", "policy", "prompt_tokens", "blocks", "prefill",
+               "decode", "local_blocks", "fetch_blocks", "source", "predicted",
+               "reject_reason", "decision_us", "attempts"}
+PREDICTED_KEYS = {"queue_s", "transfer_s", "prefill_s", "ttft_s", "tbt_s"}
+#: a decision takes microseconds to (on the first, compiling) about a second; this bound
+#: only has to tell a duration from a clock reading
+DECISION_US_MAX = 60e6
+
+
+def _body(tokens: list[int], max_tokens: int = 3) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": tokens, "max_tokens": max_tokens}
+
+
+def _sample(text: str, name: str, **labels: str) -> float:
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    raise AssertionError(f"no sample {name} {labels}")
+
+
+async def _records(gw: Any) -> list[dict[str, Any]]:
+    return list(await gw.get(f"/conductor/decisions?model={MODEL}&limit=100"))
+
+
+async def _applied(gw: Any, pool: str, seq: int) -> None:
+    async def done() -> bool:
+        st = await gw.state()
+        return int(st[pool][0]["events"]["last_seq"]) >= seq
+    await until(done, what=f"{pool} events up to {seq} applied")
+
+
+def test_a_served_decision_record_names_every_part_of_the_decision() -> None:
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), \
+                running_gateway([model([p0], [d0])]) as gw:
+            before = time.time()
+            status, headers, raw = await gw.post(CMPL, _body(prompt_ids(40)), EXPLAIN)
+            assert status == 200, raw
+            [rec] = await _records(gw)
+            assert set(rec) == RECORD_KEYS | {"candidates", "direct", "held_blocks",
+                                              "decode_held_blocks", "engine_cached_tokens",
+                                              "outcome"}
+            assert before <= rec["time"] <= time.time()
+            assert (rec["model"], rec["policy"]) == (MODEL, (await gw.state())["policy"])
+            assert (rec["prompt_tokens"], rec["blocks"]) == (40, 40 // BLOCK)
+            assert (rec["prefill"], rec["decode"], rec["source"]) == ("p0", "d0", None)
+            assert (rec["local_blocks"], rec["fetch_blocks"]) == (0, 0)
+            pred = rec["predicted"]
+            assert set(pred) == PREDICTED_KEYS
+            assert pred["prefill_s"] > 0 and pred["tbt_s"] > 0
+            assert pred["ttft_s"] == pytest.approx(pred["queue_s"] + pred["transfer_s"]
+                                                   + pred["prefill_s"])
+            assert rec["reject_reason"] is None
+            assert 0 < rec["decision_us"] < DECISION_US_MAX
+            assert (rec["direct"], rec["held_blocks"], rec["decode_held_blocks"]) == \
+                (False, 0, 0)
+            # the scripted prefill answers 32 cached tokens in its usage
+            assert rec["engine_cached_tokens"] == 32
+            assert rec["attempts"] == [{"prefill": "p0", "status": 200}]
+            assert rec["outcome"] == "ok"
+            # the explain header: compact JSON of the routing fields of the same decision
+            header = headers["x-conductor-decision"]
+            assert ", " not in header and '": ' not in header
+            view = json.loads(header)
+            for key in ("id", "policy", "prefill", "decode", "local_blocks", "fetch_blocks",
+                        "direct"):
+                assert view[key] == rec[key], key
+            assert view["predicted"] == pytest.approx(pred)
+            # the unary answer carries the same view
+            assert json.loads(raw)["conductor"]["id"] == rec["id"]
+
+    asyncio.run(main())
+
+
+def test_a_rejection_is_explained_in_its_429_and_in_its_record() -> None:
+    async def main() -> None:
+        strict = {"slo": {"ttft_s": 1e-9}}
+        async with engines("p0", "d0") as (p0, d0), running_gateway(
+                [model([p0], [d0], conductor=strict)], retry_after_s=3) as gw:
+            status, headers, raw = await gw.post(CMPL, _body(prompt_ids(40)))
+            assert status == 429, raw
+            assert headers["Retry-After"] == "3"
+            assert json.loads(raw)["error"]["message"] == \
+                "request rejected by the scheduler (ttft-slo); retry later"
+            [rec] = await _records(gw)
+            assert set(rec) == RECORD_KEYS
+            assert (rec["reject_reason"], rec["attempts"]) == ("ttft-slo", [])
+            assert (rec["prefill"], rec["decode"]) == ("p0", "d0")
+            assert 0 < rec["decision_us"] < DECISION_US_MAX
+        # no prefill instance up: a decision without a prefill instance
+        async with engines("p0", "d0") as (p0, d0), running_gateway(
+                [model([p0], [d0])], wait_ready=False, health_interval_s=0.05) as gw:
+            p0.healthy = False
+
+            async def down() -> bool:
+                return not (await gw.state())["prefill"][0]["routable"]
+            await until(down, what="p0 marked down")
+            status, _h, raw = await gw.post(CMPL, _body(prompt_ids(40)))
+            assert status == 429, raw
+            err = json.loads(raw)["error"]
+            assert (err["code"], err["message"]) == (
+                "no_prefill_instance",
+                "request rejected by the scheduler (no-prefill-instance); retry later")
+            [rec] = await _records(gw)
+            assert (rec["prefill"], rec["decode"], rec["reject_reason"]) == \
+                (None, "d0", "no-prefill-instance")
+            assert p0.calls == [] and d0.calls == []
+
+    asyncio.run(main())
+
+
+def test_token_accounting_of_prefilled_and_direct_requests() -> None:
+    """p0 holds the first two blocks of a three-block prompt: each P/D request counts
+    2 blocks reused and 1 computed and adds its predicted prefill GPU time; a direct
+    request counts its whole prompt as computed and adds no prefill time."""
+    async def main() -> None:
+        pub = ScriptedPublisher()
+        tokens = prompt_ids(3 * BLOCK, 5)
+        try:
+            async with engines("p0", "d0") as (p0, d0), running_gateway(
+                    [model([p0.endpoint(**pub.endpoint_fields())], [d0])]) as gw:
+                seq = await pub.publish([BlockStored([11, 12], None, tokens[:2 * BLOCK],
+                                                     BLOCK)])
+                await _applied(gw, "prefill", seq)
+                seconds = []
+                for _ in range(2):
+                    status, _h, raw = await gw.post(CMPL, _body(tokens))
+                    assert status == 200, raw
+                    seconds.append((await gw.state())["tokens"]["prefill_seconds"])
+                recs = await _records(gw)
+                assert [r["held_blocks"] for r in recs] == [2, 2]
+                acc = (await gw.state())["tokens"]
+                assert acc["prompt"] == 2 * 3 * BLOCK
+                assert acc["reused_predicted"] == 2 * 2 * BLOCK
+                assert acc["hit_ratio_predicted"] == pytest.approx(2 / 3)
+                assert seconds[0] > 0 and seconds[1] == pytest.approx(2 * seconds[0])
+                metrics = await gw.text("/metrics")
+                name = "mooncake_gateway_prompt_tokens_total"
+                assert _sample(metrics, name, model=MODEL, kind="reused") == 4 * BLOCK
+                assert _sample(metrics, name, model=MODEL, kind="computed") == 2 * BLOCK
+        finally:
+            await pub.close()
+        # a direct request: the whole prompt computed (by the decode engine)
+        async with engines("p0", "d0") as (p0, d0), running_gateway(
+                [model([p0], [d0], direct={"uncached_tokens_below": 10_000})]) as gw:
+            status, _h, raw = await gw.post(CMPL, _body(tokens))
+            assert status == 200, raw
+            assert p0.calls == []
+            acc = (await gw.state())["tokens"]
+            assert (acc["prompt"], acc["reused_predicted"], acc["prefill_seconds"]) == \
+                (3 * BLOCK, 0, 0.0)
+            metrics = await gw.text("/metrics")
+            assert _sample(metrics, "mooncake_gateway_prompt_tokens_total", model=MODEL,
+                           kind="computed") == 3 * BLOCK
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("below, direct", [(BLOCK, False), (BLOCK + 1, True)],
+                         ids=["at-threshold", "under-threshold"])
+def test_the_direct_rule_counts_what_the_decode_instance_holds(below: int,
+                                                                direct: bool) -> None:
+    """d0 holds two of the prompt's three blocks, so it would compute one block itself:
+    direct exactly when that is under ``uncached_tokens_below``."""
+    async def main() -> None:
+        pub = ScriptedPublisher()
+        tokens = prompt_ids(3 * BLOCK, 9)
+        try:
+            async with engines("p0", "d0") as (p0, d0), running_gateway(
+                    [model([p0], [d0.endpoint(**pub.endpoint_fields())],
+                           direct={"uncached_tokens_below": below})]) as gw:
+                seq = await pub.publish([BlockStored([21, 22], None, tokens[:2 * BLOCK],
+                                                     BLOCK)])
+                await _applied(gw, "decode", seq)
+                status, _h, raw = await gw.post(CMPL, _body(tokens))
+                assert status == 200, raw
+                [rec] = await _records(gw)
+                assert (rec["direct"], rec["decode_held_blocks"]) == (direct, 2)
+                assert len(p0.calls) == (0 if direct else 1)
+                assert len(d0.calls) == 1
+        finally:
+            await pub.close()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["dynamo-kv", "sglang-cache-aware"])
+def test_policies_that_book_their_requests_serve_one_after_another(policy: str) -> None:
+    """Dynamo's and SGLang's routers count their outstanding requests; the gateway tells
+    the policy when a request's prefill is done and when it is finished, and the books
+    stay consistent over requests that share a prefix."""
+    async def main() -> None:
+        async with engines("p0", "p1", "d0") as (p0, p1, d0), running_gateway(
+                [model([p0, p1], [d0], conductor={"policy": policy})]) as gw:
+            shared = prompt_ids(2 * BLOCK, 3)
+            for i in range(4):
+                status, _h, raw = await gw.post(CMPL, _body(shared + prompt_ids(5, 40 + i)))
+                assert status == 200, raw
+            recs = await _records(gw)
+            assert [r["outcome"] for r in recs] == ["ok"] * 4
+            assert len(p0.prefills) + len(p1.prefills) == 4
+
+    asyncio.run(main())

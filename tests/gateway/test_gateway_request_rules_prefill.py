@@ -1,0 +1,156 @@
+"""The prefill half of a P/D request against scripted engines over real HTTP: the
+measured prefill time handed to the instance's calibration (in modelled seconds, only
+for answered prefills), the engine's usage counted with its defaults, the decode's
+``kv_transfer_params`` when the prefill's answer carries none usable, and the aiohttp
+client (``lean_upstream`` off) sending JSON and naming what failed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from .scripted import MODEL, Call, ScriptedEngine, engines, model, prompt_ids, running_gateway
+
+CMPL = "/v1/completions"
+DELAY_S = 0.3
+#: the gateway's own time around an engine call (HTTP on loopback, a loaded host)
+OVERHEAD_S = 0.5
+
+
+def _body(first: int, stream: bool = False) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt_ids(40, first), "max_tokens": 3,
+            "stream": stream}
+
+
+def _prefill_answer(engine: ScriptedEngine, call: Call, **fields: Any) -> web.Response:
+    """The scripted prefill answer with ``fields`` replaced (``None``: left out)."""
+    body = engine.decode_json(call)
+    body["kv_transfer_params"] = engine.kv_transfer_params
+    body["usage"] = {"prompt_tokens": 100, "completion_tokens": 1, "total_tokens": 101,
+                     "prompt_tokens_details": {"cached_tokens": 32}}
+    for k, v in fields.items():
+        if v is None:
+            body.pop(k, None)
+        else:
+            body[k] = v
+    return web.json_response(body)
+
+
+@pytest.mark.parametrize("time_scale", [1.0, 0.5])
+def test_a_prefill_time_calibrates_its_instance_in_modelled_seconds(
+        time_scale: float) -> None:
+    """p0 answers its prefill after DELAY_S: its slowdown becomes the modelled time
+    (wall / time_scale) over the placement's predicted TTFT. A refused prefill on p1
+    (retried on p0) leaves p1's calibration alone."""
+    async def main() -> None:
+        async with engines("p0", "p1", "d0") as (p0, p1, d0), running_gateway(
+                [model([p0, p1], [d0])], time_scale=time_scale) as gw:
+            async def slow(_request: web.Request, call: Call) -> web.StreamResponse:
+                if not call.is_prefill:
+                    return web.json_response(p0.decode_json(call))
+                await asyncio.sleep(DELAY_S)
+                return _prefill_answer(p0, call)
+
+            async def refuse(_request: web.Request, _call: Call) -> web.StreamResponse:
+                return web.json_response({"error": {"message": "busy"}}, status=503)
+            p0.answer = slow
+            p1.answer = refuse
+            status, _h, raw = await gw.post(CMPL, _body(1))
+            assert status == 200, raw
+            [rec] = await gw.get(f"/conductor/decisions?model={MODEL}")
+            assert rec["attempts"][-1] == {"prefill": "p0", "status": 200}
+            predicted = rec["predicted"]["ttft_s"]
+            assert predicted > 0
+            slow_p0, slow_p1 = [p["slowdown"] for p in (await gw.state())["prefill"]]
+            low = DELAY_S / time_scale / predicted
+            high = (DELAY_S + OVERHEAD_S) / time_scale / predicted
+            assert low <= slow_p0 <= min(high, 100.0), (slow_p0, low, high)
+            assert slow_p1 == 1.0
+            assert len(p1.calls) == (1 if rec["attempts"][0]["prefill"] == "p1" else 0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("usage, cached, prompt", [
+    ({"prompt_tokens": 70, "completion_tokens": 1, "total_tokens": 71}, 0, 70),
+    ({"prompt_tokens_details": None}, 0, 40),
+    ({"prompt_tokens_details": {"cached_tokens": 16}, "prompt_tokens": 0}, 16, 40),
+    (None, 0, 40),
+], ids=["no-details", "null-details", "zero-prompt-tokens", "no-usage"])
+def test_the_engine_usage_is_counted_with_its_defaults(usage: Any, cached: int,
+                                                       prompt: int) -> None:
+    """What the prefill engine says it had cached and computed; a missing count of cached
+    tokens is none, a missing (or zero) prompt count is the gateway's own."""
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), \
+                running_gateway([model([p0], [d0])]) as gw:
+            async def answer(_request: web.Request, call: Call) -> web.StreamResponse:
+                return _prefill_answer(p0, call, usage=usage)
+            p0.answer = answer
+            status, _h, raw = await gw.post(CMPL, _body(2))
+            assert status == 200, raw
+            [rec] = await gw.get(f"/conductor/decisions?model={MODEL}")
+            assert rec["engine_cached_tokens"] == cached
+            tokens = (await gw.state())["tokens"]
+            assert (tokens["engine_cached"], tokens["engine_prompt"]) == (cached, prompt)
+            metrics = await gw.text("/metrics")
+            assert (f'mooncake_gateway_engine_cached_tokens_total{{model="{MODEL}"}} '
+                    f'{float(cached)}') in metrics
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kvp", [None, [1, 2], "params"], ids=["missing", "list", "string"])
+def test_a_prefill_answer_without_usable_transfer_params_gives_decode_empty_ones(
+        kvp: Any) -> None:
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), \
+                running_gateway([model([p0], [d0])]) as gw:
+            async def answer(_request: web.Request, call: Call) -> web.StreamResponse:
+                return _prefill_answer(p0, call, kv_transfer_params=kvp)
+            p0.answer = answer
+            for first, stream in ((3, False), (4, True)):
+                status, _h, raw = await gw.post(CMPL, _body(first, stream))
+                assert status == 200, raw
+                assert d0.decodes[-1].body["kv_transfer_params"] == {}
+
+    asyncio.run(main())
+
+
+def test_the_aiohttp_client_sends_json_and_names_what_failed() -> None:
+    """With the lean client off, prefill and decode go through aiohttp: as JSON, and an
+    engine out of reach is named with the client's error."""
+    async def main() -> None:
+        seen: list[tuple[str, str]] = []
+        async with engines("p0", "p1", "d0") as (p0, p1, d0), running_gateway(
+                [model([p0, p1], [d0])], lean_upstream=False) as gw:
+            def recording(engine: ScriptedEngine) -> Any:
+                async def answer(request: web.Request, call: Call) -> web.StreamResponse:
+                    seen.append((engine.name, request.content_type))
+                    if call.is_prefill:
+                        return _prefill_answer(engine, call)
+                    return web.json_response(engine.decode_json(call))
+                return answer
+            for e in (p0, p1, d0):
+                e.answer = recording(e)
+            status, _h, raw = await gw.post(CMPL, _body(5))
+            assert status == 200, raw
+            assert len(seen) == 2 and {c for _n, c in seen} == {"application/json"}
+            assert json.loads(raw)["choices"][0]["text"] == "decoded by d0"
+            await p0.stop()
+            await p1.stop()
+            status, _h, raw = await gw.post(CMPL, _body(6))
+            assert status == 502, raw
+            recs = await gw.get(f"/conductor/decisions?model={MODEL}")
+            attempts = recs[-1]["attempts"]
+            assert sorted(a["prefill"] for a in attempts) == ["p0", "p1"]
+            assert {a["error"] for a in attempts} == {"ClientConnectorError"}
+            assert json.loads(raw)["error"]["message"] == (
+                f"prefill failed on every instance tried ({attempts[-1]['prefill']}: "
+                "ClientConnectorError)")
+
+    asyncio.run(main())
