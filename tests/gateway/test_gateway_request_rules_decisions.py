@@ -233,3 +233,42 @@ def test_policies_that_book_their_requests_serve_one_after_another(policy: str) 
             assert len(p0.prefills) + len(p1.prefills) == 4
 
     asyncio.run(main())
+
+
+def test_a_fetch_decision_names_the_instance_it_fetches_from() -> None:
+    """p1 holds a 64-block prefix but is busy with a long prompt: the next request with
+    that prefix goes to idle p0, fetching the prefix from p1 (the record names p1)."""
+    async def main() -> None:
+        pub = ScriptedPublisher()
+        prefix = prompt_ids(64 * BLOCK, 3)
+        try:
+            async with engines("p0", "p1", "d0") as (p0, p1, d0), running_gateway(
+                    [model([p0, p1.endpoint(**pub.endpoint_fields())], [d0])]) as gw:
+                seq = await pub.publish([BlockStored(list(range(1000, 1064)), None, prefix,
+                                                     BLOCK)])
+                await until(lambda: _seq_at(gw, 1, seq), what="p1's events applied")
+                p1.hold = asyncio.Event()
+                long_one = asyncio.create_task(
+                    gw.post(CMPL, _body(prefix + prompt_ids(6000, 9), 2)))
+                await asyncio.wait_for(p1.arrived.wait(), 10)
+                status, _h, raw = await gw.post(CMPL, _body(prefix + prompt_ids(20, 11), 2))
+                assert status == 200, raw
+                p1.hold.set()
+                assert (await long_one)[0] == 200
+                first, second = await _records(gw)
+                assert (first["prefill"], first["local_blocks"], first["source"]) == \
+                    ("p1", 64, None)
+                assert (second["prefill"], second["fetch_blocks"], second["source"]) == \
+                    ("p0", 64, "p1")
+                pred = second["predicted"]
+                assert pred["transfer_s"] > 0
+                assert pred["ttft_s"] == pytest.approx(pred["queue_s"] + pred["transfer_s"]
+                                                       + pred["prefill_s"])
+        finally:
+            await pub.close()
+
+    asyncio.run(main())
+
+
+async def _seq_at(gw: Any, i: int, seq: int) -> bool:
+    return int((await gw.state())["prefill"][i]["events"]["last_seq"]) >= seq
