@@ -475,6 +475,45 @@ def test_prompts_that_are_empty_batched_or_of_another_type_are_refused_by_name()
     assert parse_request({"model": "m", "prompt": ["hi"]}, False, None).prompt_text == "hi"
 
 
+def test_request_fields_refused_with_their_message_and_parameter() -> None:
+    ok = {"model": "m", "prompt": "hi"}
+    cases: list[tuple[Any, bool, str | None, str, str | None]] = [
+        ([ok], False, "m", "request body must be a JSON object", None),
+        ("text", True, "m", "request body must be a JSON object", None),
+        ({"prompt": "hi"}, False, None, "'model' is required", "model"),
+        ({**ok, "model": None}, False, None, "'model' is required", "model"),
+        ({**ok, "model": 3}, False, "m", "'model' must be a string", "model"),
+        ({**ok, "stream": "yes"}, False, None, "'stream' must be a boolean", "stream"),
+        ({**ok, "stream": 1}, False, None, "'stream' must be a boolean", "stream"),
+        ({**ok, "stream_options": []}, False, None, "'stream_options' must be an object",
+         "stream_options"),
+        ({**ok, "n": 2}, False, None, "only n=1 is supported", "n"),
+        ({**ok, "n": True}, False, None, "only n=1 is supported", "n"),
+        ({**ok, "n": 1.0}, False, None, "only n=1 is supported", "n"),
+        ({**ok, "max_tokens": 0}, False, None, "'max_tokens' must be a positive integer",
+         "max_tokens"),
+        ({**ok, "max_tokens": True}, False, None, "'max_tokens' must be a positive integer",
+         "max_tokens"),
+        ({"model": "m", "messages": [{"role": "user", "content": "a"}],
+          "max_completion_tokens": -1}, True, None,
+         "'max_completion_tokens' must be a positive integer", "max_completion_tokens"),
+        ({**ok, "kv_transfer_params": {}}, False, None,
+         "'kv_transfer_params' is set by the gateway", "kv_transfer_params"),
+    ]
+    for data, chat, default, message, param in cases:
+        with pytest.raises(ApiError) as e:
+            parse_request(data, chat, default)
+        assert _err(e.value) == (400, message, param, None), data
+    # what is accepted: the default model, no stream, max_completion_tokens first in chat
+    p = parse_request({"prompt": "hi", "stream": None, "n": 1}, False, "dflt")
+    assert (p.model, p.chat, p.stream, p.max_tokens) == ("dflt", False, False, None)
+    p = parse_request({"model": "m", "messages": [{"role": "user", "content": "a"}],
+                       "max_completion_tokens": 5, "max_tokens": 9, "stream": True},
+                      True, None)
+    assert (p.chat, p.stream, p.max_tokens) == (True, True, 5)
+    assert parse_request({**ok, "max_tokens": 7}, False, None).max_tokens == 7
+
+
 # -- the front end's answer head ------------------------------------------------------------
 def test_the_date_header_is_now_in_gmt() -> None:
     d = _Date()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from typing import Any
 
@@ -272,3 +273,34 @@ def test_a_fetch_decision_names_the_instance_it_fetches_from() -> None:
 
 async def _seq_at(gw: Any, i: int, seq: int) -> bool:
     return int((await gw.state())["prefill"][i]["events"]["last_seq"]) >= seq
+
+
+def test_an_unexpected_error_is_a_500_in_openai_form_on_both_servers(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A fault inside the gateway (here: the request parser raising) is answered, not
+    dropped: a 500 with an OpenAI error body, by the fast front end and by aiohttp, and
+    logged with its traceback and what was asked."""
+    def broken(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("a fault in the gateway")
+
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), \
+                running_gateway([model([p0], [d0])]) as gw:
+            monkeypatch.setattr("mooncake_gateway.server.parse_request", broken)
+            for path, headers in ((CMPL, None), (CMPL, EXPLAIN),
+                                  ("/v1/chat/completions", None)):
+                status, _h, raw = await gw.post(path, _body(prompt_ids(20)), headers)
+                assert status == 500, raw
+                assert json.loads(raw) == {"error": {
+                    "message": "internal gateway error", "type": "server_error",
+                    "param": None, "code": "internal_error"}}
+            assert p0.calls == [] and d0.calls == []
+
+    with caplog.at_level(logging.ERROR, logger="mooncake_gateway.server"):
+        asyncio.run(main())
+    logged = [(r.getMessage(), r.exc_info is not None) for r in caplog.records
+              if r.name == "mooncake_gateway.server"]
+    # the front end names the endpoint; aiohttp (the explained request) the method and path
+    assert logged == [("internal error on POST completions", True),
+                      ("internal error on POST /v1/completions", True),
+                      ("internal error on POST chat", True)]
