@@ -1,8 +1,8 @@
 """The prefill half of a P/D request against scripted engines over real HTTP: the
 measured prefill time handed to the instance's calibration (in modelled seconds, only
 for answered prefills), the engine's usage counted with its defaults, the decode's
-``kv_transfer_params`` when the prefill's answer carries none usable, and the aiohttp
-client (``lean_upstream`` off) sending JSON and naming what failed."""
+``kv_transfer_params`` when the prefill's answer carries none usable, and both HTTP
+clients (the lean one and aiohttp) sending JSON and naming what failed."""
 
 from __future__ import annotations
 
@@ -121,16 +121,20 @@ def test_a_prefill_answer_without_usable_transfer_params_gives_decode_empty_ones
     asyncio.run(main())
 
 
-def test_the_aiohttp_client_sends_json_and_names_what_failed() -> None:
-    """With the lean client off, prefill and decode go through aiohttp: as JSON, and an
-    engine out of reach is named with the client's error."""
+@pytest.mark.parametrize("lean, refused", [(True, "ConnectionRefusedError"),
+                                           (False, "ClientConnectorError")],
+                         ids=["lean-client", "aiohttp-client"])
+def test_both_clients_send_json_and_name_what_failed(lean: bool, refused: str) -> None:
+    """Prefill and unary decode go out as JSON through the lean client or, with it off,
+    through aiohttp; an engine out of reach is named with the client's error."""
     async def main() -> None:
-        seen: list[tuple[str, str]] = []
+        seen: list[tuple[str, str, str | None]] = []
         async with engines("p0", "p1", "d0") as (p0, p1, d0), running_gateway(
-                [model([p0, p1], [d0])], lean_upstream=False) as gw:
+                [model([p0, p1], [d0])], lean_upstream=lean) as gw:
             def recording(engine: ScriptedEngine) -> Any:
                 async def answer(request: web.Request, call: Call) -> web.StreamResponse:
-                    seen.append((engine.name, request.content_type))
+                    seen.append((engine.name, request.content_type,
+                                 request.headers.get("Accept")))
                     if call.is_prefill:
                         return _prefill_answer(engine, call)
                     return web.json_response(engine.decode_json(call))
@@ -139,7 +143,9 @@ def test_the_aiohttp_client_sends_json_and_names_what_failed() -> None:
                 e.answer = recording(e)
             status, _h, raw = await gw.post(CMPL, _body(5))
             assert status == 200, raw
-            assert len(seen) == 2 and {c for _n, c in seen} == {"application/json"}
+            assert len(seen) == 2 and {c for _n, c, _a in seen} == {"application/json"}
+            if lean:  # aiohttp sends its own Accept
+                assert {a for _n, _c, a in seen} == {"*/*"}
             assert json.loads(raw)["choices"][0]["text"] == "decoded by d0"
             await p0.stop()
             await p1.stop()
@@ -148,9 +154,9 @@ def test_the_aiohttp_client_sends_json_and_names_what_failed() -> None:
             recs = await gw.get(f"/conductor/decisions?model={MODEL}")
             attempts = recs[-1]["attempts"]
             assert sorted(a["prefill"] for a in attempts) == ["p0", "p1"]
-            assert {a["error"] for a in attempts} == {"ClientConnectorError"}
+            assert {a["error"] for a in attempts} == {refused}
             assert json.loads(raw)["error"]["message"] == (
                 f"prefill failed on every instance tried ({attempts[-1]['prefill']}: "
-                "ClientConnectorError)")
+                f"{refused})")
 
     asyncio.run(main())
