@@ -63,7 +63,8 @@ BUCKET_OF_STATUS = {
 BUCKETS = ("killed", "timeout", "survived", "no_tests", "not_run")
 UNDETECTED = ("survived", "no_tests")
 TARGET_KEYS = {"description", "mutate", "tests", "deselect", "do_not_mutate",
-               "subprocess_coverage", "markers", "process_isolation", "gate", "floor"}
+               "subprocess_coverage", "markers", "process_isolation", "test_timeout_s", "gate",
+               "floor"}
 #: mutmut's ways to start a mutant's test process (its ``process_isolation`` setting)
 PROCESS_ISOLATION = ("fork", "forkserver")
 SETTINGS_KEYS = {"packages", "pytest_args", "do_not_mutate"}
@@ -85,6 +86,9 @@ class Target:
     subprocess_coverage: bool = False
     markers: str | None = None
     process_isolation: str = "fork"
+    #: pytest-timeout's limit per test in a mutant's run (a mutant that hangs a test fails
+    #: it then); None: the project's own setting
+    test_timeout_s: float | None = None
     gate: bool = False
     floor: float | None = None
 
@@ -132,6 +136,11 @@ def parse_config(data: Mapping[str, Any]) -> Config:
         markers = raw.get("markers")
         if markers is not None and not isinstance(markers, str):
             raise ConfigError(f"{where}: markers must be a pytest -m expression (a string)")
+        test_timeout = raw.get("test_timeout_s")
+        if test_timeout is not None and (isinstance(test_timeout, bool)
+                                         or not isinstance(test_timeout, int | float)
+                                         or test_timeout <= 0):
+            raise ConfigError(f"{where}: test_timeout_s must be a positive number of seconds")
         isolation = raw.get("process_isolation", "fork")
         if isolation not in PROCESS_ISOLATION:
             raise ConfigError(f"{where}: process_isolation must be one of {PROCESS_ISOLATION}")
@@ -145,6 +154,7 @@ def parse_config(data: Mapping[str, Any]) -> Config:
             subprocess_coverage=bool(raw.get("subprocess_coverage", False)),
             markers=markers,
             process_isolation=isolation,
+            test_timeout_s=None if test_timeout is None else float(test_timeout),
             gate=bool(raw.get("gate", False)),
             floor=None if floor is None else float(floor),
         )
@@ -470,6 +480,8 @@ def build_staging(root: Path, cfg: Config, target: Target, path: Path,
     if not tests:
         raise ConfigError(f"[targets.{target.name}] selects no tests")
     pytest_args = [*with_markers(cfg.settings.pytest_args, target.markers), "-p", PLUGIN]
+    if target.test_timeout_s is not None:
+        pytest_args += ["-o", f"timeout={target.test_timeout_s:g}"]
     for node in target.deselect:
         pytest_args += ["--deselect", node]
     mutmut = {
@@ -732,6 +744,7 @@ def run_target(root: Path, cfg: Config, target: Target, work: Path, logs: Path,
         "deselect": list(target.deselect),
         "subprocess_coverage": target.subprocess_coverage,
         "markers": target.markers,
+        "test_timeout_s": target.test_timeout_s,
         "process_isolation": target.process_isolation,
         "wall_s": round(wall, 1),
         "max_children": max_children,

@@ -145,6 +145,11 @@ def test_config_rejects_typos_and_gates_without_a_floor() -> None:
         mutation.parse_config({"targets": {"a": {**base, "floor": 80}}})
     with pytest.raises(mutation.ConfigError, match="'tests' is required"):
         mutation.parse_config({"targets": {"a": {"mutate": ["p/a.py"]}}})
+    for bad in (0, -5, "30", True):
+        with pytest.raises(mutation.ConfigError, match="test_timeout_s"):
+            mutation.parse_config({"targets": {"a": {**base, "test_timeout_s": bad}}})
+    ok = mutation.parse_config({"targets": {"a": {**base, "test_timeout_s": 2.5}}})
+    assert ok.targets["a"].test_timeout_s == 2.5
 
 
 def test_config_reads_a_target_s_markers_and_process_isolation() -> None:
@@ -184,13 +189,16 @@ def test_staging_hands_markers_and_isolation_to_mutmut(tmp_path: Path) -> None:
         "targets": {
             "plain": {"mutate": ["mooncake_tiny/calc.py"], "tests": ["tests/test_calc.py"]},
             "store": {"mutate": ["mooncake_tiny/calc.py"], "tests": ["tests/test_calc.py"],
-                      "markers": "not cluster", "process_isolation": "forkserver"}}})
+                      "markers": "not cluster", "process_isolation": "forkserver",
+                      "test_timeout_s": 30}}})
     generated = {}
     for name, target in cfg.targets.items():
         mutation.build_staging(repo, cfg, target, tmp_path / name)
         text = (tmp_path / name / "pyproject.toml").read_text()
         generated[name] = tomllib.loads(text)["tool"]["mutmut"]
     plain, store = generated["plain"], generated["store"]
+    assert "-o" not in plain["pytest_add_cli_args"]
+    assert store["pytest_add_cli_args"][-2:] == ["-o", "timeout=30"]
     assert plain["pytest_add_cli_args"][:2] == ["-m", "not store and not cluster"]
     assert plain["process_isolation"] == "fork"
     assert store["pytest_add_cli_args"][:2] == ["-m", "not cluster"]
