@@ -429,6 +429,8 @@ class Staging:
     tests: list[str]
     unmatched_tests: list[str]
     mutated_files: list[str]
+    #: resuming, but mutmut will discard every earlier result (see ``build_staging``)
+    results_discarded: bool = False
 
 
 #: mutmut exit codes a resumed run tests again: survived, no tests, interrupted (``mutmut results``)
@@ -442,6 +444,10 @@ def build_staging(root: Path, cfg: Config, target: Target, path: Path,
     tests around it are replaced by the current ones."""
     kept = path / "mutants"
     resuming = resume and kept.is_dir()
+    before: dict[str, Any] = {}
+    if resuming and (path / "pyproject.toml").exists():
+        with (path / "pyproject.toml").open("rb") as f:
+            before = tomllib.load(f).get("tool", {}).get("mutmut", {})
     if resuming:
         for child in path.iterdir():
             if child != kept:
@@ -508,12 +514,17 @@ def build_staging(root: Path, cfg: Config, target: Target, path: Path,
     mutants = path / "mutants"
     mutants.mkdir(exist_ok=True)
     shutil.copy(SUPPORT / f"{PLUGIN}.py", mutants)
+    discarded = False
     if resuming:
         reset_for_retest(mutants)
+        # mutmut drops every result when the pytest arguments or the test selection differ
+        # from its last run's
+        discarded = any(before.get(k) != mutmut[k] for k in
+                        ("pytest_add_cli_args", "pytest_add_cli_args_test_selection"))
     if target.subprocess_coverage:
         shutil.copy(SUPPORT / "sitecustomize.py", mutants)
-        (path / "hits").mkdir()
-    return Staging(path, tests, unmatched, mutated)
+        (path / "hits").mkdir(exist_ok=True)
+    return Staging(path, tests, unmatched, mutated, discarded)
 
 
 def reset_for_retest(mutants: Path) -> int:
@@ -705,6 +716,9 @@ def run_target(root: Path, cfg: Config, target: Target, work: Path, logs: Path,
     staging = build_staging(root, cfg, target, work / target.name, resume)
     for g in staging.unmatched_tests:
         progress.end(f"note: no test file matches {g} (skipped)")
+    if staging.results_discarded:
+        progress.end("note: the test selection or pytest arguments changed since the run in "
+                     f"{staging.path}; mutmut tests every mutant again")
     env = mutmut_env(staging.path, target.subprocess_coverage)
     log_path = logs / f"{target.name}.log"
     rc = run_mutmut(staging, env, max_children, log_path, progress)

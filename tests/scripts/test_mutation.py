@@ -450,6 +450,27 @@ def test_a_tiny_target_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert {u["function"] for u in again["undetected"]} == {"clamp"}
     assert again["counts"]["killed"] + again["counts"]["survived"] == \
         sum(counts[k] for k in ("killed", "survived", "no_tests", "timeout"))
+    assert "mutmut tests every mutant again" not in capsys.readouterr().out
+
+
+def test_resuming_tells_when_mutmut_will_discard_the_results(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    (repo / "src" / "mooncake_tiny").mkdir(parents=True)
+    (repo / "src" / "mooncake_tiny" / "__init__.py").write_text("")
+    (repo / "src" / "mooncake_tiny" / "calc.py").write_text(TINY)
+    (repo / "tests").mkdir()
+    for name in ("test_a.py", "test_b.py"):
+        (repo / "tests" / name).write_text("")
+    (repo / "pyproject.toml").write_text("")
+
+    def staged(tests: list[str], resume: bool) -> Any:
+        cfg = mutation.parse_config({"settings": {"packages": ["src/mooncake_*"]},
+                                     "targets": {"t": {"mutate": ["mooncake_tiny/calc.py"],
+                                                       "tests": tests}}})
+        return mutation.build_staging(repo, cfg, cfg.targets["t"], tmp_path / "t", resume)
+    assert not staged(["tests/test_a.py"], False).results_discarded
+    assert not staged(["tests/test_a.py"], True).results_discarded
+    assert staged(["tests/test_a.py", "tests/test_b.py"], True).results_discarded
 
 
 def test_resuming_forgets_only_undetected_results(tmp_path: Path) -> None:
