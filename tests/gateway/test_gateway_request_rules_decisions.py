@@ -237,7 +237,8 @@ def test_policies_that_book_their_requests_serve_one_after_another(policy: str) 
 
 
 def test_a_fetch_decision_names_the_instance_it_fetches_from() -> None:
-    """p1 holds a 64-block prefix but is busy with a long prompt: the next request with
+    """p1 holds a 64-block prefix but is busy with a long prompt (seconds of predicted
+    work, so its queue has not drained on a slow host): the next request with
     that prefix goes to idle p0, fetching the prefix from p1 (the record names p1)."""
     async def main() -> None:
         pub = ScriptedPublisher()
@@ -250,7 +251,7 @@ def test_a_fetch_decision_names_the_instance_it_fetches_from() -> None:
                 await until(lambda: _seq_at(gw, 1, seq), what="p1's events applied")
                 p1.hold = asyncio.Event()
                 long_one = asyncio.create_task(
-                    gw.post(CMPL, _body(prefix + prompt_ids(6000, 9), 2)))
+                    gw.post(CMPL, _body(prefix + prompt_ids(24_000, 9), 2)))
                 await asyncio.wait_for(p1.arrived.wait(), 10)
                 status, _h, raw = await gw.post(CMPL, _body(prefix + prompt_ids(20, 11), 2))
                 assert status == 200, raw
