@@ -138,6 +138,21 @@ def test_a_rejection_is_explained_in_its_429_and_in_its_record() -> None:
             assert (rec["prefill"], rec["decode"], rec["reject_reason"]) == \
                 (None, "d0", "no-prefill-instance")
             assert p0.calls == [] and d0.calls == []
+        # no decode instance up: a decision without a decode instance
+        async with engines("p0", "d0") as (p0, d0), running_gateway(
+                [model([p0], [d0])], wait_ready=False, health_interval_s=0.05) as gw:
+            d0.healthy = False
+
+            async def decode_down() -> bool:
+                return not (await gw.state())["decode"][0]["routable"]
+            await until(decode_down, what="d0 marked down")
+            status, _h, raw = await gw.post(CMPL, _body(prompt_ids(40)))
+            assert status == 429, raw
+            [rec] = await _records(gw)
+            assert rec["decode"] is None and rec["reject_reason"] is not None
+            assert json.loads(raw)["error"]["message"] == (
+                f"request rejected by the scheduler ({rec['reject_reason']}); retry later")
+            assert p0.calls == [] and d0.calls == []
 
     asyncio.run(main())
 
@@ -305,3 +320,59 @@ def test_an_unexpected_error_is_a_500_in_openai_form_on_both_servers(
     assert logged == [("internal error on POST completions", True),
                       ("internal error on POST /v1/completions", True),
                       ("internal error on POST chat", True)]
+
+
+def test_prefills_queued_on_one_instance_are_all_served() -> None:
+    """Three requests wait on the one prefill instance at once: the gateway's model of
+    its queue holds all three (ordered by priority) and each is served once released."""
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), \
+                running_gateway([model([p0], [d0])]) as gw:
+            p0.hold = asyncio.Event()
+            sent = [asyncio.create_task(gw.post(CMPL, _body(prompt_ids(40, 60 + i))))
+                    for i in range(3)]
+
+            async def queued() -> bool:
+                return int((await gw.state())["prefill"][0]["queued"]) == 3
+            await until(queued, what="three prefills queued on p0")
+            st = await gw.state()
+            assert st["prefill"][0]["predicted_wait_s"] > 0
+            p0.hold.set()
+            for t in sent:
+                status, _h, raw = await t
+                assert status == 200, raw
+            assert int((await gw.state())["prefill"][0]["queued"]) == 0
+            assert len(p0.prefills) == 3 and len(d0.decodes) == 3
+
+    asyncio.run(main())
+
+
+def test_queued_prefills_carry_the_policy_s_priority() -> None:
+    """With ``priority_weight`` the Conductor serves short prefills first: a long prompt
+    queued on p0 before a short one is not counted in a later short request's predicted
+    wait, because the gateway queued it with the policy's priority (arrival + weight x
+    its prefill time), not its arrival."""
+    async def main() -> None:
+        cond = {"policy": "conductor", "params": {"priority_weight": 1.0}}
+        async with engines("p0", "d0") as (p0, d0), running_gateway(
+                [model([p0], [d0], conductor=cond)]) as gw:
+            p0.hold = asyncio.Event()
+            sent = [asyncio.create_task(gw.post(CMPL, _body(prompt_ids(16_000, 70))))]
+
+            async def queued(n: int) -> bool:
+                return int((await gw.state())["prefill"][0]["queued"]) == n
+            await until(lambda: queued(1), what="the long prefill queued")
+            sent.append(asyncio.create_task(gw.post(CMPL, _body(prompt_ids(40, 71)))))
+            await until(lambda: queued(2), what="the short prefill queued")
+            sent.append(asyncio.create_task(gw.post(CMPL, _body(prompt_ids(40, 72)))))
+            await until(lambda: queued(3), what="the second short prefill queued")
+            long_, short, later = await _records(gw)
+            assert long_["predicted"]["prefill_s"] > 1.0
+            # the later short request waits for the earlier short one only
+            assert later["predicted"]["queue_s"] < long_["predicted"]["prefill_s"] / 2
+            assert later["predicted"]["queue_s"] <= short["predicted"]["prefill_s"] + 1e-9
+            p0.hold.set()
+            for t in sent:
+                assert (await t)[0] == 200
+
+    asyncio.run(main())

@@ -325,3 +325,24 @@ def test_explained_candidates_are_the_up_prefill_instances_best_first() -> None:
                     == [("p1", 0, 0.0)]
 
     asyncio.run(main())
+
+
+def test_an_empty_tokenization_is_refused_naming_prompt_or_messages() -> None:
+    """The engine tokenizes the text to nothing: a 400 naming the field the client sent
+    (the gateway's own check comes after the engine's tokenization)."""
+    async def main() -> None:
+        async with tokenizing("p0", "d0") as (p0, d0), running_gateway(
+                [model([p0], [d0])], tokenizer="engine") as gw:
+            p0.tokenize = _answer(200, {"count": 0, "max_model_len": 1024, "tokens": []})
+            for path, body, param in (
+                    (CMPL, {"model": MODEL, "prompt": " "}, "prompt"),
+                    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": " "}]},
+                     "messages")):
+                status, _h, raw = await gw.post(path, body)
+                assert status == 400, raw
+                assert _error(raw) == {"message": "the prompt is empty",
+                                       "type": "invalid_request_error", "param": param,
+                                       "code": None}
+            assert p0.calls == [] and d0.calls == []
+
+    asyncio.run(main())

@@ -164,3 +164,41 @@ def test_both_clients_send_json_and_name_what_failed(lean: bool, refused: str) -
                 f"{refused})")
 
     asyncio.run(main())
+
+
+def test_refusals_on_every_prefill_instance_name_the_last_one() -> None:
+    async def main() -> None:
+        async with engines("p0", "p1", "d0") as (p0, p1, d0), \
+                running_gateway([model([p0, p1], [d0])]) as gw:
+            p0.status = p1.status = 503
+            status, _h, raw = await gw.post(CMPL, _body(7))
+            assert status == 502, raw
+            [rec] = await gw.get(f"/conductor/decisions?model={MODEL}")
+            tried = [a["prefill"] for a in rec["attempts"]]
+            assert sorted(tried) == ["p0", "p1"]
+            assert rec["attempts"] == [{"prefill": n, "status": 503} for n in tried]
+            err = json.loads(raw)["error"]
+            assert (err["message"], err["code"]) == (
+                f"prefill failed on every instance tried ({tried[-1]}: HTTP 503)",
+                "upstream_failed")
+            assert d0.calls == []
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-client", "aiohttp-client"])
+def test_an_engine_error_that_is_not_json_is_named_by_its_status(lean: bool) -> None:
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), running_gateway(
+                [model([p0], [d0])], lean_upstream=lean) as gw:
+            async def plain(_request: web.Request, _call: Call) -> web.StreamResponse:
+                return web.Response(status=418, text="<html>teapot</html>",
+                                    content_type="text/html")
+            for engine in (p0, d0):
+                engine.answer = plain
+                status, _h, raw = await gw.post(CMPL, _body(8 + len(engine.calls)))
+                assert status == 418, raw
+                assert json.loads(raw)["error"]["message"] == "engine answered HTTP 418"
+                engine.answer = None
+
+    asyncio.run(main())
