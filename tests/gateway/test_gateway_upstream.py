@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -213,6 +216,32 @@ def test_failures_raise_upstream_call_error(run: Run) -> None:
             pass  # closed: nothing listens on its port any more
         with pytest.raises(UpstreamCallError, match="Error"):
             await _pool().post(url, "/x", b"{}")
+
+    run(main())
+
+
+def test_an_engine_that_does_not_accept_times_out_connecting(run: Run) -> None:
+    """A listening socket whose accept queue is full (the engine is stuck): the kernel
+    drops the SYN, the connect hangs, and the pool gives up after its connect timeout."""
+    async def main() -> None:
+        with socket.socket() as srv:
+            srv.bind((HOST, 0))
+            srv.listen(0)
+            port = srv.getsockname()[1]
+            fillers = [socket.socket() for _ in range(4)]
+            try:
+                for c in fillers:
+                    c.setblocking(False)
+                    with contextlib.suppress(BlockingIOError):
+                        c.connect((HOST, port))
+                await asyncio.sleep(0.1)
+                started = time.monotonic()
+                with pytest.raises(UpstreamCallError, match=r"^ConnectTimeoutError$"):
+                    await _pool(timeout_s=0.3).post(f"http://{HOST}:{port}", "/x", b"{}")
+                assert 0.25 <= time.monotonic() - started < 5
+            finally:
+                for c in fillers:
+                    c.close()
 
     run(main())
 
