@@ -965,6 +965,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logs = args.report / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     progress = Progress(sys.stdout, sys.stdout.isatty())
+    commit = _git_commit(root)  # what the staging folders are built from (a run takes hours)
     results: list[dict[str, Any]] = []
     for name in names:
         try:
@@ -983,7 +984,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     key=lambda t: order.index(t["name"]) if t["name"] in order else len(order))
     report: dict[str, Any] = {
         "mutmut": installed,
-        "commit": _git_commit(root),
+        "commit": commit,
         "generated": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpus": os.cpu_count(),
         "kill_rate": "(killed + timeout) / (killed + timeout + survived + no tests)",
