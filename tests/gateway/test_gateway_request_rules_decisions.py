@@ -376,3 +376,47 @@ def test_queued_prefills_carry_the_policy_s_priority() -> None:
                 assert (await t)[0] == 200
 
     asyncio.run(main())
+
+
+def _outcomes(metrics: str) -> dict[tuple[str, str, str], float]:
+    return {(s.labels["endpoint"], s.labels["model"], s.labels["outcome"]): float(s.value)
+            for fam in text_string_to_metric_families(metrics) for s in fam.samples
+            if s.name == "mooncake_gateway_requests_total"}
+
+
+def test_each_request_is_counted_once_by_its_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``mooncake_gateway_requests_total`` by endpoint, model and outcome: refusals by
+    their kind, an upstream failure and an internal fault as errors, a stream (which the
+    fast front end hands to aiohttp) once."""
+    async def main() -> None:
+        async with engines("p0", "d0", "p1", "d1") as (p0, d0, p1, d1), running_gateway(
+                [model([p0], [d0]), {**model([p1], [d1]), "name": "second"}]) as gw:
+            # two models: a request must name one
+            status, _h, raw = await gw.post(CMPL, {"prompt": "hi"})
+            assert (status, json.loads(raw)["error"]["param"]) == (400, "model"), raw
+            status, _h, raw = await gw.post(CMPL, b'{"model": ')
+            assert status == 400
+            assert json.loads(raw)["error"]["message"].startswith(
+                "request body is not valid JSON: ")
+            status, _h, raw = await gw.post(CMPL, {"model": "nope", "prompt": "hi"})
+            err = json.loads(raw)["error"]
+            assert (status, err["message"], err["param"], err["code"]) == (
+                404, "The model `nope` does not exist.", "model", "model_not_found")
+            assert (await gw.post(CMPL, _body(prompt_ids(20, 1))))[0] == 200
+            status, _h, raw = await gw.post(CMPL, {**_body(prompt_ids(20, 2)), "stream": True})
+            assert status == 200 and raw.endswith(b"data: [DONE]\n\n")
+            p0.status = 503
+            assert (await gw.post(CMPL, _body(prompt_ids(20, 3))))[0] == 502
+            p0.status = 200
+            monkeypatch.setattr("mooncake_gateway.server.parse_request",
+                                lambda *_a, **_k: 1 / 0)
+            assert (await gw.post("/v1/chat/completions", _body(prompt_ids(20, 4))))[0] == 500
+            assert _outcomes(await gw.text("/metrics")) == {
+                ("completions", "unknown", "bad_request"): 2.0,
+                ("completions", "unknown", "not_found"): 1.0,
+                ("completions", MODEL, "ok"): 2.0,
+                ("completions", MODEL, "error"): 1.0,
+                ("chat", "unknown", "error"): 1.0,
+            }
+
+    asyncio.run(main())
