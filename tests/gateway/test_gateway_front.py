@@ -160,5 +160,17 @@ def test_request_heads_the_front_end_serves_itself() -> None:
         "POST /v1/completions HTTP/1.1\r\nContent-Length : 1",
         "POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\nno colon",
         "POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\nConnection: Upgrade",
+        "POST  /v1/completions HTTP/1.1\r\nContent-Length: 1",  # two spaces
+        "POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\nX-A : 1",  # space, colon
+        "POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\n x: y",  # folded, colon
+        "POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\n: no name",
     ):
         assert head(other) is None, other
+    # the limit itself is served; Connection is a comma list, its value may hold colons
+    assert head(f"POST /v1/completions HTTP/1.1\r\nContent-Length: {big}") == \
+        (False, big, True)
+    for value in ("close,keep-alive", "keep-alive ,CLOSE", "close, a:b"):
+        assert head("POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\n"
+                    f"Connection: {value}") == (False, 1, False), value
+    assert head("POST /v1/completions HTTP/1.0\r\nContent-Length: 1\r\n"
+                "Connection: x,keep-alive") == (False, 1, True)
