@@ -174,7 +174,8 @@ class FakeKube:
         self._started.wait(10)
 
     def stop(self) -> None:
-        if self._loop is not None:
+        """Stop answering (its port refuses connections from now on); idempotent."""
+        if self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(10)

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from mooncake_conductor.cost import CostModel
 from mooncake_gateway.settings import GatewaySettings
@@ -344,5 +345,39 @@ def test_an_empty_tokenization_is_refused_naming_prompt_or_messages() -> None:
                                        "type": "invalid_request_error", "param": param,
                                        "code": None}
             assert p0.calls == [] and d0.calls == []
+
+    asyncio.run(main())
+
+
+def test_a_catalog_gateway_is_ready_once_its_configmaps_are_listed() -> None:
+    """Serving models from ConfigMaps: not ready while the API server cannot be listed,
+    ready after the first list even with a model that cannot serve yet (that model is
+    named in ``missing`` and answers 503 itself)."""
+    from .fake_kube import fake_kube
+    from .test_gateway_control_rules_catalog import catalog_gateway, configmap
+
+    async def ready(url: str) -> tuple[int, Any]:
+        async with aiohttp.ClientSession() as http, http.get(url + "/ready") as r:
+            return r.status, await r.json()
+
+    async def main() -> None:
+        with fake_kube() as kube:
+            kube.stop()  # nothing answers: the list keeps failing
+            async with catalog_gateway(kube, []) as (_gw, url):
+                for _ in range(3):
+                    assert await ready(url) == (503, {"ready": False,
+                                                      "missing": ["kubernetes_models:list"]})
+                    await asyncio.sleep(0.05)
+        async with engines("p0") as (p0,):
+            with fake_kube() as kube:
+                # a model whose decode engine is not there yet
+                kube.put("configmaps", configmap("c1", model(
+                    [p0], [{"url": "http://127.0.0.1:9", "name": "d-gone"}])))
+                async with catalog_gateway(kube, []) as (_gw, url):
+                    async def listed() -> tuple[int, Any] | None:
+                        got = await ready(url)
+                        return got if got[0] == 200 else None
+                    assert await until(listed) == (200, {"ready": True,
+                                                         "missing": [f"{MODEL}:decode"]})
 
     asyncio.run(main())
