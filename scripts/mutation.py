@@ -438,7 +438,7 @@ RETEST_EXIT_CODES = frozenset({0, 2, 5, 33})
 
 
 def build_staging(root: Path, cfg: Config, target: Target, path: Path,
-                  resume: bool = False) -> Staging:
+                  resume: bool = False, retest: Sequence[str] = ()) -> Staging:
     """A fresh mutmut project for ``target`` at ``path``; with ``resume`` and an earlier
     staging there, its ``mutants/`` (results, test timings) is kept and the sources and
     tests around it are replaced by the current ones."""
@@ -516,7 +516,7 @@ def build_staging(root: Path, cfg: Config, target: Target, path: Path,
     shutil.copy(SUPPORT / f"{PLUGIN}.py", mutants)
     discarded = False
     if resuming:
-        reset_for_retest(mutants)
+        reset_for_retest(mutants, retest)
         # mutmut drops every result when the pytest arguments or the test selection differ
         # from its last run's
         discarded = any(before.get(k) != mutmut[k] for k in
@@ -527,16 +527,19 @@ def build_staging(root: Path, cfg: Config, target: Target, path: Path,
     return Staging(path, tests, unmatched, mutated, discarded)
 
 
-def reset_for_retest(mutants: Path) -> int:
-    """Forget the result of every mutant that survived or that no test reached, so a
-    resumed run tests it against the current tests; killed and timed-out mutants keep
-    theirs. mutmut itself re-tests the mutants of any function whose source changed, and
-    collects coverage for new tests. Returns how many results were forgotten."""
+def reset_for_retest(mutants: Path, patterns: Sequence[str] = ()) -> int:
+    """Forget the result of every mutant that survived or that no test reached (of those
+    whose names match one of ``patterns``, fnmatch-style, when given), so a resumed run
+    tests it against the current tests; killed and timed-out mutants keep theirs. mutmut
+    itself re-tests the mutants of any function whose source changed, and collects
+    coverage for new tests. Returns how many results were forgotten."""
     forgotten = 0
     for meta in mutants.rglob("*.meta"):
         data = json.loads(meta.read_text(encoding="utf-8"))
         codes = data.get("exit_code_by_key", {})
         for name, code in codes.items():
+            if patterns and not any(fnmatch.fnmatchcase(name, p) for p in patterns):
+                continue
             if code in RETEST_EXIT_CODES:
                 codes[name] = None
                 forgotten += 1
@@ -710,10 +713,11 @@ def mutant_diffs(staging: Path, env: dict[str, str], names: Sequence[str]) -> di
 
 
 def run_target(root: Path, cfg: Config, target: Target, work: Path, logs: Path,
-               max_children: int, progress: Progress, resume: bool = False) -> dict[str, Any]:
+               max_children: int, progress: Progress, resume: bool = False,
+               retest: Sequence[str] = ()) -> dict[str, Any]:
     progress.begin(target.name)
     started = time.monotonic()
-    staging = build_staging(root, cfg, target, work / target.name, resume)
+    staging = build_staging(root, cfg, target, work / target.name, resume, retest)
     for g in staging.unmatched_tests:
         progress.end(f"note: no test file matches {g} (skipped)")
     if staging.results_discarded:
@@ -933,6 +937,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="continue the run in --work (stopped, or before new tests): keep the "
                          "killed and timed-out results, test the rest against the current tree")
+    ap.add_argument("--retest", action="append", default=[], metavar="GLOB",
+                    help="with --resume: test again only the undetected mutants whose names "
+                         "match GLOB (repeatable; e.g. '*Gateway*_answer*')")
     ap.add_argument("--list", action="store_true", help="list the targets and exit")
     args = ap.parse_args(argv)
 
@@ -950,6 +957,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         print(f"mutation: unknown targets {unknown}; known: {list(cfg.targets)}",
               file=sys.stderr)
+        return 2
+    if args.retest and not args.resume:
+        print("mutation: --retest needs --resume", file=sys.stderr)
         return 2
     names = args.targets or [t.name for t in cfg.targets.values() if t.gate or not args.gate]
     installed = _installed_mutmut()
@@ -970,7 +980,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in names:
         try:
             results.append(run_target(root, cfg, cfg.targets[name], args.work.resolve(), logs,
-                                      args.max_children, progress, args.resume))
+                                      args.max_children, progress, args.resume,
+                                      args.retest))
         except ConfigError as exc:
             print(f"mutation: {name}: {exc}", file=sys.stderr)
             return 2

@@ -484,3 +484,9 @@ def test_resuming_forgets_only_undetected_results(tmp_path: Path) -> None:
     assert after["exit_code_by_key"] == {**codes, "m__mutmut_2": None, "m__mutmut_3": None,
                                          "m__mutmut_6": None, "m__mutmut_7": None}
     assert after["durations_by_key"] == {}
+    # only the names asked for
+    meta.write_text(json.dumps({"exit_code_by_key": codes, "durations_by_key": {}}))
+    assert mutation.reset_for_retest(tmp_path / "mutants", ["m__mutmut_[23]"]) == 2
+    after = json.loads(meta.read_text())
+    assert after["exit_code_by_key"] == {**codes, "m__mutmut_2": None, "m__mutmut_3": None}
+    assert mutation.main(["--retest", "x*"]) == 2  # only with --resume
