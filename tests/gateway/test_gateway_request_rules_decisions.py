@@ -386,11 +386,12 @@ def _outcomes(metrics: str) -> dict[tuple[str, str, str], float]:
 
 def test_each_request_is_counted_once_by_its_outcome(monkeypatch: pytest.MonkeyPatch) -> None:
     """``mooncake_gateway_requests_total`` by endpoint, model and outcome: refusals by
-    their kind, an upstream failure and an internal fault as errors, a stream (which the
-    fast front end hands to aiohttp) once."""
+    their kind (aiohttp's own 413 too), an upstream failure and an internal fault as
+    errors, a stream (which the fast front end hands to aiohttp) once."""
     async def main() -> None:
         async with engines("p0", "d0", "p1", "d1") as (p0, d0, p1, d1), running_gateway(
-                [model([p0], [d0]), {**model([p1], [d1]), "name": "second"}]) as gw:
+                [model([p0], [d0]), {**model([p1], [d1]), "name": "second"}],
+                max_body_bytes=10_000) as gw:
             # two models: a request must name one
             status, _h, raw = await gw.post(CMPL, {"prompt": "hi"})
             assert (status, json.loads(raw)["error"]["param"]) == (400, "model"), raw
@@ -408,12 +409,16 @@ def test_each_request_is_counted_once_by_its_outcome(monkeypatch: pytest.MonkeyP
             p0.status = 503
             assert (await gw.post(CMPL, _body(prompt_ids(20, 3))))[0] == 502
             p0.status = 200
+            # a body over max_body_bytes: aiohttp refuses it while the gateway reads it
+            status, _h, raw = await gw.post(CMPL, _body(prompt_ids(3000, 5)))
+            assert status == 413, raw
             monkeypatch.setattr("mooncake_gateway.server.parse_request",
                                 lambda *_a, **_k: 1 / 0)
             assert (await gw.post("/v1/chat/completions", _body(prompt_ids(20, 4))))[0] == 500
             assert _outcomes(await gw.text("/metrics")) == {
                 ("completions", "unknown", "bad_request"): 2.0,
                 ("completions", "unknown", "not_found"): 1.0,
+                ("completions", "unknown", "too_large"): 1.0,
                 ("completions", MODEL, "ok"): 2.0,
                 ("completions", MODEL, "error"): 1.0,
                 ("chat", "unknown", "error"): 1.0,
