@@ -1,9 +1,11 @@
 """What each request leaves behind, against scripted engines over real HTTP with the
 cache state coming from KV events on real ZeroMQ: the decision record (every field of
-``/conductor/decisions`` and of the explain header), the scheduler's 429 and its record,
-the token accounting of ``/conductor/state`` and ``/metrics`` (predicted reuse, computed
-tokens, prefill GPU seconds), the direct rule's threshold counted against what the decode
-instance holds, and policies that book their own requests releasing them."""
+``/conductor/decisions`` and of the explain header, a fetch's source), the scheduler's 429
+and its record, the token accounting of ``/conductor/state`` and ``/metrics`` (predicted
+reuse, computed tokens, prefill GPU seconds), the direct rule's threshold counted against
+what the decode instance holds, policies that book their own requests, prefills queued on
+one instance with the policy's priority, an internal fault answered as a logged 500, and
+the per-outcome request counter."""
 
 from __future__ import annotations
 
