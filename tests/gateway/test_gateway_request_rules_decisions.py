@@ -57,11 +57,19 @@ async def _records(gw: Any) -> list[dict[str, Any]]:
     return list(await gw.get(f"/conductor/decisions?model={MODEL}&limit=100"))
 
 
-async def _applied(gw: Any, pool: str, seq: int) -> None:
+async def _applied(gw: Any, pool: str, seq: int, i: int = 0) -> None:
+    """Wait until instance ``i`` of ``pool`` has applied KV events up to ``seq``."""
     async def done() -> bool:
         st = await gw.state()
-        return int(st[pool][0]["events"]["last_seq"]) >= seq
-    await until(done, what=f"{pool} events up to {seq} applied")
+        return int(st[pool][i]["events"]["last_seq"]) >= seq
+    await until(done, what=f"{pool}[{i}] events up to {seq} applied")
+
+
+async def _marked_down(gw: Any, pool: str) -> None:
+    """Wait until the health checks have taken instance 0 of ``pool`` out of routing."""
+    async def down() -> bool:
+        return not (await gw.state())[pool][0]["routable"]
+    await until(down, what=f"{pool}[0] marked down")
 
 
 def test_a_served_decision_record_names_every_part_of_the_decision() -> None:
@@ -126,10 +134,7 @@ def test_a_rejection_is_explained_in_its_429_and_in_its_record() -> None:
         async with engines("p0", "d0") as (p0, d0), running_gateway(
                 [model([p0], [d0])], wait_ready=False, health_interval_s=0.05) as gw:
             p0.healthy = False
-
-            async def down() -> bool:
-                return not (await gw.state())["prefill"][0]["routable"]
-            await until(down, what="p0 marked down")
+            await _marked_down(gw, "prefill")
             status, _h, raw = await gw.post(CMPL, _body(prompt_ids(40)))
             assert status == 429, raw
             err = json.loads(raw)["error"]
@@ -144,10 +149,7 @@ def test_a_rejection_is_explained_in_its_429_and_in_its_record() -> None:
         async with engines("p0", "d0") as (p0, d0), running_gateway(
                 [model([p0], [d0])], wait_ready=False, health_interval_s=0.05) as gw:
             d0.healthy = False
-
-            async def decode_down() -> bool:
-                return not (await gw.state())["decode"][0]["routable"]
-            await until(decode_down, what="d0 marked down")
+            await _marked_down(gw, "decode")
             status, _h, raw = await gw.post(CMPL, _body(prompt_ids(40)))
             assert status == 429, raw
             [rec] = await _records(gw)
@@ -265,7 +267,7 @@ def test_a_fetch_decision_names_the_instance_it_fetches_from() -> None:
                     [model([p0, p1.endpoint(**pub.endpoint_fields())], [d0])]) as gw:
                 seq = await pub.publish([BlockStored(list(range(1000, 1064)), None, prefix,
                                                      BLOCK)])
-                await until(lambda: _seq_at(gw, 1, seq), what="p1's events applied")
+                await _applied(gw, "prefill", seq, i=1)
                 p1.hold = asyncio.Event()
                 long_one = asyncio.create_task(
                     gw.post(CMPL, _body(prefix + prompt_ids(24_000, 9), 2)))
@@ -287,10 +289,6 @@ def test_a_fetch_decision_names_the_instance_it_fetches_from() -> None:
             await pub.close()
 
     asyncio.run(main())
-
-
-async def _seq_at(gw: Any, i: int, seq: int) -> bool:
-    return int((await gw.state())["prefill"][i]["events"]["last_seq"]) >= seq
 
 
 def test_an_unexpected_error_is_a_500_in_openai_form_on_both_servers(
