@@ -41,9 +41,27 @@ STORE_READINESS_PERIOD_S = 2
 DEFAULT_SPREAD_KEY = "kubernetes.io/hostname"
 
 
+#: Hash alphabet: Kubernetes' own (no vowels, no 0/1/3), so a hash never spells a word.
+HASH_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+#: Letters only, for a hash's first character: no hash reads as a number in any YAML.
+_HASH_LEAD = "".join(ch for ch in HASH_ALPHABET if ch.isalpha())
+
+
 def digest(obj: Any, chars: int = 16) -> str:
+    """A ``chars``-long hash of ``obj``, safe to write unquoted in YAML.
+
+    Hex would not be: a value such as ``1234e56789`` is a string to PyYAML but a float to
+    Go's YAML reader, so ``kubectl apply`` of a dumped manifest failed on the label
+    (``cannot unmarshal number ... of type string``), about once in 140 hashes.
+    """
     data = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(data.encode()).hexdigest()[:chars]
+    n = int.from_bytes(hashlib.sha256(data.encode()).digest(), "big")
+    n, lead = divmod(n, len(_HASH_LEAD))
+    out = [_HASH_LEAD[lead]]
+    for _ in range(chars - 1):
+        n, i = divmod(n, len(HASH_ALPHABET))
+        out.append(HASH_ALPHABET[i])
+    return "".join(out)
 
 
 def _meta(ref: ClusterRef, name: str, role: str, extra_labels: dict[str, str] | None = None,

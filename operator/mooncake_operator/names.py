@@ -36,7 +36,7 @@ def pod_name(cluster: str, role: str, revision: str, ordinal: int) -> str:
     return f"{cluster}-{role}-{revision}-{ordinal}"
 
 
-_POD_RE = re.compile(r"^(?P<cluster>.+)-(?P<role>prefill|decode)-(?P<rev>[0-9a-f]+)-(?P<i>\d+)$")
+_POD_RE = re.compile(r"^(?P<cluster>.+)-(?P<role>prefill|decode)-(?P<rev>[0-9a-z]+)-(?P<i>\d+)$")
 
 
 def parse_pod_name(name: str) -> tuple[str, str, str, int] | None:

@@ -3,7 +3,10 @@ gateway's view, the revision hash; golden manifests for engines that cannot run 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +87,37 @@ def test_revision_ignores_replicas_but_not_engine_changes() -> None:
     assert changed(model__blockSize=32) != base
     assert changed(decode__gpusPerReplica=4) != base  # both pools roll together
     assert changed(model__hashSeed="7") != base
+
+
+#: What Go's YAML reader (kubectl) takes for a number: YAML 1.2 core-schema ints and floats.
+_YAML12_NUMBER = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?"
+                            r"|0o[0-7]+|0x[0-9a-fA-F]+")
+
+
+def test_hashes_stay_strings_in_any_yaml() -> None:
+    """A revision label or spec hash dumped by PyYAML must read back as a string in Go.
+
+    Hex hashes did not: ``1234e56789`` is a string to PyYAML (so it is written unquoted)
+    and a float to kubectl. The inputs below include such hex hashes, so this could fail.
+    """
+    inputs = [{"i": i} for i in range(3000)]
+    old_hex = [hashlib.sha256(json.dumps(o, sort_keys=True, separators=(",", ":")).encode())
+               .hexdigest()[:names.REVISION_CHARS] for o in inputs]
+    assert sum(bool(_YAML12_NUMBER.fullmatch(h)) for h in old_hex) > 0
+    alphabet = set(builders.HASH_ALPHABET)
+    seen = set()
+    for obj in inputs:
+        h = builders.digest(obj, names.REVISION_CHARS)
+        assert len(h) == names.REVISION_CHARS and set(h) <= alphabet, h
+        assert h[0].isalpha() and not _YAML12_NUMBER.fullmatch(h), h
+        doc = yaml.safe_dump({"labels": {"rev": h}})
+        assert yaml.safe_load(doc) == {"labels": {"rev": h}}
+        assert names.parse_pod_name(names.pod_name("c", "decode", h, 2)) == ("c", "decode", h, 2)
+        seen.add(h)
+    assert len(seen) == len(inputs)  # no collisions among 3,000
+    # a spec hash is the same encoding, 16 characters
+    assert builders.digest({"a": 1}) != builders.digest({"a": 2})
+    assert len(builders.digest({"a": 1})) == 16
 
 
 def test_hash_seed_is_shared_by_every_engine() -> None:
