@@ -59,6 +59,9 @@ class ConductorConfig(BaseModel):
     calibrate: bool | None = Field(
         None, description="learn the prefill-time scale online (default: the policy's own)")
     calibration: CalibrationConfig = CalibrationConfig()
+    routing_only: bool = Field(
+        False, description="equal capability: every policy routes on local caches only "
+        "(no KV fetch, no CPP, no admission, no replication), to compare routing alone")
     seed: int = 0
 
     @model_validator(mode="after")
@@ -93,16 +96,18 @@ class Conductor:
         self.config = config or ConductorConfig()
         self.cost = cost or CostModel(self.config.cost)
         self.rng = random.Random(self.config.seed)
-        ctx = PolicyContext(cost=self.cost, slo=self.config.slo, rng=self.rng)
+        only = self.config.routing_only
+        ctx = PolicyContext(cost=self.cost, slo=self.config.slo, rng=self.rng,
+                            fetch=not only, cpp=not only)
         self.policy = create_policy(self.config.policy, ctx, self.config.params)
         decode_name = self.config.decode_selector or self.policy.default_decode
         self.decode_selector = create_decode_selector(
             decode_name, self.cost, self.config.slo.tbt_s, self.rng
         )
-        self.admission = (
+        self.admission = not only and (
             self.policy.admission if self.config.admission is None else self.config.admission
         )
-        self.replicate = (
+        self.replicate = not only and (
             self.policy.replication if self.config.replicate is None else self.config.replicate
         )
         self.hot = HotPrefixTracker(self.config.replication)

@@ -44,6 +44,9 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                    "presets)")
     r.add_argument("--nic-contention", action=argparse.BooleanOptionalAction, default=None,
                    help="transfers queue on each node's NIC (default off; on in presets)")
+    p.add_argument("--routing-only", action="store_true",
+                   help="equal capability: every policy on local caches only (no KV fetch, "
+                   "no CPP, no admission, no replication)")
     p.add_argument("--jobs", type=int, default=None, help="parallel processes")
     p.add_argument("--json", dest="json_out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="write a PNG chart of the results")
@@ -129,6 +132,7 @@ class _Setup:
     model_bias: float
     event_lag_ms: float
     nic_contention: bool
+    routing_only: bool = False
 
     def config(self, policy: str, speed: float, seed: int, own_params: bool,
                prefill: int | None = None, decode: int | None = None) -> dict[str, Any]:
@@ -145,6 +149,7 @@ class _Setup:
                 "params": self.params if own_params else {},
                 "slo": {"ttft_s": self.ttft_s, "tbt_s": self.tbt_ms / 1000.0},
                 "seed": seed,
+                "routing_only": self.routing_only,
             },
         }
 
@@ -167,6 +172,7 @@ class _Setup:
             "cost_model": "LLaMA3-70B on 8xA800 (FAST'25 Table 1)",
             "seed": seed,
             **self.realism(),
+            "routing_only": self.routing_only,
             "ttft_mean_charged": "rejected requests charged the TTFT SLO",
         }
 
@@ -237,6 +243,7 @@ def _setup(args: argparse.Namespace) -> _Setup | str:
         model_bias=_pick(args.model_bias, preset, "model_bias", 0.0),
         event_lag_ms=_pick(args.event_lag_ms, preset, "event_lag_ms", 0.0),
         nic_contention=bool(_pick(args.nic_contention, preset, "nic_contention", False)),
+        routing_only=bool(args.routing_only),
     )
 
 
@@ -250,7 +257,9 @@ def _pick(flag: Any, preset: Any, name: str, default: Any) -> Any:
 def _realism_line(setup: _Setup) -> str:
     return (f"prediction error {setup.prediction_error:g}, bias {setup.model_bias:g}, "
             f"event lag {setup.event_lag_ms:g} ms, NIC contention "
-            f"{'on' if setup.nic_contention else 'off'}")
+            f"{'on' if setup.nic_contention else 'off'}"
+            + (" | routing only (no fetch, CPP, admission, replication)"
+               if setup.routing_only else ""))
 
 
 def _validate(cfgs: list[dict[str, Any]]) -> str | None:

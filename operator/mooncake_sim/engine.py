@@ -100,6 +100,8 @@ class SimConfig(BaseModel):
     nic_contention: bool = Field(
         False, description="KV fetches and copies queue on each node's NIC")
     store_links: int = Field(1, gt=0, description="the store pool's bandwidth, in NICs")
+    long_prompt_tokens: int = Field(
+        65_536, gt=0, description="prompts at least this long are also reported on their own")
     conductor: ConductorConfig = ConductorConfig()
     progress: bool = False
 
@@ -630,9 +632,24 @@ class Simulation:
             "prediction_error_windows": self._error_windows(),
             "prefill_scale": self.conductor.cost.prefill_scale,
             "replicated_tokens": self.replicated_tokens,
+            "long_prompts": self._long_prompts(),
             "simulated_seconds": max((r.info.arrival for r in self.reqs), default=0.0),
             "wall_seconds": wall,
         }
+
+
+    def _long_prompts(self) -> dict[str, Any]:
+        """The same summary for the prompts of at least ``long_prompt_tokens`` alone
+        (where CPP matters): rejected ones count as misses and are charged the SLO."""
+        slo = self.cfg.conductor.slo
+        long = [r for r in self.reqs if r.info.input_tokens >= self.cfg.long_prompt_tokens]
+        served = [(r.ttft, r.tbt) for r in long
+                  if r.decision is not None and not r.decision.rejected]
+        summary = latency_summary(served, len(long), slo.ttft_s, slo.tbt_s)
+        return {"threshold_tokens": self.cfg.long_prompt_tokens, "requests": len(long),
+                "completed": len(served), "slo_attainment": summary["slo_attainment"],
+                "ttft_mean_charged_s": summary["ttft_mean_charged_s"],
+                "ttft_p90_s": summary["ttft_p90_s"]}
 
 
 def simulate(records: list[TraceRecord], config: SimConfig) -> dict[str, Any]:

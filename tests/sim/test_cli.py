@@ -35,6 +35,27 @@ def test_simulate_json_has_the_documented_keys(small_trace: Path, tmp_path: Path
     assert "conductor" in table and "TTFT mean" in table
 
 
+def test_routing_only_reaches_every_policy_and_the_settings(small_trace: Path,
+                                                            tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    args = ["simulate", "--trace", str(small_trace), "--compare", "conductor,mooncake-paper",
+            "--prefill", "4", "--decode", "4", "--speed", "4", "--jobs", "1"]
+    assert main([*args, "--json", str(out)]) == 0
+    full = json.loads(out.read_text())
+    assert full["settings"]["routing_only"] is False
+    assert main([*args, "--routing-only", "--json", str(out)]) == 0
+    only = json.loads(out.read_text())
+    assert only["settings"]["routing_only"] is True
+    for r in only["results"]:
+        assert r["rejected"] == 0 and r["replicated_tokens"] == 0
+        assert r["long_prompts"]["threshold_tokens"] == 65_536
+    # the full systems did use a capability routing-only takes away (rejections,
+    # replication or fetched reuse above the local-only hit ratio)
+    assert any(f["rejected"] or f["replicated_tokens"]
+               or f["token_hit_ratio"] > o["token_hit_ratio"]
+               for f, o in zip(full["results"], only["results"], strict=True))
+
+
 def test_preset_works_on_any_trace(small_trace: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     assert main(["simulate", "--trace", str(small_trace), "--preset", "paper-fig5",

@@ -461,6 +461,28 @@ def test_sim_slo_attainment_needs_ttft_too() -> None:
     assert r["slo_attainment"] == 0.0
 
 
+def test_long_prompts_are_summarised_on_their_own() -> None:
+    """Three prompts, two of them at least 8192 tokens: one of those is rejected (predicted
+    past a 1 s TTFT SLO), the other served within it. The long-prompt summary counts the
+    two long ones only, the rejected one a miss charged the SLO."""
+    recs = [TraceRecord(0.0, 2048, 2, tuple(range(4))),
+            TraceRecord(0.0, 8192, 2, tuple(range(100, 116))),
+            TraceRecord(0.0, 60_000, 2, tuple(range(200, 318)))]
+    conductor = ConductorConfig(policy="conductor", slo={"ttft_s": 1.0, "tbt_s": 0.1},
+                                params={"cpp": {"enabled": False}})
+    s = sim(recs, conductor=conductor, prefill=3, long_prompt_tokens=8192)
+    r = s.run()
+    long = r["long_prompts"]
+    assert (long["threshold_tokens"], long["requests"], long["completed"]) == (8192, 2, 1)
+    served = s.reqs[1]
+    assert served.ttft < 1.0
+    assert long["slo_attainment"] == pytest.approx(0.5)
+    assert long["ttft_mean_charged_s"] == pytest.approx((served.ttft + 1.0) / 2)
+    none = sim(recs, conductor=conductor, prefill=3, long_prompt_tokens=100_000).run()
+    assert none["long_prompts"]["requests"] == 0
+    assert math.isnan(none["long_prompts"]["slo_attainment"])
+
+
 # -- the store pool ---------------------------------------------------------------------------
 
 def _store_only_trace() -> list[TraceRecord]:

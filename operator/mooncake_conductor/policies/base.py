@@ -75,6 +75,10 @@ class PolicyContext:
     cost: CostModel
     slo: SLOConfig
     rng: random.Random
+    #: may a placement fetch a prefix from another instance or the store (else: local only)
+    fetch: bool = True
+    #: may a placement run on a CPP group of instances
+    cpp: bool = True
 
 
 class PrefillPolicy(ABC):

@@ -146,6 +146,8 @@ class ConductorPolicy(PrefillPolicy):
         stored, local_view, best_src, best_len = index.match_lengths(
             req.keys, search, live_mask if prm.include_pending else None,
             key_array=req.key_array)
+        if not self.ctx.fetch:  # local caches only: nothing is fetched
+            best_src, best_len = None, 0
         n = req.input_tokens
         weight = prm.priority_weight
         best_tokens = req.tokens_of(best_len)
@@ -215,7 +217,7 @@ class ConductorPolicy(PrefillPolicy):
                                          else ties_at[self.ctx.rng.choice(range(count))])]
         choice = self._placement(row_of(chosen), best_src)
         cpp = None
-        if prm.cpp.enabled:
+        if prm.cpp.enabled and self.ctx.cpp:
             if live is None:
                 live = [p for p in cluster.prefill if p.up]
             cpp = self._cpp(req, live, stored, best_src, best_len, choice, now)

@@ -48,7 +48,7 @@ class KVCacheCentricPolicy(PrefillPolicy):
         if cluster.store_id is not None:
             search |= 1 << cluster.store_id
         matches = cluster.index.match_all(req.keys, search, key_array=req.key_array)
-        best_src, best_len = longest(matches)
+        best_src, best_len = longest(matches) if self.ctx.fetch else (None, 0)
         n = req.input_tokens
         options: dict[int, Placement] = {}
         for p in live:

@@ -43,7 +43,7 @@ class MooncakePaperPolicy(KVCacheCentricPolicy):
         assert isinstance(self.params, MooncakePaperParams)
         cfg = self.params.cpp
         n = req.input_tokens
-        if (not cfg.enabled or cfg.max_group < 2
+        if (not cfg.enabled or not self.ctx.cpp or cfg.max_group < 2
                 or n - req.tokens_of(single.reused_blocks) < cfg.min_new_tokens):
             return single
         idle = [p for p in live if p.wait_time(now) <= 0.0]
