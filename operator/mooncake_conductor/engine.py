@@ -41,6 +41,15 @@ class CalibrationConfig(BaseModel):
     rate: float = Field(0.05, gt=0, le=1, description="weight of each new observation")
     min_scale: float = Field(0.25, gt=0, description="the scale is kept at or above this")
     max_scale: float = Field(4.0, gt=0, description="the scale is kept at or below this")
+    initial_scale: float = Field(
+        1.0, gt=0, description="the prefill scale to start from (e.g. one learnt before); "
+        "applies with calibration off too")
+
+    @model_validator(mode="after")
+    def _scale_bounds(self) -> CalibrationConfig:
+        if not self.min_scale <= self.initial_scale <= self.max_scale:
+            raise ValueError("initial_scale must lie within [min_scale, max_scale]")
+        return self
 
 
 class ConductorConfig(BaseModel):
@@ -114,7 +123,9 @@ class Conductor:
         self.calibrate = (
             self.policy.calibrates if self.config.calibrate is None else self.config.calibrate
         )
-        self._log_scale = 0.0
+        self._log_scale = math.log(self.config.calibration.initial_scale)
+        if self._log_scale:
+            self.cost.set_prefill_scale(self.config.calibration.initial_scale)
 
     def observe_prefill(self, predicted_s: float, observed_s: float) -> None:
         """A prefill predicted to take ``predicted_s`` (by the current model) took

@@ -58,3 +58,28 @@ def test_the_conductor_policy_prices_with_the_calibrated_model() -> None:
     after = c.schedule(request(keys, rid=2), cluster(2), 0.0).placement.prefill_s
     assert after == pytest.approx(2.0 * before, rel=0.02)
     assert before == pytest.approx(CostModel().prefill_time(len(keys) * BT))
+
+
+def test_an_initial_scale_starts_the_model_there_and_calibration_moves_on_from_it() -> None:
+    truth = CostModel()
+    fixed = Conductor(ConductorConfig(policy="conductor", calibrate=False,
+                                      calibration={"initial_scale": 1.25}))
+    assert fixed.cost.prefill_scale == 1.25
+    assert fixed.cost.prefill_compute_time(8192) == pytest.approx(
+        1.25 * truth.prefill_compute_time(8192))
+    fixed.observe_prefill(1.0, 2.0)  # calibration off: it stays
+    assert fixed.cost.prefill_scale == 1.25
+    learning = Conductor(ConductorConfig(policy="conductor",
+                                         calibration={"initial_scale": 1.25, "rate": 0.5}))
+    learning.observe_prefill(1.0, 1.0)  # observed = predicted: the scale stays
+    assert learning.cost.prefill_scale == pytest.approx(1.25)
+    learning.observe_prefill(1.0, 2.0)  # log scale += 0.5 * log 2 from log 1.25
+    assert learning.cost.prefill_scale == pytest.approx(1.25 * math.sqrt(2.0))
+    assert Conductor(ConductorConfig(policy="conductor")).cost.version == 0
+
+
+def test_an_initial_scale_outside_the_bounds_is_refused() -> None:
+    with pytest.raises(ValueError, match="initial_scale must lie within"):
+        ConductorConfig(calibration={"initial_scale": 5.0})
+    with pytest.raises(ValueError, match="initial_scale must lie within"):
+        ConductorConfig(calibration={"initial_scale": 0.5, "min_scale": 0.6})
