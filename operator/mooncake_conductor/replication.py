@@ -105,8 +105,11 @@ class HotPrefixTracker:
 
     def hot(self, now: float) -> list[tuple[int, float, tuple[int, ...]]]:
         """Hot prefixes ``(prefix, accesses per second, keys)``, hottest first."""
+        return [(p, r, t.key_tuple()) for p, r, t in self._hot(now)]
+
+    def _hot(self, now: float) -> list[tuple[int, float, _Tracked]]:
         out = [
-            (p, r, t.key_tuple())
+            (p, r, t)
             for p, t in self._tracked.items()
             if (r := self._rate(t, now)) >= self.config.min_rate_per_s
         ]
@@ -122,10 +125,13 @@ class HotPrefixTracker:
             return []
         load = {p.iid: p.wait_time(now) for p in live}
         avg = sum(load.values()) / len(live)
+        if not any(is_hot_spot(v, avg, cfg) for v in load.values()):
+            return []  # every source must be a hot spot: none can be
         index = cluster.index
         actions: list[ReplicationAction] = []
         taken: set[int] = set()
-        for prefix, rate, keys in self.hot(now):
+        for prefix, rate, tracked in self._hot(now):
+            keys = tracked.key_tuple()
             holders = [p.iid for p in live if index.match(p.iid, keys) == len(keys)]
             if not holders or len(holders) >= cfg.max_replicas:
                 continue
