@@ -16,6 +16,12 @@ their broad statistics, not their exact content):
 - ``toolagent``: shorter prompts behind shared tool/system prompts, higher
   rate, ~9.3k tokens, ~59% reusable.
 - ``synthetic``: long prompts, few turns, ~14.8k tokens, ~50% reusable.
+
+And one skewed shape that is not from the paper, for hot-prefix replication:
+
+- ``shared-doc``: a few long shared documents (24k tokens, four of them, steep Zipf
+  popularity) each asked short questions; most sessions are one turn, so nearly all
+  reuse is of the hot documents.
 """
 
 from __future__ import annotations
@@ -45,7 +51,10 @@ SHAPES: dict[str, Shape] = {
     "conversation": Shape(8, 1024, 1.1, 2.0, 7000.0, 340.0, 3.4, 128_000),
     "toolagent": Shape(24, 3000, 1.2, 2.2, 3500.0, 180.0, 6.5, 64_000),
     "synthetic": Shape(6, 6000, 1.0, 1.6, 7000.0, 150.0, 1.1, 128_000),
+    "shared-doc": Shape(4, 24_000, 1.5, 1.2, 1500.0, 200.0, 2.0, 64_000),
 }
+#: the shapes named after the paper's Table 2 workloads
+PAPER_SHAPES = ("conversation", "toolagent", "synthetic")
 
 
 def generate(shape: str, requests: int, seed: int = 1) -> list[TraceRecord]:
