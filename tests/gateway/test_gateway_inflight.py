@@ -11,7 +11,10 @@ from typing import Any
 
 from .scripted import BLOCK, MODEL, engines, model, prompt_ids, running_gateway, until
 
-PROMPT_TOKENS = 1024
+# long enough that the predicted prefills (about 2 s each under the paper's cost model)
+# outlast the reads below on a loaded host: at 1024 tokens (0.13 s) the predicted wait
+# had run out before the state was read
+PROMPT_TOKENS = 16_384
 REQUESTS = 4
 
 
