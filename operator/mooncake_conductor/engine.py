@@ -154,6 +154,7 @@ class Conductor:
                 decode.reject_reason = None
         decision = Decision(placement, decode)
         if not decision.rejected:
+            self.decode_selector.placed(req, decode.decode)
             self.policy.on_placed(req, placement, cluster)
             self.hot.record(req.keys, now, placement.reused_blocks, req.key_array)
         return decision
@@ -161,12 +162,14 @@ class Conductor:
     def prefilled(self, req: RequestInfo, decision: Decision) -> None:
         """A scheduled request's prefill is done (its first token)."""
         if not decision.rejected:
+            self.decode_selector.joined(req)
             self.policy.on_prefilled(req, decision.placement)
 
     def finished(self, req: RequestInfo, decision: Decision) -> None:
         """A scheduled request is done (served or failed): policies that count their
         own outstanding requests release it. Rejected requests were never counted."""
         if not decision.rejected:
+            self.decode_selector.joined(req)  # a prefill that failed never joins
             self.policy.on_finished(req, decision.placement)
 
     def _choose_grouped(

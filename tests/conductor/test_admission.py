@@ -119,7 +119,7 @@ def test_policy_defaults_and_overrides() -> None:
     assert Conductor(ConductorConfig(policy="conductor", admission=False)).admission is False
     assert Conductor(ConductorConfig(policy="random", admission=True)).admission is True
     cond = Conductor(ConductorConfig(policy="conductor"))
-    assert cond.decode_selector.name == "tbt-slo" and cond.replicate is True
+    assert cond.decode_selector.name == "tbt-lookahead" and cond.replicate is True
     cond = Conductor(ConductorConfig(policy="conductor", decode_selector="least-load",
                                      replicate=False))
     assert cond.decode_selector.name == "least-load" and cond.replicate is False

@@ -94,7 +94,7 @@ _Row = tuple[float, int, int, int, float, float, float, float]
 class ConductorPolicy(PrefillPolicy):
     name = "conductor"
     Params = ConductorParams
-    default_decode = "tbt-slo"
+    default_decode = "tbt-lookahead"
     admission = True
     replication = True
     calibrates = True
