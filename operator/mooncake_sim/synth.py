@@ -17,11 +17,13 @@ their broad statistics, not their exact content):
   rate, ~9.3k tokens, ~59% reusable.
 - ``synthetic``: long prompts, few turns, ~14.8k tokens, ~50% reusable.
 
-And one skewed shape that is not from the paper, for hot-prefix replication:
+And two shapes that are not from the paper:
 
-- ``shared-doc``: a few long shared documents (24k tokens, four of them, steep Zipf
-  popularity) each asked short questions; most sessions are one turn, so nearly all
-  reuse is of the hot documents.
+- ``shared-doc`` (hot-prefix replication): a few long shared documents (24k tokens, four
+  of them, steep Zipf popularity) each asked short questions; most sessions are one
+  turn, so nearly all reuse is of the hot documents.
+- ``long-output`` (decode-bound): chat with long answers (~1,500 tokens, reasoning
+  style) behind ~4k-token questions, so the decode pool, not prefill, is the limit.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ SHAPES: dict[str, Shape] = {
     "toolagent": Shape(24, 3000, 1.2, 2.2, 3500.0, 180.0, 6.5, 64_000),
     "synthetic": Shape(6, 6000, 1.0, 1.6, 7000.0, 150.0, 1.1, 128_000),
     "shared-doc": Shape(4, 24_000, 1.5, 1.2, 1500.0, 200.0, 2.0, 64_000),
+    "long-output": Shape(8, 1024, 1.1, 2.0, 4000.0, 1500.0, 3.4, 64_000),
 }
 #: the shapes named after the paper's Table 2 workloads
 PAPER_SHAPES = ("conversation", "toolagent", "synthetic")
