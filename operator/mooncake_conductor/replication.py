@@ -58,6 +58,10 @@ class ReplicationAction:
     rate_per_s: float
 
 
+#: seconds of slack on the ``until`` pre-filter (float rounding of the log)
+_UNTIL_SLACK_S = 1e-6
+
+
 @dataclass(slots=True)
 class _Tracked:
     #: a uint64 array when the caller had one: never traversed by the garbage collector
@@ -65,6 +69,8 @@ class _Tracked:
     keys: tuple[int, ...] | npt.NDArray[np.uint64]
     rate: float
     at: float
+    #: when the decaying rate falls below the hot threshold (a pre-filter for ``hot``)
+    until: float = -math.inf
 
     def key_tuple(self) -> tuple[int, ...]:
         return self.keys if isinstance(self.keys, tuple) else tuple(self.keys.tolist())
@@ -99,6 +105,8 @@ class HotPrefixTracker:
             self._tracked.move_to_end(prefix)
         t.rate = self._rate(t, now) + self._decay  # each access adds decay-rate units
         t.at = now
+        floor = self.config.min_rate_per_s
+        t.until = now + math.log(t.rate / floor) / self._decay if t.rate >= floor else now
 
     def _rate(self, t: _Tracked, now: float) -> float:
         return t.rate * math.exp(-self._decay * max(0.0, now - t.at))
@@ -108,10 +116,13 @@ class HotPrefixTracker:
         return [(p, r, t.key_tuple()) for p, r, t in self._hot(now)]
 
     def _hot(self, now: float) -> list[tuple[int, float, _Tracked]]:
+        # ``until`` skips the exponential for the (many) prefixes long cold; the slack
+        # leaves the exact test to the rate itself at the boundary
+        soon = now - _UNTIL_SLACK_S
         out = [
             (p, r, t)
             for p, t in self._tracked.items()
-            if (r := self._rate(t, now)) >= self.config.min_rate_per_s
+            if t.until >= soon and (r := self._rate(t, now)) >= self.config.min_rate_per_s
         ]
         out.sort(key=lambda x: -x[1])
         return out

@@ -8,6 +8,7 @@ hot-spot and target tests, and the per-round caps of ``plan`` and ``assign_repli
 from __future__ import annotations
 
 import math
+import random
 
 import numpy as np
 import pytest
@@ -306,3 +307,30 @@ def test_assign_prefers_an_instance_whose_cache_has_room() -> None:
     assert _assigned(assign_replicas(hot, loads, {}, CFG)) == {"c": {"p"}}
     loads[2] = InstanceLoad("c", 0.1, fill=0.96)
     assert _assigned(assign_replicas(hot, loads, {}, CFG)) == {"b": {"p"}}
+
+
+def test_hot_prefixes_match_the_decay_law_at_every_time() -> None:
+    """``hot`` skips prefixes by the time their rate falls below the threshold; over
+    random accesses and read times it returns exactly the prefixes whose decayed rate
+    is at or above it, with that rate."""
+    cfg = ReplicationConfig(half_life_s=10.0, min_rate_per_s=0.05)
+    tr = HotPrefixTracker(cfg)
+    rng = random.Random(3)
+    decay = math.log(2.0) / cfg.half_life_s
+    truth: dict[int, tuple[float, float]] = {}  # prefix -> (rate, at)
+    now = 0.0
+    for _ in range(400):
+        now += rng.expovariate(2.0)
+        p = rng.randrange(12)
+        keys = (1000 + p, 2000 + p, 3000 + p)
+        tr.record(keys, now)
+        rate, at = truth.get(keys[-1], (0.0, now))
+        truth[keys[-1]] = (rate * math.exp(-decay * (now - at)) + decay, now)
+        if rng.random() < 0.3:
+            later = now + rng.uniform(0.0, 80.0)
+            want = {k: r * math.exp(-decay * (later - a)) for k, (r, a) in truth.items()}
+            want = {k: r for k, r in want.items() if r >= cfg.min_rate_per_s}
+            got = {p: r for p, r, _ in tr.hot(later)}
+            assert got.keys() == want.keys()
+            for k, r in want.items():
+                assert got[k] == pytest.approx(r)
