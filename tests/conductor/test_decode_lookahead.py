@@ -108,6 +108,50 @@ def test_unknown_repeated_and_undecided_requests_change_nothing() -> None:
     assert ch.decode == 0 and ch.predicted_tbt_s == COST.decode_step_time(1, N)
 
 
+def busy(batch: int = 300, context: int = 150_000) -> list[DecodeState]:
+    """One instance whose batch is large enough for the step to be compute-bound, so
+    every request in it counts (at small batches the step is memory-bound and only the
+    context matters)."""
+    return [DecodeState(iid=0, batch=batch, context_tokens=context,
+                        capacity_tokens=COST.kv_capacity_tokens)]
+
+
+def test_each_pending_request_counts_once_in_a_compute_bound_batch() -> None:
+    one = 512
+    assert COST.decode_step_time(302, 150_000) > COST.decode_step_time(301, 150_000)
+    sel = lookahead()
+    assert sel.choose(req(9, blocks=1), busy()).predicted_tbt_s == \
+        COST.decode_step_time(301, 150_000 + one)
+    sel.placed(req(1, blocks=1), 0)
+    assert sel.choose(req(9, blocks=1), busy()).predicted_tbt_s == \
+        COST.decode_step_time(302, 150_000 + 2 * one)
+    sel.placed(req(2, blocks=1), 0)
+    sel.placed(req(3, blocks=1), 0)
+    assert sel.choose(req(9, blocks=1), busy()).predicted_tbt_s == \
+        COST.decode_step_time(304, 150_000 + 4 * one)
+    sel.joined(req(1, blocks=1))
+    assert sel.choose(req(9, blocks=1), busy()).predicted_tbt_s == \
+        COST.decode_step_time(303, 150_000 + 3 * one)
+    sel.joined(req(2, blocks=1))
+    sel.joined(req(3, blocks=1))
+    assert sel.choose(req(9, blocks=1), busy()).predicted_tbt_s == \
+        COST.decode_step_time(301, 150_000 + one)
+
+
+def test_pending_requests_add_to_the_running_batch_not_replace_it() -> None:
+    """300 running on 0 plus one pending against 301 running on 1 with the same
+    context: a tie by batch, and 0 holds one more prompt, so 1 wins; counting the
+    pending request instead of the running batch (or against it) would pick 0."""
+    ds = [DecodeState(iid=0, batch=300, context_tokens=150_000,
+                      capacity_tokens=COST.kv_capacity_tokens),
+          DecodeState(iid=1, batch=301, context_tokens=150_000,
+                      capacity_tokens=COST.kv_capacity_tokens)]
+    sel = lookahead()
+    sel.placed(req(1, blocks=1), 0)
+    ch = sel.choose(req(9, blocks=1), ds)
+    assert ch.decode == 1 and ch.predicted_tbt_s == COST.decode_step_time(302, 150_512)
+
+
 def test_pending_requests_can_break_the_tbt_slo() -> None:
     """An SLO the empty instance meets but not with three more in its batch."""
     ds = idle(1)
