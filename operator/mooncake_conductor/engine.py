@@ -165,6 +165,12 @@ class Conductor:
             self.decode_selector.joined(req)
             self.policy.on_prefilled(req, decision.placement)
 
+    def decoding(self, req: RequestInfo, decision: Decision) -> None:
+        """A scheduled request starts on its decode instance without a prefill instance
+        (the gateway's direct rule): it is in that instance's batch from now on."""
+        if not decision.rejected:
+            self.decode_selector.joined(req)
+
     def finished(self, req: RequestInfo, decision: Decision) -> None:
         """A scheduled request is done (served or failed): policies that count their
         own outstanding requests release it. Rejected requests were never counted."""

@@ -574,6 +574,8 @@ class Gateway:
                 finally:
                     chosen.inflight -= 1
                     rt.conductor.prefilled(req, decision)
+            else:  # the decode engine prefills itself: in its batch from now on
+                rt.conductor.decoding(req, decision)
             return await self._decode(request, rt, req, decision, data, p, kvp, record, headers,
                                       arrived, explain, group)
         finally:

@@ -225,3 +225,17 @@ def test_rejected_requests_are_not_counted() -> None:
     sel = cond.decode_selector
     assert sel.choose(req(2), c.decode).predicted_tbt_s == pytest.approx(
         COST.decode_step_time(1, N))
+
+
+def test_a_request_that_starts_on_its_decode_instance_leaves_the_count() -> None:
+    """The gateway's direct rule: no prefill instance, the decode engine prefills itself
+    and is in its batch from then on (``Conductor.decoding``)."""
+    cond = Conductor(ConductorConfig(policy="conductor"))
+    c = cluster(4, decode=1)
+    r1 = req(1)
+    d1 = cond.schedule(r1, c, 0.0)
+    assert cond.decode_selector.choose(req(2), c.decode).predicted_tbt_s == \
+        COST.decode_step_time(2, 2 * N)
+    cond.decoding(r1, d1)
+    assert cond.decode_selector.choose(req(2), c.decode).predicted_tbt_s == \
+        COST.decode_step_time(1, N)

@@ -16,7 +16,9 @@ import time
 from typing import Any
 
 import pytest
+from mooncake_conductor.cost import CostModel
 from mooncake_contract.kvevents.codec import BlockStored
+from mooncake_gateway.settings import GatewaySettings
 from prometheus_client.parser import text_string_to_metric_families
 
 from .scripted import (
@@ -423,5 +425,38 @@ def test_each_request_is_counted_once_by_its_outcome(monkeypatch: pytest.MonkeyP
                 ("completions", MODEL, "error"): 1.0,
                 ("chat", "unknown", "error"): 1.0,
             }
+
+    asyncio.run(main())
+
+
+def test_a_direct_request_counts_once_in_its_decode_batch() -> None:
+    """A direct request (no prefill instance) is in its decode instance's batch from the
+    decision on; the conductor's decode selector must not also count it as still on its
+    way there. With the first request decoding, the second is priced on a batch of two
+    holding both prompts once each."""
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0):
+            doc = model([p0], [d0], direct={"uncached_tokens_below": 1_000_000})
+            async with running_gateway([doc]) as gw:
+                d0.hold = asyncio.Event()
+                first = asyncio.create_task(gw.post(CMPL, _body(prompt_ids(8 * BLOCK, 1))))
+
+                async def decoding(n: int) -> bool:
+                    return len(d0.calls) == n
+                await until(lambda: decoding(1))
+                st = (await gw.state())["decode"][0]
+                assert (st["batch"], st["context_tokens"]) == (1, 8 * BLOCK)
+                second = asyncio.create_task(
+                    gw.post(CMPL, _body(prompt_ids(2 * BLOCK, 900))))
+                await until(lambda: decoding(2))
+                d0.hold.set()
+                for status, _h, raw in (await first, await second):
+                    assert status == 200, raw
+                recs = await _records(gw)
+                assert [r["direct"] for r in recs] == [True, True] and p0.calls == []
+        cost = CostModel(GatewaySettings.model_validate({"models": [doc]})
+                         .models[0].conductor.cost)
+        tbt = {r["prompt_tokens"]: r["predicted"]["tbt_s"] for r in recs}
+        assert tbt[2 * BLOCK] == pytest.approx(cost.decode_step_time(2, 10 * BLOCK))
 
     asyncio.run(main())
