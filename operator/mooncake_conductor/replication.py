@@ -83,6 +83,12 @@ class HotPrefixTracker:
         self.config = config or ReplicationConfig()
         self._tracked: OrderedDict[int, _Tracked] = OrderedDict()
         self._decay = math.log(2.0) / self.config.half_life_s
+        #: the longest any prefix has stayed hot after its last access: the LRU order is
+        #: the order of last access, so ``hot`` stops at the first prefix older than this
+        self._longest_hot_s = 0.0
+        #: accesses recorded in time order so far (else the early stop is off for good)
+        self._in_order = True
+        self._last_at = -math.inf
 
     def record(self, keys: list[int] | tuple[int, ...], now: float,
                blocks: int | None = None,
@@ -105,8 +111,12 @@ class HotPrefixTracker:
             self._tracked.move_to_end(prefix)
         t.rate = self._rate(t, now) + self._decay  # each access adds decay-rate units
         t.at = now
+        if now < self._last_at:
+            self._in_order = False
+        self._last_at = max(self._last_at, now)
         floor = self.config.min_rate_per_s
         t.until = now + math.log(t.rate / floor) / self._decay if t.rate >= floor else now
+        self._longest_hot_s = max(self._longest_hot_s, t.until - now)
 
     def _rate(self, t: _Tracked, now: float) -> float:
         return t.rate * math.exp(-self._decay * max(0.0, now - t.at))
@@ -116,14 +126,19 @@ class HotPrefixTracker:
         return [(p, r, t.key_tuple()) for p, r, t in self._hot(now)]
 
     def _hot(self, now: float) -> list[tuple[int, float, _Tracked]]:
-        # ``until`` skips the exponential for the (many) prefixes long cold; the slack
-        # leaves the exact test to the rate itself at the boundary
+        # newest access first, down to the oldest that can still be hot; ``until`` skips
+        # the exponential for the ones already cold; the slack leaves the exact test to
+        # the rate itself at the boundary
         soon = now - _UNTIL_SLACK_S
-        out = [
-            (p, r, t)
-            for p, t in self._tracked.items()
-            if t.until >= soon and (r := self._rate(t, now)) >= self.config.min_rate_per_s
-        ]
+        oldest = soon - self._longest_hot_s
+        floor = self.config.min_rate_per_s
+        out = []
+        for p, t in reversed(self._tracked.items()):
+            if t.at < oldest and self._in_order:
+                break
+            if t.until >= soon and (r := self._rate(t, now)) >= floor:
+                out.append((p, r, t))
+        out.reverse()  # least recent first, so equal rates keep their old order
         out.sort(key=lambda x: -x[1])
         return out
 

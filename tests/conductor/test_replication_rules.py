@@ -334,3 +334,16 @@ def test_hot_prefixes_match_the_decay_law_at_every_time() -> None:
             assert got.keys() == want.keys()
             for k, r in want.items():
                 assert got[k] == pytest.approx(r)
+
+
+def test_an_access_recorded_out_of_time_order_does_not_hide_a_hot_prefix() -> None:
+    """``hot`` stops at the first prefix accessed too long ago to be hot, which is right
+    only while the last-access order is the time order; once an access arrives late
+    (a request decided after a later one), every prefix is examined."""
+    cfg = ReplicationConfig(half_life_s=10.0, min_rate_per_s=0.05)
+    tr = HotPrefixTracker(cfg)
+    for _ in range(5):
+        tr.record((1, 2), 100.0)  # hot for a while: five accesses at t = 100
+    tr.record((3, 4), 0.0)  # recorded late, but it is the most recent in LRU order
+    hot = {p for p, _r, _k in tr.hot(120.0)}
+    assert hot == {2}
