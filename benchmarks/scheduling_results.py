@@ -157,6 +157,22 @@ def workload(name: str, requests: int) -> list[TraceRecord]:
     return generate(name.removeprefix("synth-"), requests, seed=SYNTH_SEED)
 
 
+Variant = tuple[str, str, dict[str, Any]]  # (name, policy, sim_config keyword arguments)
+
+
+def sweep(args: argparse.Namespace, label: str, recs: list[TraceRecord],
+          variants: list[Variant], speed_at: Any = None) -> dict[str, dict[str, Any]]:
+    """Every variant at every load of ``--loads``, keyed ``"load|name"``; ``speed_at(load)``
+    is the replay speed (default: that share of the pool's cold-prefill capacity)."""
+    jobs = []
+    for load in (float(x) for x in args.loads.split(",")):
+        speed = (speed_at(load) if speed_at is not None
+                 else speed_for_utilization(recs, PRESET.prefill, load))
+        for name, pol, kw in variants:
+            jobs.append((f"{load}|{name}", recs, sim_config(pol, speed, **kw)))
+    return run_all(label, jobs, args.jobs)
+
+
 # -- sections ----------------------------------------------------------------------------------
 def tables(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
     names = [CONVERSATION, *(f"synth-{s}" for s in PAPER_SHAPES)]
@@ -258,17 +274,12 @@ def calibration(args: argparse.Namespace) -> dict[str, Any]:
 
 def hot(args: argparse.Namespace) -> dict[str, Any]:
     recs = workload("synth-shared-doc", args.requests)
-    loads = [float(x) for x in args.loads.split(",")]
-    jobs = []
     # 92% of this workload is reusable: loaded on its cold prefills it would idle the pool,
     # so its loads are shares of the ideal-reuse compute limit (the work that must be done)
     limit = compute_bound_speed(recs, PRESET.prefill)
-    for load in loads:
-        speed = load * limit
-        for on in (True, False):
-            jobs.append((f"{load}|{'on' if on else 'off'}", recs,
-                         sim_config("conductor", speed, conductor_replicate=on)))
-    res = run_all("hot prefix", jobs, args.jobs)
+    res = sweep(args, "hot prefix", recs,
+                [(on, "conductor", {"conductor_replicate": on == "on"}) for on in ("on", "off")],
+                speed_at=lambda load: load * limit)
     keep = ("ttft_mean_charged_s", "ttft_p90_s", "ttft_p99_s", "slo_attainment",
             "token_hit_ratio", "replicated_tokens")
     return {"workload": "synth-shared-doc", "requests": len(recs),
@@ -278,16 +289,9 @@ def hot(args: argparse.Namespace) -> dict[str, Any]:
 
 def long_prompts(args: argparse.Namespace) -> dict[str, Any]:
     recs = workload(CONVERSATION, args.requests)
-    loads = [float(x) for x in args.loads.split(",")]
-    jobs = []
-    for load in loads:
-        speed = speed_for_utilization(recs, PRESET.prefill, load)
-        for pol in ("conductor", "mooncake-paper"):
-            for on in (True, False):
-                jobs.append((f"{load}|{pol}|{'on' if on else 'off'}", recs,
-                             sim_config(pol, speed,
-                                        conductor_params={"cpp": {"enabled": on}})))
-    res = run_all("long prompts", jobs, args.jobs)
+    res = sweep(args, "long prompts", recs, [
+        (f"{pol}|{on}", pol, {"conductor_params": {"cpp": {"enabled": on == "on"}}})
+        for pol in ("conductor", "mooncake-paper") for on in ("on", "off")])
     return {"runs": {k: {"long": r["long_prompts"], "slo_attainment": r["slo_attainment"],
                          "ttft_mean_charged_s": r["ttft_mean_charged_s"]}
                      for k, r in res.items()}}
@@ -298,18 +302,10 @@ def decode_bound(args: argparse.Namespace) -> dict[str, Any]:
     with its look-ahead decode selector against the same policy on the paper's
     ``tbt-slo`` and the other designs."""
     recs = workload("synth-long-output", args.requests)
-    loads = [float(x) for x in args.loads.split(",")]
-    variants: list[tuple[str, str, dict[str, Any]]] = [
-        (p, p, {}) for p in DECODE_POLICIES]
+    variants: list[Variant] = [(p, p, {"decode": DECODE_POOL}) for p in DECODE_POLICIES]
     variants.append(("conductor, tbt-slo decode", "conductor",
-                     {"conductor_decode_selector": "tbt-slo"}))
-    jobs = []
-    for load in loads:
-        speed = speed_for_utilization(recs, PRESET.prefill, load)
-        for label, pol, extra in variants:
-            jobs.append((f"{load}|{label}", recs,
-                         sim_config(pol, speed, decode=DECODE_POOL, **extra)))
-    res = run_all("decode-bound", jobs, args.jobs)
+                     {"decode": DECODE_POOL, "conductor_decode_selector": "tbt-slo"}))
+    res = sweep(args, "decode-bound", recs, variants)
     keep = ("ttft_mean_charged_s", "slo_attainment", "tbt_p90_ms", "tbt_p99_ms", "rejected")
     return {"workload": "synth-long-output", "requests": len(recs), "decode": DECODE_POOL,
             "runs": {k: {x: r[x] for x in keep} for k, r in res.items()}}
@@ -318,16 +314,12 @@ def decode_bound(args: argparse.Namespace) -> dict[str, Any]:
 def ablation(args: argparse.Namespace) -> dict[str, Any]:
     """conductor on the conversation trace with one thing turned off at a time."""
     recs = workload(CONVERSATION, args.requests)
-    loads = [float(x) for x in args.loads.split(",")]
-    jobs = []
-    for load in loads:
-        speed = speed_for_utilization(recs, PRESET.prefill, load)
-        for name, change in ABLATION.items():
-            only = bool(change.get("routing_only"))
-            rest = {f"conductor_{k}": v for k, v in change.items() if k != "routing_only"}
-            jobs.append((f"{load}|{name}", recs,
-                         sim_config("conductor", speed, routing_only=only, **rest)))
-    res = run_all("ablation", jobs, args.jobs)
+    variants: list[Variant] = []
+    for name, change in ABLATION.items():
+        kw = {f"conductor_{k}": v for k, v in change.items() if k != "routing_only"}
+        variants.append((name, "conductor",
+                         {**kw, "routing_only": bool(change.get("routing_only"))}))
+    res = sweep(args, "ablation", recs, variants)
     keep = ("ttft_mean_charged_s", "ttft_mean_s", "slo_attainment", "rejected",
             "token_hit_ratio", "prefill_gpu_seconds")
     return {"runs": {k: {x: r[x] for x in keep} for k, r in res.items()}}
