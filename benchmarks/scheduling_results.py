@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_conductor.engine import ConductorConfig
+from mooncake_conductor.policies import policy_names
 from mooncake_sim.capacity import compute_bound_speed
 from mooncake_sim.engine import SimConfig, simulate
 from mooncake_sim.presets import PRESETS, speed_for_utilization
@@ -165,7 +166,7 @@ def sweep(args: argparse.Namespace, label: str, recs: list[TraceRecord],
     """Every variant at every load of ``--loads``, keyed ``"load|name"``; ``speed_at(load)``
     is the replay speed (default: that share of the pool's cold-prefill capacity)."""
     jobs = []
-    for load in (float(x) for x in args.loads.split(",")):
+    for load in args.loads:
         speed = (speed_at(load) if speed_at is not None
                  else speed_for_utilization(recs, PRESET.prefill, load))
         for name, pol, kw in variants:
@@ -176,7 +177,7 @@ def sweep(args: argparse.Namespace, label: str, recs: list[TraceRecord],
 # -- sections ----------------------------------------------------------------------------------
 def tables(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
     names = [CONVERSATION, *(f"synth-{s}" for s in PAPER_SHAPES)]
-    loads = [float(x) for x in args.loads.split(",")]
+    loads = args.loads
     data = {n: workload(n, args.requests) for n in names}
     ceilings = {n: trace_stats(r).reuse_ceiling_tokens for n, r in data.items()}
     jobs = []
@@ -344,6 +345,20 @@ def _pct(x: float) -> str:
     return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.2f}%"
 
 
+def _table(cols: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,)) -> list[str]:
+    """A Markdown table (the ``left`` columns left-aligned, the others right), then a
+    blank line."""
+    align = "|".join("---" if i in left else "---:" for i in range(len(cols)))
+    return ([f"| {' | '.join(cols)} |", f"|{align}|"]
+            + [f"| {' | '.join(row)} |" for row in rows] + [""])
+
+
+def _at_load(key: str) -> str:
+    """``"0.8|conductor|on"`` as ``"80%, conductor, on"``."""
+    load, *rest = key.split("|")
+    return ", ".join([f"{100 * float(load):.0f}%", *rest])
+
+
 def markdown(doc: dict[str, Any]) -> str:
     lines = ["# Scheduling results", "",
              f"One run of `benchmarks/scheduling_results.py` ({doc['started']}, "
@@ -364,15 +379,14 @@ def markdown(doc: dict[str, Any]) -> str:
                 w = t["workloads"][run["workload"]]
                 lines += [f"### {run['workload']} at {100 * run['load']:.0f}% load "
                           f"({w['requests']} requests, reuse ceiling "
-                          f"{100 * w['reuse_ceiling']:.1f}%)", "",
-                          "| policy | charged TTFT s | served TTFT s | p90 s | p99 s | "
-                          "SLO | hit | rejected |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-                for p, r in run["results"].items():
-                    lines.append(
-                        f"| {p} | {r['ttft_mean_charged_s']:.3f} | {r['ttft_mean_s']:.3f} | "
-                        f"{r['ttft_p90_s']:.2f} | {r['ttft_p99_s']:.2f} | "
-                        f"{_pct(r['slo_attainment'])} | {_pct(r['token_hit_ratio'])} | "
-                        f"{r['rejected']} |")
+                          f"{100 * w['reuse_ceiling']:.1f}%)", ""]
+                lines += _table(
+                    ["policy", "charged TTFT s", "served TTFT s", "p90 s", "p99 s", "SLO",
+                     "hit", "rejected"],
+                    [[p, f"{r['ttft_mean_charged_s']:.3f}", f"{r['ttft_mean_s']:.3f}",
+                      f"{r['ttft_p90_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
+                      _pct(r["slo_attainment"]), _pct(r["token_hit_ratio"]),
+                      str(r["rejected"])] for p, r in run["results"].items()])[:-1]
                 if "ttft_ratio" in run:
                     lines += ["", f"Best other: {run['best_other']}, ratio "
                               f"**{run['ttft_ratio']:.3f}x**; conductor SLO "
@@ -385,16 +399,14 @@ def markdown(doc: dict[str, Any]) -> str:
     if c:
         lines += ["## Effective capacity, conversation trace", "",
                   "Highest replay speed with ≥ 90% of all requests within both SLOs; limit: "
-                  "ideal-reuse prefill compute over the pool.", "",
-                  "| policy | capacity | limit | of limit |", "|---|---:|---:|---:|"]
-        for p, r in c["results"].items():
-            lines.append(f"| {p} | {r['capacity_speed']:.3g}x | {r['limit_speed']:.3g}x | "
-                         f"{_pct(r['ratio'])} |")
+                  "ideal-reuse prefill compute over the pool.", ""]
+        lines += _table(["policy", "capacity", "limit", "of limit"],
+                        [[p, f"{r['capacity_speed']:.3g}x", f"{r['limit_speed']:.3g}x",
+                          _pct(r["ratio"])] for p, r in c["results"].items()])
         if "ratio_to_best" in c:
-            lines += ["", f"conductor / best other ({c['best_other']}): "
-                      f"**{c['ratio_to_best']:.3f}x**; conductor at "
-                      f"{_pct(c['of_limit'])} of the limit."]
-        lines.append("")
+            lines[-1:] = ["", f"conductor / best other ({c['best_other']}): "
+                          f"**{c['ratio_to_best']:.3f}x**; conductor at "
+                          f"{_pct(c['of_limit'])} of the limit.", ""]
     cal = doc.get("calibration")
     if cal:
         lines += [f"## Online calibration: hardware {100 * cal['bias']:.0f}% slower than the "
@@ -402,67 +414,54 @@ def markdown(doc: dict[str, Any]) -> str:
                   "Every run executes 25% slower than the configured cost model predicts "
                   "(prefill and decode). Reference: a Conductor told the truth (prefill "
                   "scale 1.25 from the start, no learning). Error: the systematic prefill-time "
-                  "prediction error per window of 200 prefills.", "",
-                  "| run | charged TTFT s | vs told | SLO | learnt scale | error, first "
-                  "windows of 200 | mean after the first |", "|---|---:|---:|---:|---:|---|---:|"]
-        for k, r in cal["runs"].items():
-            first = ", ".join(f"{100 * e:.1f}%" for e in r["error_windows_first"])
-            lines.append(f"| {k} | {r['ttft_mean_charged_s']:.3f} | "
-                         f"{r['ttft_vs_told']:.3f}x | {_pct(r['slo_attainment'])} | "
-                         f"{r['prefill_scale']:.3f} | {first} | "
-                         f"{_pct(r['error_windows_mean_after_first'])} |")
-        lines.append("")
+                  "prediction error per window of 200 prefills.", ""]
+        lines += _table(
+            ["run", "charged TTFT s", "vs told", "SLO", "learnt scale",
+             "error, first windows of 200", "mean after the first"],
+            [[k, f"{r['ttft_mean_charged_s']:.3f}", f"{r['ttft_vs_told']:.3f}x",
+              _pct(r["slo_attainment"]), f"{r['prefill_scale']:.3f}",
+              ", ".join(f"{100 * e:.1f}%" for e in r["error_windows_first"]),
+              _pct(r["error_windows_mean_after_first"])] for k, r in cal["runs"].items()],
+            left=(0, 5))
     h = doc.get("hot")
     if h:
         lines += [f"## Hot prefixes: replication on vs off ({h['workload']}, "
                   f"{h['requests']} requests, reuse ceiling {100 * h['reuse_ceiling']:.1f}%)",
                   "", "conductor alone. Load: share of the ideal-reuse compute limit (with "
-                  "92% reuse, a load on cold prefills would leave the pool idle).", "",
-                  "| load, replication | charged TTFT s | p90 s | p99 s | SLO | hit | "
-                  "copied tokens |", "|---|---:|---:|---:|---:|---:|---:|"]
-        for k, r in h["runs"].items():
-            load, on = k.split("|")
-            lines.append(f"| {100 * float(load):.0f}%, {on} | {r['ttft_mean_charged_s']:.3f} | "
-                         f"{r['ttft_p90_s']:.2f} | {r['ttft_p99_s']:.2f} | "
-                         f"{_pct(r['slo_attainment'])} | {_pct(r['token_hit_ratio'])} | "
-                         f"{r['replicated_tokens']:,} |")
-        lines.append("")
+                  "92% reuse, a load on cold prefills would leave the pool idle).", ""]
+        lines += _table(
+            ["load, replication", "charged TTFT s", "p90 s", "p99 s", "SLO", "hit",
+             "copied tokens"],
+            [[_at_load(k), f"{r['ttft_mean_charged_s']:.3f}", f"{r['ttft_p90_s']:.2f}",
+              f"{r['ttft_p99_s']:.2f}", _pct(r["slo_attainment"]), _pct(r["token_hit_ratio"]),
+              f"{r['replicated_tokens']:,}"] for k, r in h["runs"].items()])
     lp = doc.get("long")
     if lp:
-        lines += ["## Long prompts (≥ 64k tokens, conversation trace): CPP on vs off", "",
-                  "| load, policy, CPP | long prompts | their SLO | their charged TTFT s | "
-                  "their p90 s | all: SLO |", "|---|---:|---:|---:|---:|---:|"]
-        for k, r in lp["runs"].items():
-            load, pol, on = k.split("|")
-            lg = r["long"]
-            lines.append(f"| {100 * float(load):.0f}%, {pol}, {on} | {lg['requests']} | "
-                         f"{_pct(lg['slo_attainment'])} | {lg['ttft_mean_charged_s']:.2f} | "
-                         f"{lg['ttft_p90_s']:.2f} | {_pct(r['slo_attainment'])} |")
-        lines.append("")
+        lines += ["## Long prompts (≥ 64k tokens, conversation trace): CPP on vs off", ""]
+        lines += _table(
+            ["load, policy, CPP", "long prompts", "their SLO", "their charged TTFT s",
+             "their p90 s", "all: SLO"],
+            [[_at_load(k), str(r["long"]["requests"]), _pct(r["long"]["slo_attainment"]),
+              f"{r['long']['ttft_mean_charged_s']:.2f}", f"{r['long']['ttft_p90_s']:.2f}",
+              _pct(r["slo_attainment"])] for k, r in lp["runs"].items()])
     dc = doc.get("decode")
     if dc:
         lines += [f"## Decode-bound: long answers on {dc['decode']} decode instances "
-                  f"({dc['workload']}, {dc['requests']} requests)", "",
-                  "| load, policy | charged TTFT s | SLO | TBT p90 ms | TBT p99 ms | rejected |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for k, r in dc["runs"].items():
-            load, name = k.split("|", 1)
-            lines.append(f"| {100 * float(load):.0f}%, {name} | {r['ttft_mean_charged_s']:.2f} "
-                         f"| {_pct(r['slo_attainment'])} | {r['tbt_p90_ms']:.0f} | "
-                         f"{r['tbt_p99_ms']:.0f} | {r['rejected']} |")
-        lines.append("")
+                  f"({dc['workload']}, {dc['requests']} requests)", ""]
+        lines += _table(
+            ["load, policy", "charged TTFT s", "SLO", "TBT p90 ms", "TBT p99 ms", "rejected"],
+            [[_at_load(k), f"{r['ttft_mean_charged_s']:.2f}", _pct(r["slo_attainment"]),
+              f"{r['tbt_p90_ms']:.0f}", f"{r['tbt_p99_ms']:.0f}", str(r["rejected"])]
+             for k, r in dc["runs"].items()])
     ab = doc.get("ablation")
     if ab:
-        lines += ["## What each part of conductor buys (conversation trace)", "",
-                  "| load, variant | charged TTFT s | served TTFT s | SLO | rejected | hit | "
-                  "GPU s |", "|---|---:|---:|---:|---:|---:|---:|"]
-        for k, r in ab["runs"].items():
-            load, name = k.split("|", 1)
-            lines.append(f"| {100 * float(load):.0f}%, {name} | "
-                         f"{r['ttft_mean_charged_s']:.3f} | {r['ttft_mean_s']:.3f} | "
-                         f"{_pct(r['slo_attainment'])} | {r['rejected']} | "
-                         f"{_pct(r['token_hit_ratio'])} | {r['prefill_gpu_seconds']:,.0f} |")
-        lines.append("")
+        lines += ["## What each part of conductor buys (conversation trace)", ""]
+        lines += _table(
+            ["load, variant", "charged TTFT s", "served TTFT s", "SLO", "rejected", "hit",
+             "GPU s"],
+            [[_at_load(k), f"{r['ttft_mean_charged_s']:.3f}", f"{r['ttft_mean_s']:.3f}",
+              _pct(r["slo_attainment"]), str(r["rejected"]), _pct(r["token_hit_ratio"]),
+              f"{r['prefill_gpu_seconds']:,.0f}"] for k, r in ab["runs"].items()])
     s = doc.get("speed")
     if s:
         lines += ["## Simulator speed", "",
@@ -516,15 +515,37 @@ def verdicts(doc: dict[str, Any]) -> list[str]:
     return out
 
 
+def _loads(text: str) -> list[float]:
+    """``--loads``: comma-separated positive shares of capacity."""
+    try:
+        loads = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not all(math.isfinite(x) and x > 0 for x in loads):
+        raise argparse.ArgumentTypeError(f"loads must be positive: {text!r}")
+    return loads
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive: {text!r}")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=3000,
+    ap.add_argument("--requests", type=_positive, default=3000,
                     help="requests per synthetic workload")
-    ap.add_argument("--loads", default="0.8,1.1", help="cold-prefill loads to replay at")
+    ap.add_argument("--loads", type=_loads, default=[0.8, 1.1],
+                    help="cold-prefill loads to replay at, comma-separated (default 0.8,1.1)")
     ap.add_argument("--policies", default=DEFAULT_POLICIES)
     ap.add_argument("--capacity-policies", default=DEFAULT_CAPACITY)
     ap.add_argument("--skip", default="", help=f"sections to skip, of {','.join(SECTIONS)}")
-    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None, help="write every number as JSON")
     ap.add_argument("--markdown", default=None, help="write the tables as Markdown")
     args = ap.parse_args()
@@ -532,6 +553,12 @@ def main() -> None:
     if skip - set(SECTIONS):
         ap.error(f"unknown section(s) {', '.join(sorted(skip - set(SECTIONS)))}")
     policies = args.policies.split(",")
+    known = policy_names()
+    for flag, names in (("--policies", policies),
+                        ("--capacity-policies", args.capacity_policies.split(","))):
+        unknown = [p for p in names if p not in known]
+        if unknown:
+            ap.error(f"{flag}: unknown policy {', '.join(unknown)}; known: {', '.join(known)}")
     doc: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                            "settings": {"policies": policies, "loads": args.loads,
                                         "requests_per_synthetic": args.requests,
