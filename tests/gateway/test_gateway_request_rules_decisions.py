@@ -133,34 +133,34 @@ def test_a_rejection_is_explained_in_its_429_and_in_its_record() -> None:
             assert (rec["prefill"], rec["decode"]) == ("p0", "d0")
             assert 0 < rec["decision_us"] < DECISION_US_MAX
         # no prefill instance up: a decision without a prefill instance
-        async with engines("p0", "d0") as (p0, d0), running_gateway(
-                [model([p0], [d0])], wait_ready=False, health_interval_s=0.05) as gw:
-            p0.healthy = False
-            await _marked_down(gw, "prefill")
-            status, _h, raw = await gw.post(CMPL, _body(prompt_ids(40)))
-            assert status == 429, raw
-            err = json.loads(raw)["error"]
-            assert (err["code"], err["message"]) == (
-                "no_prefill_instance",
-                "request rejected by the scheduler (no-prefill-instance); retry later")
-            [rec] = await _records(gw)
-            assert (rec["prefill"], rec["decode"], rec["reject_reason"]) == \
-                (None, "d0", "no-prefill-instance")
-            assert p0.calls == [] and d0.calls == []
+        raw, rec = await _one_pool_down("prefill")
+        err = json.loads(raw)["error"]
+        assert (err["code"], err["message"]) == (
+            "no_prefill_instance",
+            "request rejected by the scheduler (no-prefill-instance); retry later")
+        assert (rec["prefill"], rec["decode"], rec["reject_reason"]) == \
+            (None, "d0", "no-prefill-instance")
         # no decode instance up: a decision without a decode instance
-        async with engines("p0", "d0") as (p0, d0), running_gateway(
-                [model([p0], [d0])], wait_ready=False, health_interval_s=0.05) as gw:
-            d0.healthy = False
-            await _marked_down(gw, "decode")
-            status, _h, raw = await gw.post(CMPL, _body(prompt_ids(40)))
-            assert status == 429, raw
-            [rec] = await _records(gw)
-            assert rec["decode"] is None and rec["reject_reason"] is not None
-            assert json.loads(raw)["error"]["message"] == (
-                f"request rejected by the scheduler ({rec['reject_reason']}); retry later")
-            assert p0.calls == [] and d0.calls == []
+        raw, rec = await _one_pool_down("decode")
+        assert rec["decode"] is None and rec["reject_reason"] is not None
+        assert json.loads(raw)["error"]["message"] == (
+            f"request rejected by the scheduler ({rec['reject_reason']}); retry later")
 
     asyncio.run(main())
+
+
+async def _one_pool_down(pool: str) -> tuple[str, dict[str, Any]]:
+    """A request to p0 + d0 with ``pool``'s engine marked down: refused with 429 before
+    any engine was called; the answer's body and the one decision record."""
+    async with engines("p0", "d0") as (p0, d0), running_gateway(
+            [model([p0], [d0])], wait_ready=False, health_interval_s=0.05) as gw:
+        (p0 if pool == "prefill" else d0).healthy = False
+        await _marked_down(gw, pool)
+        status, _h, raw = await gw.post(CMPL, _body(prompt_ids(40)))
+        assert status == 429, raw
+        [rec] = await _records(gw)
+        assert p0.calls == [] and d0.calls == []
+        return raw, rec
 
 
 def test_token_accounting_of_prefilled_and_direct_requests() -> None:
