@@ -632,22 +632,20 @@ class Simulation:
             "prediction_error_windows": self._error_windows(),
             "prefill_scale": self.conductor.cost.prefill_scale,
             "replicated_tokens": self.replicated_tokens,
-            "long_prompts": self._long_prompts(),
+            "long_prompts": self._long_prompts(served),
             "simulated_seconds": max((r.info.arrival for r in self.reqs), default=0.0),
             "wall_seconds": wall,
         }
 
-
-    def _long_prompts(self) -> dict[str, Any]:
+    def _long_prompts(self, served: list[_Req]) -> dict[str, Any]:
         """The same summary for the prompts of at least ``long_prompt_tokens`` alone
         (where CPP matters): rejected ones count as misses and are charged the SLO."""
-        slo = self.cfg.conductor.slo
-        long = [r for r in self.reqs if r.info.input_tokens >= self.cfg.long_prompt_tokens]
-        served = [(r.ttft, r.tbt) for r in long
-                  if r.decision is not None and not r.decision.rejected]
-        summary = latency_summary(served, len(long), slo.ttft_s, slo.tbt_s)
-        return {"threshold_tokens": self.cfg.long_prompt_tokens, "requests": len(long),
-                "completed": len(served), "slo_attainment": summary["slo_attainment"],
+        slo, at_least = self.cfg.conductor.slo, self.cfg.long_prompt_tokens
+        requests = sum(1 for r in self.reqs if r.info.input_tokens >= at_least)
+        done = [(r.ttft, r.tbt) for r in served if r.info.input_tokens >= at_least]
+        summary = latency_summary(done, requests, slo.ttft_s, slo.tbt_s)
+        return {"threshold_tokens": at_least, "requests": requests,
+                "completed": len(done), "slo_attainment": summary["slo_attainment"],
                 "ttft_mean_charged_s": summary["ttft_mean_charged_s"],
                 "ttft_p90_s": summary["ttft_p90_s"]}
 
