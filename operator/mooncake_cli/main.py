@@ -1,8 +1,11 @@
 """One CLI, ``mooncake-operator``, with a subcommand for every part of the project.
 
 Each part owns a ``register(subparsers)`` function in its own module; this file only
-lists them, so adding a part never means editing another part's code. Handlers import
-their heavy dependencies lazily so ``mooncake-operator --help`` stays fast.
+lists them with the subcommands each registers, so adding a part never means editing
+another part's code. A command line that names a subcommand imports that part alone
+(``simulate`` never pays for the worker's or the local cluster's imports, which the
+capacity search's many replays and a container's start-up feel); ``--help`` and an
+unknown name import every part. Handlers import their heavy dependencies lazily.
 
 The same CLI is the ENTRYPOINT of both images. The worker image installs the project
 without the operator's and the gateway's dependencies (``images/worker/``), so a part
@@ -16,17 +19,20 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-# (module, attribute) pairs; each attribute is ``register(subparsers) -> None``.
-SUBCOMMAND_MODULES: tuple[str, ...] = (
-    "mooncake_sim.cli",
-    "mooncake_localcluster.cli",
-    "mooncake_worker.cli",
-    "mooncake_worker.storenode",
-    "mooncake_gateway.cli",
-    "mooncake_operator.cli",
-    "mooncake_cli.demo",
-)
+#: module -> the subcommands its ``register(subparsers) -> None`` adds (a test holds the
+#: names equal to what each module registers)
+SUBCOMMANDS: dict[str, tuple[str, ...]] = {
+    "mooncake_sim.cli": ("simulate", "capacity", "trace-stats"),
+    "mooncake_localcluster.cli": ("local-cluster",),
+    "mooncake_worker.cli": ("worker",),
+    "mooncake_worker.storenode": ("store-node",),
+    "mooncake_gateway.cli": ("gateway", "replay"),
+    "mooncake_operator.cli": ("operator",),
+    "mooncake_cli.demo": ("demo",),
+}
+SUBCOMMAND_MODULES: tuple[str, ...] = tuple(SUBCOMMANDS)
 
 PROJECT_PREFIX = "mooncake_"
 
@@ -38,22 +44,42 @@ def _part_absent(module_name: str, exc: ModuleNotFoundError) -> bool:
     return exc.name in (package, module_name)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def module_of(argv: Sequence[str]) -> str | None:
+    """The one module that serves this command line, or None when it names no known
+    subcommand first (``--help``, a typo): then every part is registered."""
+    first = argv[0] if argv else ""
+    for module_name, commands in SUBCOMMANDS.items():
+        if first in commands:
+            return module_name
+    return None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every part's subcommands, or ``only`` that module's (when it is
+    installed; else every part's, so argparse names the choices there are)."""
     parser = argparse.ArgumentParser(
         prog="mooncake-operator",
         description="KV-cache-centric LLM serving on Kubernetes (Mooncake Conductor).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    if only is not None and _register(sub, only):
+        return parser
     for module_name in SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if _part_absent(module_name, exc):
-                continue
-            raise
-        module.register(sub)
+        _register(sub, module_name)
     return parser
+
+
+def _register(sub: Any, module_name: str) -> bool:
+    """Add one part's subcommands; False when the part is not installed."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if _part_absent(module_name, exc):
+            return False
+        raise
+    module.register(sub)
+    return True
 
 
 def missing_dependency_message(command: str, exc: ModuleNotFoundError) -> str | None:
@@ -68,7 +94,8 @@ def missing_dependency_message(command: str, exc: ModuleNotFoundError) -> str | 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(module_of(argv))
     args = parser.parse_args(argv)
     handler = args.handler
     try:
