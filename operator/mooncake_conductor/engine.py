@@ -4,7 +4,9 @@
 simulator calls on every arrival. It asks the configured prefill policy for a
 placement, the decode selector for a decode instance, and — for policies
 with admission (paper §4: "reject at once") — turns predicted SLO misses into
-a rejection with a reason, which the gateway maps to HTTP 429.
+a rejection with a reason, which the gateway maps to HTTP 429. Where the policy
+sheds load too (:mod:`.shedding`), a request that would push more work out than
+it is worth under saturation is rejected as ``overload``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .cost import CostModel, CostModelConfig
 from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
 from .policies.base import Placement, PolicyContext, SLOConfig, create_policy, policy_class
 from .replication import HotPrefixTracker, ReplicationAction, ReplicationConfig
+from .shedding import OverloadShedding, SheddingConfig
 from .state import ClusterState, PrefillState, RequestInfo, board_of
 
 _NO_ROWS: npt.NDArray[np.intp] = np.empty(0, dtype=np.intp)
@@ -61,6 +64,7 @@ class ConductorConfig(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     decode_selector: str | None = Field(None, description="default: the policy's own")
     admission: bool | None = Field(None, description="default: the policy's own")
+    shedding: SheddingConfig = SheddingConfig()
     slo: SLOConfig = SLOConfig()
     replication: ReplicationConfig = ReplicationConfig()
     replicate: bool | None = Field(None, description="default: the policy's own")
@@ -116,6 +120,10 @@ class Conductor:
         self.admission = not only and (
             self.policy.admission if self.config.admission is None else self.config.admission
         )
+        sheds = self.policy.sheds if self.config.shedding.enabled is None else (
+            self.config.shedding.enabled)
+        self.shedding = (OverloadShedding(self.config.shedding, self.config.slo.ttft_s)
+                         if self.admission and sheds else None)
         self.replicate = not only and (
             self.policy.replication if self.config.replicate is None else self.config.replicate
         )
@@ -148,6 +156,9 @@ class Conductor:
         if self.admission:
             if placement.reject_reason is None and placement.ttft_s > self.config.slo.ttft_s:
                 placement.reject_reason = "ttft-slo"
+            if (self.shedding is not None and placement.reject_reason is None
+                    and not self.shedding.admit(placement.queue_s, placement.gpu_seconds)):
+                placement.reject_reason = "overload"
         else:
             # without admission a predicted TBT miss still decodes on the best instance
             if decode.reject_reason == "tbt-slo":

@@ -293,6 +293,8 @@ def gateway_model(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
         conductor["decode_selector"] = cond.decode_selector
     if cond.admission is not None:
         conductor["admission"] = cond.admission
+    if cond.shedding is not None:
+        conductor["shedding"] = {"enabled": cond.shedding}
     return {
         "name": spec.model.served,
         "block_size": spec.model.block_size,

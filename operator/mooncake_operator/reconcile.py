@@ -91,6 +91,8 @@ def conductor_config(spec: MooncakeClusterSpec) -> ConductorConfig:
         data["decode_selector"] = cond.decode_selector
     if cond.admission is not None:
         data["admission"] = cond.admission
+    if "shedding" in doc:
+        data["shedding"] = doc["shedding"]
     return ConductorConfig.model_validate(data)
 
 

@@ -397,6 +397,10 @@ class ConductorSpec(_Model):
         json_schema_extra={"enum": list[Any](sorted(DECODE_SELECTORS))})
     admission: bool | None = Field(None, description=(
         "Reject (HTTP 429) requests predicted to miss an SLO; default: the policy's own."))
+    shedding: bool | None = Field(None, description=(
+        "With admission on, under overload reject (HTTP 429, overload) the requests that "
+        "cost more GPU time than the average one first; default: the policy's own "
+        "(conductor: on)."))
     slo: SLOSpec = Field(default_factory=SLOSpec, description="TTFT and TBT objectives.")
     hot_prefixes: HotPrefixSpec = Field(default_factory=HotPrefixSpec, description=(
         "Hot-prefix replication."))

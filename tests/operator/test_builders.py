@@ -189,6 +189,20 @@ def test_gateway_view_is_a_valid_gateway_model() -> None:
     assert model.time_scale == 0.5  # the Conductor's clock at the simulated engines' pace
 
 
+@pytest.mark.parametrize("shedding", [None, True, False])
+def test_shedding_reaches_the_gateway_and_the_controller(shedding: bool | None) -> None:
+    from mooncake_gateway.settings import ModelSettings
+    from mooncake_operator.reconcile import conductor_config
+
+    ref, spec = example("simulated")
+    spec = spec.model_copy(update={"conductor": spec.conductor.model_copy(
+        update={"shedding": shedding})})
+    cm = builders.gateway_configmap(ref, spec)
+    model = ModelSettings.model_validate(yaml.safe_load(cm["data"][c.GATEWAY_MODEL_KEY]))
+    assert model.conductor.shedding.enabled is shedding
+    assert conductor_config(spec).shedding.enabled is shedding
+
+
 def test_spec_hash_changes_only_with_content() -> None:
     ref, spec = example("simulated")
     a = builders.gateway_configmap(ref, spec)

@@ -90,6 +90,8 @@ class PrefillPolicy(ABC):
     default_decode: ClassVar[str] = "least-load"
     #: whether predicted SLO misses are rejected (HTTP 429) before any work is done
     admission: ClassVar[bool] = False
+    #: whether, with admission on, costly requests are shed under overload (.shedding)
+    sheds: ClassVar[bool] = False
     #: whether hot prefixes are replicated ahead of need (seed §7)
     replication: ClassVar[bool] = False
     #: whether the prefill-time model is calibrated online from observed durations

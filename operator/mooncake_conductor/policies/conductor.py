@@ -39,11 +39,16 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
 8. **Hot prefixes replicated ahead of need** (seed §7, :mod:`..replication`).
 9. **No pile-ups on ties.** Options within ``tie_tolerance`` of the best are
    chosen among at random, preferring ones that need no new copy.
-10. **Decode under TBT**: decode selector ``tbt-slo``.
+10. **Decode under TBT**: decode selector ``tbt-lookahead`` (``tbt-slo`` that
+    also counts the requests placed on an instance whose prefill still runs).
 11. **Queue order is a knob, FIFO by default.** ``priority_weight`` > 0 orders
     queues shortest-job-first with aging (``arrival + weight * predicted
     prefill``). Measured, it never beat FIFO and hurt beside CPP groups
     (members idle while shorter jobs overtake the group), so the default is 0.
+12. **Overload sheds the costly first** (:mod:`..shedding`): once the chosen
+    queue nears the TTFT SLO, a request costing more GPU seconds than the
+    average offered one is rejected (``overload``); the paper's rule rejects
+    only predicted misses, whoever they are.
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ class ConductorPolicy(PrefillPolicy):
     Params = ConductorParams
     default_decode = "tbt-lookahead"
     admission = True
+    sheds = True
     replication = True
     calibrates = True
 
