@@ -281,8 +281,25 @@ class PrefixIndex:
             self._mirror.dirty_pending.update(keys)
 
     def remove_pending(self, instance: int, keys: Iterable[int]) -> None:
+        """One reference of each of ``keys`` on ``instance`` fewer (:meth:`_drop_pending`
+        with ``all_refs=False``, inlined: a simulated trace drops every key it added)."""
+        counts, pending = self._pending_count, self._pending
+        dirty = self._mirror.dirty_pending if self._mirror is not None else None
+        keep = ~(1 << instance)
         for key in keys:
-            self._drop_pending(key, instance, all_refs=False)
+            ref = (key, instance)
+            count = counts.get(ref, 0)
+            if count > 1:
+                counts[ref] = count - 1
+            elif count:
+                del counts[ref]
+                mask = pending[key] & keep
+                if mask:
+                    pending[key] = mask
+                else:
+                    del pending[key]
+                if dirty is not None:
+                    dirty.add(key)
 
     def _drop_pending(self, key: int, instance: int, all_refs: bool) -> None:
         ref = (key, instance)
