@@ -156,3 +156,25 @@ def block_keys_reference(tokens: Sequence[int], block_size: int, seed: int) -> l
 def trace_block_keys(hash_ids: Sequence[int], seed: int) -> list[int]:
     """Index keys for a trace's ``hash_ids`` (each already identifies its whole prefix)."""
     return [mix64((seed + (int(h) + 1) * P) & MASK64) for h in hash_ids]
+
+
+def trace_block_keys_many(hash_ids: Sequence[Sequence[int]], seed: int) -> list[list[int]]:
+    """:func:`trace_block_keys` of every request of a trace in one numpy pass (a whole
+    trace's hundreds of thousands of ids; numpy's unsigned arithmetic wraps modulo 2**64
+    as the Python one masks). Ids outside ``[0, 2**64)`` take the Python path."""
+    lengths = [len(ids) for ids in hash_ids]
+    try:
+        flat = np.fromiter((h for ids in hash_ids for h in ids), dtype=np.uint64,
+                           count=sum(lengths))
+    except OverflowError:
+        return [trace_block_keys(ids, seed) for ids in hash_ids]
+    flat += np.uint64(1)
+    flat *= np.uint64(P)
+    flat += np.uint64(seed & MASK64)
+    keys: list[int] = _mix64_np(flat).tolist()
+    out: list[list[int]] = []
+    at = 0
+    for n in lengths:
+        out.append(keys[at:at + n])
+        at += n
+    return out

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from mooncake_conductor.blockkeys import namespace_seed, trace_block_keys
+from mooncake_conductor.blockkeys import namespace_seed, trace_block_keys_many
 from mooncake_conductor.cost import CostModel
 from mooncake_conductor.cpp import plan_cpp
 from mooncake_conductor.engine import Conductor, ConductorConfig, Decision
@@ -115,8 +115,9 @@ class _Req:
     tbt: float = math.nan
     reused_tokens: int = 0
     t_first: float = 0.0
-    remaining: int = 0
-    ctx: int = 0
+    #: the decoder's step count when this request joined, and when it has decoded all
+    end_step: int = 0
+    s0: int = 0
     seg0: int = 0
     exec_s: float = 0.0
     predicted_s: float = 0.0
@@ -125,9 +126,15 @@ class _Req:
 @dataclass(slots=True)
 class _Decoder:
     state: DecodeState
-    running: list[int] = field(default_factory=list)
+    #: the batch as a heap of ``(end step, admission number, request id)``: every running
+    #: request decodes one token per step, so the soonest to finish is on top and a step
+    #: costs nothing per request (a request's context is its prompt + 1 + steps since it
+    #: joined)
+    running: list[tuple[int, int, int]] = field(default_factory=list)
     waiting: deque[int] = field(default_factory=deque)
     last: float = 0.0
+    steps: int = 0
+    admitted: int = 0
     version: int = 0
     #: prompt plus output of every admitted request (what admission checks); the state
     #: shows the scheduler the part not yet in ``context_tokens`` as ``reserved_tokens``
@@ -169,7 +176,8 @@ class Simulation:
             store_id=store_id,
         )
         self.decoders = [_Decoder(state=d) for d in self.cluster.decode]
-        seed = namespace_seed("trace", bt)
+        keys = trace_block_keys_many([r.hash_ids for r in records],
+                                     namespace_seed("trace", bt))
         self.reqs: list[_Req] = []
         for rid, r in enumerate(records):
             info = RequestInfo(
@@ -177,7 +185,7 @@ class Simulation:
                 arrival=r.timestamp_ms / 1000.0 / config.speed,
                 input_tokens=r.input_length,
                 output_tokens=max(1, r.output_length),
-                keys=trace_block_keys(r.hash_ids, seed),
+                keys=keys[rid],
                 block_tokens=bt,
             )
             self.reqs.append(_Req(info=info))
@@ -497,12 +505,13 @@ class Simulation:
             self._step_once(dec)  # finish the step in progress; join at its end
         if not st.batch:
             dec.last = max(dec.last, now)
-        req.remaining = req.info.output_tokens - 1
-        req.ctx = req.info.input_tokens + 1
+        req.s0 = dec.steps
+        req.end_step = dec.steps + req.info.output_tokens - 1
         req.seg0 = len(dec.seg_dt)
-        dec.running.append(rid)
+        heapq.heappush(dec.running, (req.end_step, dec.admitted, rid))
+        dec.admitted += 1
         st.batch += 1
-        st.context_tokens += req.ctx
+        st.context_tokens += req.info.input_tokens + 1
         dec.reserved += req.info.input_tokens + req.info.output_tokens
         st.reserved_tokens = dec.reserved - st.context_tokens
 
@@ -520,25 +529,23 @@ class Simulation:
         dec.seg_dt.append(dt)
         dec.seg_steps.append(k)
         dec.last += k * dt
+        dec.steps += k
         st.context_tokens += st.batch * k
         st.reserved_tokens = dec.reserved - st.context_tokens
-        finished: list[int] = []
-        for rid in dec.running:
-            r = self.reqs[rid]
-            r.remaining -= k
-            r.ctx += k
-            if r.remaining <= 0:
-                finished.append(rid)
-        if finished:
+        running = dec.running
+        if running[0][0] <= dec.steps:
+            # in admission order (k never passes the soonest end, so all end at this step)
+            finished = []
+            while running and running[0][0] <= dec.steps:
+                finished.append(heapq.heappop(running)[2])
             for rid in finished:
                 self._finish(dec, rid)
 
     def _finish(self, dec: _Decoder, rid: int) -> None:
         st = dec.state
         r = self.reqs[rid]
-        dec.running.remove(rid)
         st.batch -= 1
-        st.context_tokens -= r.ctx
+        st.context_tokens -= r.info.input_tokens + 1 + dec.steps - r.s0
         dec.reserved -= r.info.input_tokens + r.info.output_tokens
         st.reserved_tokens = dec.reserved - st.context_tokens
         r.tbt = self._tbt(dec, r)
@@ -580,7 +587,7 @@ class Simulation:
         cap = self.cfg.chunk_steps
         while st.batch:
             dt = self._step_time(st)
-            k_max = min(min(self.reqs[r].remaining for r in dec.running), cap)
+            k_max = min(dec.running[0][0] - dec.steps, cap)
             k = min(k_max, int((until - dec.last) / dt + 1e-9))
             if k <= 0:
                 return
@@ -596,7 +603,7 @@ class Simulation:
             return
         dt = self._step_time(st)
         st.tokens_per_s = 1.0 / dt
-        k = min(min(self.reqs[r].remaining for r in dec.running), self.cfg.chunk_steps)
+        k = min(dec.running[0][0] - dec.steps, self.cfg.chunk_steps)
         self._push(dec.last + k * dt, DECODE_WAKE, st.iid, dec.version)
 
     # -- results ------------------------------------------------------------------------------

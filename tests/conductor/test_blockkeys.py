@@ -7,12 +7,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mooncake_conductor import blockkeys
 from mooncake_conductor.blockkeys import (
+    MASK64,
     P,
     block_keys,
     block_keys_reference,
     mix64,
     namespace_seed,
     trace_block_keys,
+    trace_block_keys_many,
 )
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "block-keys.json").read_text())
@@ -161,3 +163,15 @@ def test_block_powers_tables() -> None:
         pw.ensure(30)
         assert len(pw.fwd) == 31
         assert pw.fwd.tolist()[-1] == pow(q, 30, mod)
+
+
+def test_trace_keys_of_a_whole_trace_equal_one_request_at_a_time() -> None:
+    tr = GOLDEN["trace"]
+    seqs = [tr["hash_ids"], [], tr["hash_ids"][:3], [0, 1, MASK64 - 1, MASK64]]
+    assert trace_block_keys_many(seqs, tr["seed"]) == [
+        trace_block_keys(ids, tr["seed"]) for ids in seqs]
+    assert trace_block_keys_many(seqs, tr["seed"])[0] == tr["keys"]
+    # ids numpy cannot hold take the Python path, with the same result
+    odd = [[-1, 5], [1 << 70]]
+    assert trace_block_keys_many(odd, tr["seed"]) == [
+        trace_block_keys(ids, tr["seed"]) for ids in odd]
