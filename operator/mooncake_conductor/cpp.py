@@ -12,11 +12,19 @@ computed) takes ``t_j = prefill_compute(e_j, s_j)`` on one whole node, so
 time on every stage (a proportionate flow shop), so the pipeline finishes after
 ``sum_j st_j + (X - 1) * max_j st_j``. Each member is busy for that makespan;
 the KV of the whole prompt ends up on the group's leader.
+
+Chunk size (the paper leaves it open): small chunks shorten the pipeline's fill and
+drain (the ``(X - 1) * max`` term), large ones pay the per-pass overhead and the low
+MFU of small passes less often, so the best size depends on the prompt, its cached
+prefix and the group. With ``chunk_tokens: 0`` (the default) the planner prices every
+size in ``chunk_choices`` with this same cost model and keeps the shortest makespan
+(:func:`plan_cpp_for`); a fixed ``chunk_tokens`` is used as given.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,13 +35,18 @@ class CPPConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     enabled: bool = True
-    chunk_tokens: int = Field(4096, gt=0, description="tokens per pipeline chunk")
+    chunk_tokens: int = Field(
+        0, ge=0, description="tokens per pipeline chunk; 0: planned per prompt and group, "
+        "the size of chunk_choices with the shortest predicted makespan")
+    chunk_choices: tuple[Annotated[int, Field(gt=0)], ...] = Field(
+        (1024, 2048, 4096, 8192), min_length=1,
+        description="chunk sizes the planner chooses among (chunk_tokens 0)")
     max_group: int = Field(4, ge=1, description="largest group of prefill instances")
     min_new_tokens: int = Field(
         8192, ge=0, description="consider CPP only when this many tokens must be computed"
     )
     reserve_idle_share: float = Field(
-        0.25, ge=0, le=1, description="when CPP is optional (no SLO at stake), use only idle "
+        0.0, ge=0, le=1, description="when CPP is optional (no SLO at stake), use only idle "
         "instances and leave this share of the pool idle",
     )
     rescue_idle_only: bool = Field(
@@ -52,6 +65,7 @@ class CPPPlan:
     chunks: tuple[tuple[int, int], ...]
     stage_s: tuple[float, ...]
     makespan_s: float
+    chunk_tokens: int = 0
 
     @property
     def gpu_seconds(self) -> float:
@@ -82,4 +96,19 @@ def plan_cpp(cost: CostModel, n: int, cached: int, group_size: int, chunk_tokens
         stages.append(cost.prefill_compute_time(n, n))
         chunks.append((n, n))
     makespan = sum(stages) + (group_size - 1) * max(stages)
-    return CPPPlan(group_size, tuple(chunks), tuple(stages), makespan)
+    return CPPPlan(group_size, tuple(chunks), tuple(stages), makespan, chunk_tokens)
+
+
+def plan_cpp_for(cost: CostModel, n: int, cached: int, group_size: int,
+                 config: CPPConfig) -> CPPPlan:
+    """The plan with ``config``'s chunk size, or (``chunk_tokens`` 0) the one of
+    ``chunk_choices`` with the shortest makespan (the smaller size on a tie)."""
+    if config.chunk_tokens:
+        return plan_cpp(cost, n, cached, group_size, config.chunk_tokens)
+    best: CPPPlan | None = None
+    for size in sorted(config.chunk_choices):
+        plan = plan_cpp(cost, n, cached, group_size, size)
+        if best is None or plan.makespan_s < best.makespan_s:
+            best = plan
+    assert best is not None
+    return best

@@ -51,7 +51,8 @@ def test_the_scale_is_clamped_and_bad_observations_ignored() -> None:
 
 
 def test_the_conductor_policy_prices_with_the_calibrated_model() -> None:
-    c = Conductor(ConductorConfig(policy="conductor"))
+    # one instance's prefill (no CPP group on the idle pair)
+    c = Conductor(ConductorConfig(policy="conductor", params={"cpp": {"enabled": False}}))
     keys = list(range(100, 120))
     before = c.schedule(request(keys, rid=1), cluster(2), 0.0).placement.prefill_s
     c.cost.set_prefill_scale(2.0)  # what calibration does

@@ -1,10 +1,10 @@
 """The conductor policy's chunked-pipeline (CPP) choices on small hand-made pools.
 
 Single-instance prefill (cost model defaults): 100k tokens 30.56 s, 60k 13.31 s.
-Pipeline makespans (:func:`plan_cpp`, 4096-token chunks) for groups of 2 / 3 / 4:
-100k 17.46 / 12.37 / 9.83 s; 60k 7.85 / 5.72 / 4.65 s."""
+Pipeline makespans (:func:`plan_cpp_for`, planned chunks) for groups of 2 / 3 / 4:
+100k 17.46 / 12.37 / 9.59 s; 60k 7.85 / 5.63 / 4.42 s."""
 
-from mooncake_conductor.cpp import plan_cpp
+from mooncake_conductor.cpp import CPPConfig, CPPPlan, plan_cpp_for
 from mooncake_conductor.policies.base import SLOConfig
 from mooncake_conductor.state import ClusterState
 
@@ -14,8 +14,13 @@ BIG = request(list(range(196)), tokens=100_000)  # one instance alone breaks the
 MID = request(list(range(118)), tokens=60_000)  # one instance alone meets it
 
 
+def plan(n: int, size: int, cached: int = 0) -> CPPPlan:
+    """The default planner's plan (the chunk size with the shortest makespan)."""
+    return plan_cpp_for(COST, n, cached, size, CPPConfig())
+
+
 def makespan(n: int, size: int, cached: int = 0) -> float:
-    return plan_cpp(COST, n, cached, size, 4096).makespan_s
+    return plan(n, size, cached).makespan_s
 
 
 def loaded(n: int) -> ClusterState:
@@ -51,7 +56,7 @@ def test_without_an_slo_at_stake_the_work_price_decides() -> None:
 
 def test_opportunistic_groups_leave_a_share_of_the_pool_idle() -> None:
     # idle pool of 4, reserve_idle_share 0.25: at most 3 join, the fastest such group
-    pl = policy("conductor").choose(MID, cluster(4), 0.0)
+    pl = policy("conductor", cpp={"reserve_idle_share": 0.25}).choose(MID, cluster(4), 0.0)
     assert len(pl.cpp_group) == 3
     assert pl.ttft_s == makespan(60_000, 3)
 

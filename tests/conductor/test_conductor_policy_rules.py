@@ -3,14 +3,14 @@ pool, queue priorities, the price of work, CPP group sizes and fetches, ``explai
 
 Cost model defaults (:mod:`mooncake_conductor.cost`). One instance: 100k tokens
 30.56 s, 60k 13.31 s, 10240 tokens 1.23 s (0.029 s with all of it cached). CPP
-makespans (4096-token chunks) for groups of 2 / 3 / 4: 100k 17.46 / 12.37 / 9.83 s;
-60k 7.85 / 5.72 / 4.65 s; 10240 tokens 0.93 / 0.80 / 0.73 s. Fetching 20 blocks
+makespans (planned chunks) for groups of 2 / 3 / 4: 100k 17.46 / 12.37 / 9.59 s;
+60k 7.85 / 5.63 / 4.42 s; 10240 tokens 0.85 / 0.65 / 0.54 s. Fetching 20 blocks
 (10240 tokens) takes 0.037 s, 100 blocks 0.186 s."""
 
 import random
 
 from mooncake_conductor.cost import CostModel
-from mooncake_conductor.cpp import plan_cpp
+from mooncake_conductor.cpp import CPPConfig, CPPPlan, plan_cpp_for
 from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.policies.base import PolicyContext, SLOConfig, create_policy
 from mooncake_conductor.state import ClusterState
@@ -23,8 +23,13 @@ BIG = request(list(range(196)), tokens=100_000)
 MID = request(list(range(118)), tokens=60_000)
 
 
+def plan(n: int, size: int, cached: int = 0) -> CPPPlan:
+    """The default planner's plan (the chunk size with the shortest makespan)."""
+    return plan_cpp_for(COST, n, cached, size, CPPConfig())
+
+
 def makespan(n: int, size: int, cached: int = 0) -> float:
-    return plan_cpp(COST, n, cached, size, 4096).makespan_s
+    return plan(n, size, cached).makespan_s
 
 
 def test_no_prefill_instance_at_all_is_rejected() -> None:
@@ -209,10 +214,13 @@ def test_a_pool_of_two_can_pair_up() -> None:
 
 
 def test_exactly_min_new_tokens_is_enough_for_a_group() -> None:
-    # 10240 new tokens on an idle pool of 4: at most 3 join (one stays idle), 0.80 s
+    # 10240 new tokens on an idle pool of 4: all 4 join, 0.54 s
     pl = policy("conductor", cpp={"min_new_tokens": 10240}).choose(
         request(KEYS), cluster(4), 0.0)
-    assert len(pl.cpp_group) == 3 and pl.prefill_s == makespan(N, 3)
+    assert len(pl.cpp_group) == 4 and pl.prefill_s == makespan(N, 4)
+    pl = policy("conductor", cpp={"min_new_tokens": 10241}).choose(
+        request(KEYS), cluster(4), 0.0)
+    assert pl.cpp_group == []
 
 
 def test_reserve_idle_share_sets_how_many_stay_idle() -> None:
@@ -223,9 +231,11 @@ def test_reserve_idle_share_sets_how_many_stay_idle() -> None:
 
 def test_a_ttft_exactly_at_the_slo_is_no_rescue() -> None:
     """SLO = one instance's 13.31 s: the SLO is met, so the group is opportunistic and
-    one of the 4 idle instances stays idle: a group of 3."""
+    (with a quarter of the pool kept idle) one of the 4 idle instances stays idle: a
+    group of 3."""
     slo = SLOConfig(ttft_s=COST.prefill_time(60_000))
-    pl = policy("conductor", slo=slo).choose(MID, cluster(4), 0.0)
+    pl = policy("conductor", slo=slo, cpp={"reserve_idle_share": 0.25}).choose(
+        MID, cluster(4), 0.0)
     assert len(pl.cpp_group) == 3 and pl.prefill_s == makespan(60_000, 3)
 
 
@@ -241,8 +251,8 @@ def test_at_the_slo_under_load_the_work_price_still_decides() -> None:
 
 def test_a_light_load_prices_a_group_by_its_gpu_seconds() -> None:
     """8 instances, one with 3 queued requests: kappa = (1 + 3) / 8 = 0.5. One instance
-    scores 13.31 x 1.5 = 19.96; the group of 4 (7 idle, 2 kept idle) 4.65 + 0.5 x 18.6
-    = 13.95: the group."""
+    scores 13.31 x 1.5 = 19.96; the group of 4 (7 idle, max_group 4) 4.42 + 0.5 x 17.7
+    = 13.27: the group."""
     c = cluster(8)
     queue(c.prefill[7], 3.0, requests=3)
     pl = policy("conductor").choose(MID, c, 0.0)
@@ -262,12 +272,13 @@ def test_a_group_fetches_the_rest_of_the_prefix_to_its_leader() -> None:
     assert (pl.local_blocks, pl.fetch_blocks, pl.source) == (8, 12, 0)
     assert (pl.queue_s, pl.transfer_s) == (0.0, COST.transfer_time(12 * BT))
     assert pl.prefill_s == makespan(100_000, 3, 20 * BT)
-    assert pl.cpp_chunk_tokens == 4096 and pl.migrate is True
+    assert pl.cpp_chunk_tokens == plan(100_000, 3, 20 * BT).chunk_tokens
+    assert pl.migrate is True
 
 
 # -- explain -------------------------------------------------------------------------------
 def test_explain_lists_the_five_best_options_with_their_group_sizes() -> None:
-    """An idle pool of 6, 10240 tokens: the group of 4 (0.73 s) first, then four of the
+    """An idle pool of 6, 10240 tokens: the group of 4 (0.54 s) first, then four of the
     six single instances (1.23 s each)."""
     pl = policy("conductor", explain=True).choose(request(KEYS), cluster(6), 0.0)
     assert len(pl.cpp_group) == 4

@@ -1,10 +1,14 @@
-"""Chunked pipeline parallelism: argument checks and the smallest legal chunk."""
+"""Chunked pipeline parallelism: argument checks, the smallest legal chunk and the
+chunk-size planner."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from mooncake_conductor.cost import CostModel
-from mooncake_conductor.cpp import plan_cpp
+from mooncake_conductor.cpp import CPPConfig, plan_cpp, plan_cpp_for
+from pydantic import ValidationError
 
 
 def test_bad_arguments_name_the_argument() -> None:
@@ -22,3 +26,44 @@ def test_one_token_chunks_are_allowed() -> None:
     want = [cm.prefill_compute_time(e, s) for s, e in plan.chunks]
     assert plan.stage_s == pytest.approx(want, rel=1e-12)
     assert plan.makespan_s == pytest.approx(sum(want), rel=1e-12)  # one stage: no bubbles
+
+
+# -- the chunk-size planner (plan_cpp_for) --------------------------------------------------
+@pytest.mark.parametrize(("n", "cached", "group"), [(100_000, 0, 4), (60_000, 0, 3),
+                                                     (12_000, 0, 2), (120_000, 16_384, 4)])
+def test_planned_chunks_are_the_shortest_makespan_of_the_choices(
+        n: int, cached: int, group: int) -> None:
+    cm = CostModel()
+    cfg = CPPConfig()
+    plans = {c: plan_cpp(cm, n, cached, group, c) for c in cfg.chunk_choices}
+    got = plan_cpp_for(cm, n, cached, group, cfg)
+    assert got.makespan_s == min(p.makespan_s for p in plans.values())
+    assert got == plans[got.chunk_tokens]
+
+
+def test_the_planner_is_not_always_one_size() -> None:
+    cm = CostModel()
+    sizes = {plan_cpp_for(cm, n, 0, g, CPPConfig()).chunk_tokens
+             for n, g in [(10_240, 4), (100_000, 4), (100_000, 2)]}
+    assert len(sizes) > 1
+
+
+def test_a_fixed_chunk_is_used_as_given() -> None:
+    cm = CostModel()
+    got = plan_cpp_for(cm, 100_000, 0, 4, CPPConfig(chunk_tokens=8192))
+    assert got == plan_cpp(cm, 100_000, 0, 4, 8192) and got.chunk_tokens == 8192
+
+
+def test_on_a_tie_the_smaller_chunk_wins() -> None:
+    # 1000 tokens are one chunk whatever the size: every choice plans the same pipeline
+    cm = CostModel()
+    got = plan_cpp_for(cm, 1000, 0, 2, CPPConfig(chunk_choices=(4096, 1024, 2048)))
+    assert got.chunk_tokens == 1024
+    assert got.makespan_s == plan_cpp(cm, 1000, 0, 2, 4096).makespan_s
+
+
+@pytest.mark.parametrize("cfg", [{"chunk_choices": ()}, {"chunk_choices": (0, 1024)},
+                                 {"chunk_tokens": -1}])
+def test_bad_chunk_settings_are_refused(cfg: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        CPPConfig(**cfg)

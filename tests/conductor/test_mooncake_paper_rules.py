@@ -3,18 +3,23 @@ instances (leader = the one holding the most of the prompt, the rest of the reus
 prefix fetched to it) when the group's TTFT is smaller, on hand-made pools.
 
 Cost model defaults. One instance: 100k tokens 30.56 s, 10240 tokens 1.23 s, 1024
-tokens 0.134 s. CPP makespans (4096-token chunks), groups of 2 / 3 / 4: 100k 17.46 /
-12.37 / 9.83 s; 10240 tokens 0.93 / 0.80 / 0.73 s; 1024 tokens 0.13427 s for a pair."""
+tokens 0.134 s. CPP makespans (planned chunks), groups of 2 / 3 / 4: 100k 17.46 /
+12.37 / 9.59 s; 10240 tokens 0.85 / 0.65 / 0.54 s; 1024 tokens 0.13427 s for a pair."""
 
-from mooncake_conductor.cpp import plan_cpp
+from mooncake_conductor.cpp import CPPConfig, CPPPlan, plan_cpp, plan_cpp_for
 
 from .helpers import BT, COST, cluster, policy, request
 
 BIG = request(list(range(196)), tokens=100_000)
 
 
+def plan(n: int, size: int, cached: int = 0) -> CPPPlan:
+    """The default planner's plan (the chunk size with the shortest makespan)."""
+    return plan_cpp_for(COST, n, cached, size, CPPConfig())
+
+
 def makespan(n: int, size: int, cached: int = 0) -> float:
-    return plan_cpp(COST, n, cached, size, 4096).makespan_s
+    return plan(n, size, cached).makespan_s
 
 
 def test_an_idle_pool_runs_a_long_prompt_on_the_largest_group() -> None:
@@ -23,7 +28,7 @@ def test_an_idle_pool_runs_a_long_prompt_on_the_largest_group() -> None:
     assert (pl.local_blocks, pl.fetch_blocks, pl.source) == (0, 0, None)
     assert (pl.queue_s, pl.transfer_s) == (0.0, 0.0)
     assert pl.prefill_s == makespan(100_000, 4)
-    assert pl.cpp_chunk_tokens == 4096
+    assert pl.cpp_chunk_tokens == plan(100_000, 4).chunk_tokens == 2048
 
 
 def test_max_group_caps_the_group() -> None:
@@ -31,6 +36,7 @@ def test_max_group_caps_the_group() -> None:
         BIG, cluster(4), 0.0)
     assert len(pl.cpp_group) == 2 and pl.cpp_chunk_tokens == 2048
     assert pl.prefill_s == plan_cpp(COST, 100_000, 0, 2, 2048).makespan_s
+    assert pl.cpp_chunk_tokens == 2048  # a fixed size is used as given
 
 
 def test_two_idle_instances_make_a_pair() -> None:

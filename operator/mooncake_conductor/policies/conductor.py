@@ -29,10 +29,13 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
    prompts with at least ``cpp.min_new_tokens`` to compute are also priced as
    groups of 2..``cpp.max_group`` instances (:mod:`mooncake_conductor.cpp`)
    under the same score. Only idle instances join a group: a group that waits
-   for busy members idles the others, which costs more than it saves. When no
-   SLO is at stake, ``cpp.reserve_idle_share`` of the pool also stays idle for
-   what arrives next; when one instance would break ``cpp.trigger_share`` of
-   the TTFT SLO, a faster group serves the prompt instead of a rejection.
+   for busy members idles the others, which costs more than it saves. Each
+   group's chunk size is planned (:func:`..cpp.plan_cpp_for`). When no SLO is
+   at stake, ``cpp.reserve_idle_share`` (0 by default: measured, keeping a
+   share idle cost the long prompts more than it saved the short ones once
+   chunks are planned) of the pool can stay idle for what arrives next; when
+   one instance would break ``cpp.trigger_share`` of the TTFT SLO, a faster
+   group serves the prompt instead of a rejection.
 7. **Migrate, don't copy, on fetch.** The source's copy of fetched blocks goes
    to the cold end of its LRU: the newest copy stays hot, old ones age out
    unless reused, and duplicates stop crowding the pooled cache.
@@ -59,7 +62,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..cpp import CPPConfig, plan_cpp
+from ..cpp import CPPConfig, plan_cpp_for
 from ..kernels import rank_fifo
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
 from .base import Placement, PolicyContext, PrefillPolicy, register
@@ -313,7 +316,7 @@ class ConductorPolicy(PrefillPolicy):
             fetch = best_len - local if best_src is not None and best_len > local else 0
             reuse = local + fetch
             transfer = self.ctx.cost.transfer_time(req.tokens_of(reuse) - req.tokens_of(local))
-            plan = plan_cpp(self.ctx.cost, n, req.tokens_of(reuse), size, cfg.chunk_tokens)
+            plan = plan_cpp_for(self.ctx.cost, n, req.tokens_of(reuse), size, cfg)
             prio = req.arrival + self.params.priority_weight * plan.makespan_s
             wait = max(p.wait_time(now, prio) for p in members)
             if best is None or max(wait, transfer) + plan.makespan_s < best.ttft_s:
@@ -323,7 +326,7 @@ class ConductorPolicy(PrefillPolicy):
                     transfer_s=max(0.0, transfer - wait), prefill_s=plan.makespan_s,
                     priority=prio,
                     cpp_group=[leader.iid] + [p.iid for p in members if p is not leader],
-                    cpp_chunk_tokens=cfg.chunk_tokens,
+                    cpp_chunk_tokens=plan.chunk_tokens,
                     migrate=self.params.migrate_on_fetch,
                 )
         return best
