@@ -163,6 +163,15 @@ class CostModel:
             return self._mfu_max
         return self._mfu_max * new_tokens / (new_tokens + self._mfu_half)
 
+    @property
+    def prefill_overhead_s(self) -> float:
+        """The fixed cost of one prefill pass (scaled with the calibrated speed)."""
+        return self._prefill_overhead
+
+    def prefill_flops_rate(self, new_tokens: float) -> float:
+        """FLOP/s of a prefill pass computing ``new_tokens`` (peak x MFU)."""
+        return self._peak * self.mfu(new_tokens)
+
     def prefill_compute_time(self, n: int, cached: int = 0) -> float:
         """Seconds of GPU compute to prefill ``n`` tokens of which ``cached`` are reused."""
         cached = min(max(cached, 0), n)

@@ -23,6 +23,7 @@ size in ``chunk_choices`` with this same cost model and keeps the shortest makes
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -99,16 +100,55 @@ def plan_cpp(cost: CostModel, n: int, cached: int, group_size: int, chunk_tokens
     return CPPPlan(group_size, tuple(chunks), tuple(stages), makespan, chunk_tokens)
 
 
+def cpp_makespan(cost: CostModel, n: int, cached: int, group_size: int,
+                 chunk_tokens: int) -> float:
+    """:func:`plan_cpp`'s makespan without building the chunks (equal up to rounding): the
+    full chunks' compute in one difference of FLOPs, the stages' maximum at the last full
+    chunk (a chunk costs more the more context it follows) or the shorter last one."""
+    cached = min(max(cached, 0), n)
+    new = n - cached
+    if new <= 0 or group_size < 1 or chunk_tokens < 1:
+        return plan_cpp(cost, n, cached, group_size, chunk_tokens).makespan_s
+    m = cost.config.model
+    nic = cost.config.hardware.nic_bytes_per_s * cost.config.efficiency.transfer_efficiency
+    per_token = 0.0 if group_size == 1 else m.d_model * m.elem_bytes / nic
+    ovh = cost.prefill_overhead_s
+    full, rest = divmod(new, chunk_tokens)
+    compute = 0.0
+    top = 0.0
+    if full:
+        end = cached + full * chunk_tokens
+        rate = cost.prefill_flops_rate(chunk_tokens)
+        compute += full * ovh + (cost.flops(end) - cost.flops(cached)) / rate
+        last = ovh + (cost.flops(end) - cost.flops(end - chunk_tokens)) / rate
+        top = last / group_size + chunk_tokens * per_token
+    if rest:
+        start = cached + full * chunk_tokens
+        tail = ovh + (cost.flops(n) - cost.flops(start)) / cost.prefill_flops_rate(rest)
+        compute += tail
+        top = max(top, tail / group_size + rest * per_token)
+    return compute / group_size + new * per_token + (group_size - 1) * top
+
+
+def choose_chunk(cost: CostModel, n: int, cached: int, group_size: int,
+                 config: CPPConfig) -> tuple[int, float]:
+    """``(chunk size, makespan)`` of the plan :func:`plan_cpp_for` would build, without
+    building it (what a policy pricing groups needs)."""
+    if config.chunk_tokens:
+        return config.chunk_tokens, cpp_makespan(cost, n, cached, group_size,
+                                                 config.chunk_tokens)
+    best_size, best = 0, math.inf
+    for size in sorted(config.chunk_choices):
+        span = cpp_makespan(cost, n, cached, group_size, size)
+        if span < best * (1.0 - 1e-9):
+            best_size, best = size, span
+    return best_size, best
+
+
 def plan_cpp_for(cost: CostModel, n: int, cached: int, group_size: int,
                  config: CPPConfig) -> CPPPlan:
     """The plan with ``config``'s chunk size, or (``chunk_tokens`` 0) the one of
-    ``chunk_choices`` with the shortest makespan (the smaller size on a tie)."""
-    if config.chunk_tokens:
-        return plan_cpp(cost, n, cached, group_size, config.chunk_tokens)
-    best: CPPPlan | None = None
-    for size in sorted(config.chunk_choices):
-        plan = plan_cpp(cost, n, cached, group_size, size)
-        if best is None or plan.makespan_s < best.makespan_s:
-            best = plan
-    assert best is not None
-    return best
+    ``chunk_choices`` with the shortest makespan (the smaller size on a tie, so
+    sizes within 1e-9 of each other count as tied)."""
+    size, _ = choose_chunk(cost, n, cached, group_size, config)
+    return plan_cpp(cost, n, cached, group_size, size)

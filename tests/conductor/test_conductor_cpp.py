@@ -4,7 +4,7 @@ Single-instance prefill (cost model defaults): 100k tokens 30.56 s, 60k 13.31 s.
 Pipeline makespans (:func:`plan_cpp_for`, planned chunks) for groups of 2 / 3 / 4:
 100k 17.46 / 12.37 / 9.59 s; 60k 7.85 / 5.63 / 4.42 s."""
 
-from mooncake_conductor.cpp import CPPConfig, CPPPlan, plan_cpp_for
+from mooncake_conductor.cpp import CPPConfig, CPPPlan, choose_chunk, plan_cpp_for
 from mooncake_conductor.policies.base import SLOConfig
 from mooncake_conductor.state import ClusterState
 
@@ -20,7 +20,8 @@ def plan(n: int, size: int, cached: int = 0) -> CPPPlan:
 
 
 def makespan(n: int, size: int, cached: int = 0) -> float:
-    return plan(n, size, cached).makespan_s
+    """What the policies price a group with (the plan's makespan, in closed form)."""
+    return choose_chunk(COST, n, cached, size, CPPConfig())[1]
 
 
 def loaded(n: int) -> ClusterState:

@@ -10,7 +10,7 @@ makespans (planned chunks) for groups of 2 / 3 / 4: 100k 17.46 / 12.37 / 9.59 s;
 import random
 
 from mooncake_conductor.cost import CostModel
-from mooncake_conductor.cpp import CPPConfig, CPPPlan, plan_cpp_for
+from mooncake_conductor.cpp import CPPConfig, CPPPlan, choose_chunk, plan_cpp_for
 from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.policies.base import PolicyContext, SLOConfig, create_policy
 from mooncake_conductor.state import ClusterState
@@ -29,7 +29,8 @@ def plan(n: int, size: int, cached: int = 0) -> CPPPlan:
 
 
 def makespan(n: int, size: int, cached: int = 0) -> float:
-    return plan(n, size, cached).makespan_s
+    """What the policies price a group with (the plan's makespan, in closed form)."""
+    return choose_chunk(COST, n, cached, size, CPPConfig())[1]
 
 
 def test_no_prefill_instance_at_all_is_rejected() -> None:

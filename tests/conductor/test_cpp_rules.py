@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mooncake_conductor.cost import CostModel
-from mooncake_conductor.cpp import CPPConfig, plan_cpp, plan_cpp_for
+from mooncake_conductor.cpp import CPPConfig, cpp_makespan, plan_cpp, plan_cpp_for
 from pydantic import ValidationError
 
 
@@ -67,3 +69,16 @@ def test_on_a_tie_the_smaller_chunk_wins() -> None:
 def test_bad_chunk_settings_are_refused(cfg: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
         CPPConfig(**cfg)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(1, 200_000), cached_share=st.floats(0, 1), group=st.integers(1, 6),
+       chunk=st.sampled_from([1, 7, 512, 1000, 1024, 2048, 4096, 8192, 300_000]))
+def test_the_closed_form_makespan_equals_the_plans(n: int, cached_share: float, group: int,
+                                                     chunk: int) -> None:
+    cm = CostModel()
+    cached = int(n * cached_share)
+    if chunk == 1 and n - cached > 5000:
+        chunk = 64  # keep the reference loop short
+    want = plan_cpp(cm, n, cached, group, chunk).makespan_s
+    assert cpp_makespan(cm, n, cached, group, chunk) == pytest.approx(want, rel=1e-9)

@@ -62,7 +62,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..cpp import CPPConfig, plan_cpp_for
+from ..cpp import CPPConfig, choose_chunk
 from ..kernels import rank_fifo
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
 from .base import Placement, PolicyContext, PrefillPolicy, register
@@ -316,17 +316,17 @@ class ConductorPolicy(PrefillPolicy):
             fetch = best_len - local if best_src is not None and best_len > local else 0
             reuse = local + fetch
             transfer = self.ctx.cost.transfer_time(req.tokens_of(reuse) - req.tokens_of(local))
-            plan = plan_cpp_for(self.ctx.cost, n, req.tokens_of(reuse), size, cfg)
-            prio = req.arrival + self.params.priority_weight * plan.makespan_s
+            chunk, makespan = choose_chunk(self.ctx.cost, n, req.tokens_of(reuse), size, cfg)
+            prio = req.arrival + self.params.priority_weight * makespan
             wait = max(p.wait_time(now, prio) for p in members)
-            if best is None or max(wait, transfer) + plan.makespan_s < best.ttft_s:
+            if best is None or max(wait, transfer) + makespan < best.ttft_s:
                 best = Placement(
                     prefill=leader.iid, local_blocks=local, fetch_blocks=fetch,
                     source=best_src if fetch else None, queue_s=wait,
-                    transfer_s=max(0.0, transfer - wait), prefill_s=plan.makespan_s,
+                    transfer_s=max(0.0, transfer - wait), prefill_s=makespan,
                     priority=prio,
                     cpp_group=[leader.iid] + [p.iid for p in members if p is not leader],
-                    cpp_chunk_tokens=plan.chunk_tokens,
+                    cpp_chunk_tokens=chunk,
                     migrate=self.params.migrate_on_fetch,
                 )
         return best

@@ -22,7 +22,7 @@ additions are measured.
 
 from __future__ import annotations
 
-from ..cpp import CPPConfig, plan_cpp_for
+from ..cpp import CPPConfig, choose_chunk
 from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, register
 from .kvcache_centric import KVCacheCentricParams, KVCacheCentricPolicy
@@ -65,12 +65,12 @@ class MooncakePaperPolicy(KVCacheCentricPolicy):
             local = min(cluster.index.match(leader.iid, req.keys), reuse)
             fetch = reuse - local  # 0 when the leader is the holder
             transfer = self.ctx.cost.transfer_time(req.tokens_of(reuse) - req.tokens_of(local))
-            plan = plan_cpp_for(self.ctx.cost, n, req.tokens_of(reuse), size, cfg)
-            if transfer + plan.makespan_s < best.ttft_s:
+            chunk, makespan = choose_chunk(self.ctx.cost, n, req.tokens_of(reuse), size, cfg)
+            if transfer + makespan < best.ttft_s:
                 best = Placement(
                     prefill=leader.iid, local_blocks=local, fetch_blocks=fetch,
                     source=source if fetch else None, transfer_s=transfer,
-                    prefill_s=plan.makespan_s, cpp_group=[p.iid for p in members],
-                    cpp_chunk_tokens=plan.chunk_tokens,
+                    prefill_s=makespan, cpp_group=[p.iid for p in members],
+                    cpp_chunk_tokens=chunk,
                 )
         return best
