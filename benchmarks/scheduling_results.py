@@ -88,6 +88,8 @@ HIT_OF_CEILING = 0.95
 CALIBRATED_ERROR = 0.10
 CALIBRATED_TTFT = 1.05
 BIAS = 0.25
+#: fresh-process replays per policy in the speed section (the fastest is reported)
+SPEED_REPEATS = 3
 ORACLE = "model told the truth"
 SPEED_TARGET_S = 2.0
 
@@ -352,15 +354,22 @@ def ablation(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def speed(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    """Each policy's whole-trace replay in a fresh process, ``SPEED_REPEATS`` times: the
+    fastest is the figure (what the code costs; a slower run measured the host's other
+    work), every time is kept."""
+    out: dict[str, Any] = {"runs": {}}
     for pol in ("conductor", "random"):
-        started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "mooncake_cli", "simulate", "--preset",
-                        "paper-fig5", "--policy", pol], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        out[pol] = time.perf_counter() - started
-        print(f"speed: {pol} whole trace in {out[pol]:.2f} s (fresh process)",
-              file=sys.stderr, flush=True)
+        times = []
+        for _ in range(SPEED_REPEATS):
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "mooncake_cli", "simulate", "--preset",
+                            "paper-fig5", "--policy", pol], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            times.append(time.perf_counter() - started)
+            print(f"speed: {pol} whole trace in {times[-1]:.2f} s (fresh process)",
+                  file=sys.stderr, flush=True)
+        out[pol] = min(times)
+        out["runs"][pol] = times
     out["load_average"] = os.getloadavg()[0]
     return out
 
@@ -499,8 +508,11 @@ def markdown(doc: dict[str, Any]) -> str:
     if s:
         lines += ["## Simulator speed", "",
                   f"Whole conversation trace (12,031 requests), 16P+16D, fresh process, "
-                  f"start-up included: conductor {s['conductor']:.2f} s, random "
-                  f"{s['random']:.2f} s (load average {s['load_average']:.1f}).", ""]
+                  f"start-up included, fastest of {len(s.get('runs', {}).get('conductor', [0]))}"
+                  f": conductor {s['conductor']:.2f} s, random {s['random']:.2f} s (every "
+                  "run: " + "; ".join(f"{p} " + ", ".join(f"{t:.2f}" for t in ts)
+                                     for p, ts in s.get("runs", {}).items())
+                  + f"; load average {s['load_average']:.1f}).", ""]
     lines += ["## Targets", ""] + [f"- {x}" for x in doc["verdicts"]] + [""]
     return "\n".join(lines)
 
