@@ -47,6 +47,9 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing-only", action="store_true",
                    help="equal capability: every policy on local caches only (no KV fetch, "
                    "no CPP, no admission, no replication)")
+    p.add_argument("--shedding", action=argparse.BooleanOptionalAction, default=None,
+                   help="overload shedding for every policy with admission (default: the "
+                   "policy's own: conductor on, the others off)")
     p.add_argument("--jobs", type=int, default=None, help="parallel processes")
     p.add_argument("--json", dest="json_out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="write a PNG chart of the results")
@@ -133,6 +136,7 @@ class _Setup:
     event_lag_ms: float
     nic_contention: bool
     routing_only: bool = False
+    shedding: bool | None = None
 
     def config(self, policy: str, speed: float, seed: int, own_params: bool,
                prefill: int | None = None, decode: int | None = None) -> dict[str, Any]:
@@ -150,6 +154,7 @@ class _Setup:
                 "slo": {"ttft_s": self.ttft_s, "tbt_s": self.tbt_ms / 1000.0},
                 "seed": seed,
                 "routing_only": self.routing_only,
+                **({} if self.shedding is None else {"shedding": {"enabled": self.shedding}}),
             },
         }
 
@@ -173,6 +178,7 @@ class _Setup:
             "seed": seed,
             **self.realism(),
             "routing_only": self.routing_only,
+            "shedding": self.shedding,  # null: each policy's own
             "ttft_mean_charged": "rejected requests charged the TTFT SLO",
         }
 
@@ -244,6 +250,7 @@ def _setup(args: argparse.Namespace) -> _Setup | str:
         event_lag_ms=_pick(args.event_lag_ms, preset, "event_lag_ms", 0.0),
         nic_contention=bool(_pick(args.nic_contention, preset, "nic_contention", False)),
         routing_only=bool(args.routing_only),
+        shedding=args.shedding,
     )
 
 

@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mooncake_cli.main import main
@@ -54,6 +55,29 @@ def test_routing_only_reaches_every_policy_and_the_settings(small_trace: Path,
     assert any(f["rejected"] or f["replicated_tokens"]
                or f["token_hit_ratio"] > o["token_hit_ratio"]
                for f, o in zip(full["results"], only["results"], strict=True))
+
+
+def test_shedding_flag_reaches_every_policy_and_the_settings(small_trace: Path,
+                                                              tmp_path: Path) -> None:
+    """Overloaded (speed 10 on 4 + 4): by default only conductor sheds (``overload``);
+    --no-shedding turns it off, --shedding turns it on for mooncake-paper too."""
+    out = tmp_path / "r.json"
+    args = ["simulate", "--trace", str(small_trace), "--compare", "conductor,mooncake-paper",
+            "--prefill", "4", "--decode", "4", "--speed", "10", "--jobs", "1",
+            "--json", str(out)]
+
+    def run(*flag: str) -> tuple[Any, dict[str, int], dict[str, int]]:
+        assert main([*args, *flag]) == 0
+        doc = json.loads(out.read_text())
+        ours, paper = doc["results"]
+        return doc["settings"]["shedding"], ours["reject_reasons"], paper["reject_reasons"]
+
+    setting, ours, paper = run()
+    assert setting is None and ours.get("overload", 0) > 0 and "overload" not in paper
+    setting, ours, paper = run("--no-shedding")
+    assert setting is False and "overload" not in ours and "overload" not in paper
+    setting, ours, paper = run("--shedding")
+    assert setting is True and ours.get("overload", 0) > 0 and paper.get("overload", 0) > 0
 
 
 def test_preset_works_on_any_trace(small_trace: Path, tmp_path: Path) -> None:
