@@ -48,7 +48,7 @@ from typing import Any
 
 from mooncake_conductor.engine import ConductorConfig
 from mooncake_conductor.policies import policy_names
-from mooncake_sim.capacity import Probe, compute_bound_speed, search_capacity
+from mooncake_sim.capacity import compute_bound_speed
 from mooncake_sim.engine import SimConfig, simulate
 from mooncake_sim.presets import PRESETS, speed_for_utilization
 from mooncake_sim.synth import PAPER_SHAPES, generate
@@ -223,16 +223,20 @@ def _compare(name: str, load: float, mode: str, rows: dict[str, dict[str, Any]],
     return out
 
 
-def capacity(args: argparse.Namespace) -> dict[str, Any]:
+def _capacity_cli(args: argparse.Namespace, policies: str, *flags: str) -> dict[str, Any]:
+    """``mooncake-operator capacity`` on the preset, its JSON rows by policy."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "capacity.json"
         cmd = [sys.executable, "-m", "mooncake_cli", "capacity", "--preset", "paper-fig5",
-               "--policy", args.capacity_policies, "--json", str(out),
-               "--jobs", str(args.jobs)]
+               "--policy", policies, *flags, "--json", str(out), "--jobs", str(args.jobs)]
         print("capacity: " + " ".join(cmd[2:]), file=sys.stderr, flush=True)
         subprocess.run(cmd, check=True, stdout=sys.stderr)
         doc = json.loads(out.read_text())
-    rows = {r["policy"]: r for r in doc["results"]}
+    return {r["policy"]: r for r in doc["results"]}
+
+
+def capacity(args: argparse.Namespace) -> dict[str, Any]:
+    rows = _capacity_cli(args, args.capacity_policies)
     out_doc: dict[str, Any] = {"results": {
         p: {k: r[k] for k in ("capacity_speed", "limit_speed", "ratio", "bracketed",
                               "limit_target_speed")} for p, r in rows.items()}}
@@ -246,27 +250,9 @@ def capacity(args: argparse.Namespace) -> dict[str, Any]:
         out_doc["of_limit"] = rows["conductor"]["ratio"]
         out_doc["of_limit_target"] = (rows["conductor"]["capacity_speed"]
                                       / rows["conductor"]["limit_target_speed"])
-        out_doc["without_shedding"] = _capacity_without_shedding(
-            rows["conductor"]["limit_speed"])
+        unshed = _capacity_cli(args, "conductor", "--no-shedding")
+        out_doc["without_shedding"] = unshed["conductor"]["capacity_speed"]
     return out_doc
-
-
-def _capacity_without_shedding(start: float) -> float:
-    """The conductor's capacity with overload shedding off, searched the way the
-    ``capacity`` command searches (same start, target and tolerance)."""
-    recs = workload(CONVERSATION, 0)
-    base = sim_config("conductor", start, conductor_shedding={"enabled": False})
-
-    def attainment(speed: float) -> float:
-        r = simulate(recs, base.model_copy(update={"speed": speed}))
-        return float(r["slo_attainment"])
-
-    def show(p: Probe) -> None:
-        print(f"capacity: conductor without shedding, speed {p.speed:.4g}x -> "
-              f"{100 * p.attainment:.2f}% ({'ok' if p.ok else 'miss'})",
-              file=sys.stderr, flush=True)
-
-    return search_capacity(attainment, start, on_probe=show).capacity_speed
 
 
 def calibration(args: argparse.Namespace) -> dict[str, Any]:
