@@ -82,18 +82,10 @@ def _first_error(exc: ValidationError) -> str:
 
 
 def conductor_config(spec: MooncakeClusterSpec) -> ConductorConfig:
-    """The core's configuration for this cluster (validates the policy's parameters)."""
-    cond = spec.conductor
+    """The core's configuration for this cluster (validates the policy's parameters): the
+    ``conductor`` part of the gateway's model document, one mapping for both."""
     doc = builders.gateway_model(ClusterRef("x", "x", "x"), spec)["conductor"]
-    data: JsonDict = {"policy": cond.policy, "params": dict(cond.params), "slo": doc["slo"],
-                      "replication": doc["replication"]}
-    if cond.decode_selector is not None:
-        data["decode_selector"] = cond.decode_selector
-    if cond.admission is not None:
-        data["admission"] = cond.admission
-    if "shedding" in doc:
-        data["shedding"] = doc["shedding"]
-    return ConductorConfig.model_validate(data)
+    return ConductorConfig.model_validate(doc)
 
 
 def status_patch(st: MooncakeClusterStatus) -> JsonDict:
