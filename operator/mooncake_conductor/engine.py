@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from .policies.base import Placement, PolicyContext, SLOConfig, create_policy, p
 from .replication import HotPrefixTracker, ReplicationAction, ReplicationConfig
 from .shedding import OverloadShedding, SheddingConfig
 from .state import ClusterState, PrefillState, RequestInfo, board_of
+from .stealing import Steal, StealingConfig, WorkStealing
 
 _NO_ROWS: npt.NDArray[np.intp] = np.empty(0, dtype=np.intp)
 
@@ -65,6 +67,7 @@ class ConductorConfig(BaseModel):
     decode_selector: str | None = Field(None, description="default: the policy's own")
     admission: bool | None = Field(None, description="default: the policy's own")
     shedding: SheddingConfig = SheddingConfig()
+    stealing: StealingConfig = StealingConfig()
     slo: SLOConfig = SLOConfig()
     replication: ReplicationConfig = ReplicationConfig()
     replicate: bool | None = Field(None, description="default: the policy's own")
@@ -124,6 +127,10 @@ class Conductor:
             self.config.shedding.enabled)
         self.shedding = (OverloadShedding(self.config.shedding, self.config.slo.ttft_s)
                          if self.admission and sheds else None)
+        steals = self.policy.steals if self.config.stealing.enabled is None else (
+            self.config.stealing.enabled)
+        self.stealing = (WorkStealing(self.config.stealing, self.cost)
+                         if steals and not only else None)
         self.replicate = not only and (
             self.policy.replication if self.config.replicate is None else self.config.replicate
         )
@@ -169,6 +176,24 @@ class Conductor:
             self.policy.on_placed(req, placement, cluster)
             self.hot.record(req.keys, now, placement.reused_blocks, req.key_array)
         return decision
+
+    def steal(
+        self, idle: PrefillState, cluster: ClusterState,
+        request_of: Callable[[int], RequestInfo], now: float,
+        movable: Callable[[int], bool],
+    ) -> Steal | None:
+        """A prompt queued on another instance for ``idle`` (just gone idle) to take now,
+        or ``None`` (always, unless work stealing is on)."""
+        if self.stealing is None:
+            return None
+        return self.stealing.pick(idle, cluster, request_of, now, movable)
+
+    def moved(self, req: RequestInfo, old: Placement, new: Placement,
+              cluster: ClusterState) -> None:
+        """A queued prefill moved from ``old`` to ``new`` (a steal): policies that count
+        their own in-flight work release it where it was and count it where it went."""
+        self.policy.on_finished(req, old)
+        self.policy.on_placed(req, new, cluster)
 
     def prefilled(self, req: RequestInfo, decision: Decision) -> None:
         """A scheduled request's prefill is done (its first token)."""

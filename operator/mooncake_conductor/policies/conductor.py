@@ -52,6 +52,9 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
     queue nears the TTFT SLO, a request costing more GPU seconds than the
     average offered one is rejected (``overload``); the paper's rule rejects
     only predicted misses, whoever they are.
+13. **Late binding of queued work** (:mod:`..stealing`, ``steals``): an instance that
+    goes idle takes the prompt queued elsewhere whose predicted TTFT drops most by
+    moving; placement binds on predictions, and executions stray from them.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ class ConductorPolicy(PrefillPolicy):
     default_decode = "tbt-lookahead"
     admission = True
     sheds = True
+    steals = True
     replication = True
     calibrates = True
 
