@@ -50,6 +50,10 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shedding", action=argparse.BooleanOptionalAction, default=None,
                    help="overload shedding for every policy with admission (default: the "
                    "policy's own: conductor on, the others off)")
+    p.add_argument("--stealing", action=argparse.BooleanOptionalAction, default=None,
+                   help="idle prefill instances take prompts queued on others, for every "
+                   "policy (default: the policy's own: conductor on, the others off; never "
+                   "with --routing-only)")
     p.add_argument("--jobs", type=int, default=None, help="parallel processes")
     p.add_argument("--json", dest="json_out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="write a PNG chart of the results")
@@ -137,6 +141,7 @@ class _Setup:
     nic_contention: bool
     routing_only: bool = False
     shedding: bool | None = None
+    stealing: bool | None = None
 
     def config(self, policy: str, speed: float, seed: int, own_params: bool,
                prefill: int | None = None, decode: int | None = None) -> dict[str, Any]:
@@ -155,6 +160,7 @@ class _Setup:
                 "seed": seed,
                 "routing_only": self.routing_only,
                 **({} if self.shedding is None else {"shedding": {"enabled": self.shedding}}),
+                **({} if self.stealing is None else {"stealing": {"enabled": self.stealing}}),
             },
         }
 
@@ -179,6 +185,7 @@ class _Setup:
             **self.realism(),
             "routing_only": self.routing_only,
             "shedding": self.shedding,  # null: each policy's own
+            "stealing": self.stealing,  # null: each policy's own
             "ttft_mean_charged": "rejected requests charged the TTFT SLO",
         }
 
@@ -251,6 +258,7 @@ def _setup(args: argparse.Namespace) -> _Setup | str:
         nic_contention=bool(_pick(args.nic_contention, preset, "nic_contention", False)),
         routing_only=bool(args.routing_only),
         shedding=args.shedding,
+        stealing=args.stealing,
     )
 
 

@@ -37,6 +37,11 @@ Realism, off by default and on in the presets (``SimConfig``), the same for ever
   NIC (it overlaps the prefill layer by layer, paper §3).
 - **Event lag**: the index (the gateway's view) learns blocks an instance stored only
   ``event_lag_ms`` later; the instance itself reuses them at once.
+
+Work stealing (policies that steal, :mod:`mooncake_conductor.stealing`): when a prefill
+instance finishes with nothing queued, the Conductor may move a prompt queued on another
+instance to it; the prompt keeps its decode choice and its place in priority order, and
+a fetch its old placement started keeps its NIC time.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from mooncake_conductor.cost import CostModel
 from mooncake_conductor.cpp import plan_cpp
 from mooncake_conductor.engine import Conductor, ConductorConfig, Decision
 from mooncake_conductor.index import DRAM, STORE, PrefixIndex
+from mooncake_conductor.policies.base import Placement
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -198,6 +204,7 @@ class Simulation:
         self._replicas: dict[int, Any] = {}
         self._replica_seq = 0
         self.replicated_tokens = 0
+        self.steals = 0
         self._gang_order: dict[int, int] = {}
         self._gang_counter = 0
         # realism: execution factors, NIC queues, blocks stored but not yet visible
@@ -344,11 +351,7 @@ class Simulation:
         if pl.cpp_group:
             self._gangs[rid] = set()
         self.index.add_pending(pl.prefill, req.info.keys)
-        if self.cfg.nic_contention and pl.fetch_blocks and pl.source is not None:
-            info = req.info
-            fetched = (info.tokens_of(pl.local_blocks + pl.fetch_blocks)
-                       - info.tokens_of(pl.local_blocks))
-            self._fetch_end[rid] = self._transfer(pl.source, pl.prefill, fetched, now)
+        self._book_fetch(req.info, pl, now)
         for iid in members:
             inst = self.cluster.prefill[iid]
             inst.enqueue(rid, prio, pl.prefill_s + pl.transfer_s, blocks, req.info.input_tokens)
@@ -356,7 +359,8 @@ class Simulation:
                 self._start_next(inst, now)
 
     def _start_next(self, inst: PrefillState, now: float) -> None:
-        if not inst.queue:
+        if not inst.queue and not (self.conductor.stealing is not None
+                                   and self._steal(inst, now)):
             self._running_rid[inst.iid] = -1
             inst.running_blocks = inst.running_tokens = 0
             return
@@ -382,6 +386,46 @@ class Simulation:
         self.predicted_prefill_s += predicted
         inst.busy_until = start + predicted  # what the gateway can know
         self._push(start + dur, PREFILL_DONE, inst.iid, item.rid)
+
+    def _steal(self, inst: PrefillState, now: float) -> bool:
+        """``inst`` went idle: move the prompt the Conductor picks from another queue to
+        it (its decode choice stays); whether one moved."""
+        steal = self.conductor.steal(inst, self.cluster, self._info_of, now, self._movable)
+        if steal is None:
+            return False
+        req = self.reqs[steal.rid]
+        assert req.decision is not None
+        item = self.cluster.prefill[steal.victim].pop(steal.rid)
+        keys = req.info.keys
+        self.index.remove_pending(steal.victim, keys)
+        self.index.add_pending(inst.iid, keys)
+        # a fetch the old placement started keeps its NIC time (it is not taken back)
+        self._fetch_end.pop(steal.rid, None)
+        pl = steal.placement
+        self.conductor.moved(req.info, req.decision.placement, pl, self.cluster)
+        req.decision = Decision(pl, req.decision.decode)
+        req.placed_at = now
+        self._book_fetch(req.info, pl, now)
+        inst.enqueue(steal.rid, item.priority, pl.prefill_s + pl.transfer_s, item.blocks,
+                     item.tokens)
+        self.steals += 1
+        return True
+
+    def _book_fetch(self, info: RequestInfo, pl: Placement, now: float) -> None:
+        """With NIC contention, put the placement's prefix fetch (if any) on the NICs from
+        ``now``; its end is when the prefill can start."""
+        if self.cfg.nic_contention and pl.fetch_blocks and pl.source is not None:
+            assert pl.prefill is not None
+            fetched = (info.tokens_of(pl.local_blocks + pl.fetch_blocks)
+                       - info.tokens_of(pl.local_blocks))
+            self._fetch_end[info.rid] = self._transfer(pl.source, pl.prefill, fetched, now)
+
+    def _info_of(self, rid: int) -> RequestInfo:
+        return self.reqs[rid].info
+
+    def _movable(self, rid: int) -> bool:
+        decision = self.reqs[rid].decision
+        return decision is not None and not decision.placement.cpp_group
 
     def _reuse_at_start(self, req: _Req, iid: int, now: float) -> tuple[int, float]:
         """Blocks the prefill on ``iid`` reuses when it starts, and when it can start: its
@@ -639,6 +683,7 @@ class Simulation:
             "prediction_error_windows": self._error_windows(),
             "prefill_scale": self.conductor.cost.prefill_scale,
             "replicated_tokens": self.replicated_tokens,
+            "steals": self.steals,
             "long_prompts": self._long_prompts(served),
             "simulated_seconds": max((r.info.arrival for r in self.reqs), default=0.0),
             "wall_seconds": wall,

@@ -80,6 +80,28 @@ def test_shedding_flag_reaches_every_policy_and_the_settings(small_trace: Path,
     assert setting is True and ours.get("overload", 0) > 0 and paper.get("overload", 0) > 0
 
 
+def test_stealing_flag_reaches_every_policy_and_the_settings(small_trace: Path,
+                                                              tmp_path: Path) -> None:
+    """With noisy predictions under load, conductor steals by default and mooncake-paper
+    does not; --no-stealing stops it, --stealing starts it for mooncake-paper too."""
+    out = tmp_path / "r.json"
+    args = ["simulate", "--trace", str(small_trace), "--compare", "conductor,mooncake-paper",
+            "--prefill", "4", "--decode", "4", "--speed", "4", "--prediction-error", "0.5",
+            "--jobs", "1", "--json", str(out)]
+
+    def run(*flag: str) -> tuple[Any, int, int]:
+        assert main([*args, *flag]) == 0
+        doc = json.loads(out.read_text())
+        ours, paper = doc["results"]
+        return doc["settings"]["stealing"], ours["steals"], paper["steals"]
+
+    setting, ours, paper = run()
+    assert setting is None and ours > 0 and paper == 0
+    assert run("--no-stealing") == (False, 0, 0)
+    setting, ours, paper = run("--stealing")
+    assert setting is True and ours > 0 and paper > 0
+
+
 def test_preset_works_on_any_trace(small_trace: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     assert main(["simulate", "--trace", str(small_trace), "--preset", "paper-fig5",

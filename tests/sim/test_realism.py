@@ -178,3 +178,31 @@ def test_online_calibration_learns_a_model_bias() -> None:
     assert all(w < 0.10 for w in on["prediction_error_windows"][1:])
     assert on["prefill_scale"] == pytest.approx(1.25, rel=0.08)
     assert off["prefill_scale"] == 1.0
+
+
+# -- work stealing ----------------------------------------------------------------------------
+def _stealing_run(enabled: bool) -> tuple[Simulation, dict[str, object]]:
+    """A (16k) and B (4k) start at once on the two instances; C (4k) queues behind B, the
+    shorter predicted wait. A runs at a tenth of its prediction, so A's instance idles
+    while C still waits."""
+    recs = [lone(16384, 0), lone(4096, 100, t_ms=1.0), lone(4096, 200, t_ms=2.0)]
+    sim = Simulation(recs, SimConfig(
+        prefill=2, decode=1, conductor=ConductorConfig(
+            policy="conductor", params={"cpp": {"enabled": False}},
+            stealing={"enabled": enabled})))
+    sim._factor[0] = 0.1
+    return sim, sim.run()
+
+
+def test_an_instance_gone_idle_takes_the_prompt_queued_behind_another() -> None:
+    sim, r = _stealing_run(True)
+    a, b, c = sim.reqs
+    assert r["steals"] == 1 and r["completed"] == 3
+    assert a.decision is not None and b.decision is not None and c.decision is not None
+    assert c.decision.placement.prefill == a.decision.placement.prefill  # moved to A's
+    # C starts when A ends (a tenth of A's prediction), not when B does
+    a_end = a.info.arrival + a.ttft
+    assert c.ttft == pytest.approx(a_end + c.exec_s - c.info.arrival)
+    _, r_off = _stealing_run(False)
+    assert r_off["steals"] == 0 and r_off["completed"] == 3
+    assert r["ttft_mean_s"] < r_off["ttft_mean_s"]
