@@ -76,6 +76,7 @@ ABLATION: dict[str, dict[str, Any]] = {
     "no online calibration": {"calibrate": False},
     "no hot-prefix replication": {"replicate": False},
     "no overload shedding": {"shedding": {"enabled": False}},
+    "no work stealing": {"stealing": {"enabled": False}},
     "no admission": {"admission": False},
     "routing only": {"routing_only": True},
 }
