@@ -40,6 +40,9 @@ class DecodeChoice:
 
 class DecodeSelector(ABC):
     name: ClassVar[str] = ""
+    #: whether choices count the requests already placed whose prefill still runs (then
+    #: requests released together, e.g. after a hold, do not all see the same free room)
+    counts_placed: ClassVar[bool] = False
 
     def __init__(self, cost: CostModel, tbt_slo_s: float, rng: random.Random) -> None:
         self.cost = cost
@@ -157,6 +160,7 @@ class TBTLookaheadDecode(TBTSLODecode):
     look-ahead). Pricing the growth of running contexts too bought nothing there."""
 
     name = "tbt-lookahead"
+    counts_placed = True
 
     def __init__(self, cost: CostModel, tbt_slo_s: float, rng: random.Random) -> None:
         super().__init__(cost, tbt_slo_s, rng)

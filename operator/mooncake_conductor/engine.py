@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .cost import CostModel, CostModelConfig
 from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
+from .holding import HoldingConfig, hold_deadline
 from .policies.base import Placement, PolicyContext, SLOConfig, create_policy, policy_class
 from .replication import HotPrefixTracker, ReplicationAction, ReplicationConfig
 from .shedding import OverloadShedding, SheddingConfig
@@ -68,6 +69,7 @@ class ConductorConfig(BaseModel):
     admission: bool | None = Field(None, description="default: the policy's own")
     shedding: SheddingConfig = SheddingConfig()
     stealing: StealingConfig = StealingConfig()
+    holding: HoldingConfig = HoldingConfig()
     slo: SLOConfig = SLOConfig()
     replication: ReplicationConfig = ReplicationConfig()
     replicate: bool | None = Field(None, description="default: the policy's own")
@@ -131,6 +133,11 @@ class Conductor:
             self.config.stealing.enabled)
         self.stealing = (WorkStealing(self.config.stealing, self.cost)
                          if steals and not only else None)
+        # by default only with a decode selector that counts placed requests: held requests
+        # released together would all see the same free room and pile onto it
+        holds = (self.policy.holds and self.decode_selector.counts_placed
+                 if self.config.holding.enabled is None else self.config.holding.enabled)
+        self.holding = self.admission and holds
         self.replicate = not only and (
             self.policy.replication if self.config.replicate is None else self.config.replicate
         )
@@ -161,7 +168,9 @@ class Conductor:
             placement = self.policy.choose(req, cluster, now)
             decode = self.decode_selector.choose(req, cluster.decode)
         if self.admission:
-            if placement.reject_reason is None and placement.ttft_s > self.config.slo.ttft_s:
+            waited = now - req.arrival if now > req.arrival else 0.0  # held requests waited
+            if (placement.reject_reason is None
+                    and waited + placement.ttft_s > self.config.slo.ttft_s):
                 placement.reject_reason = "ttft-slo"
             if (self.shedding is not None and placement.reject_reason is None
                     and not self.shedding.admit(placement.queue_s, placement.gpu_seconds)):
@@ -176,6 +185,17 @@ class Conductor:
             self.policy.on_placed(req, placement, cluster)
             self.hot.record(req.keys, now, placement.reused_blocks, req.key_array)
         return decision
+
+    def hold_until(self, req: RequestInfo, decision: Decision, now: float) -> float | None:
+        """For a request ``decision`` refused only for decode room (``tbt-slo``), with
+        holding on: the time until which it may wait for room (:mod:`.holding`), if that
+        is later than ``now``; else ``None`` (the refusal stands)."""
+        pl = decision.placement
+        if (not self.holding or pl.reject_reason is not None
+                or decision.decode.reject_reason != "tbt-slo"):
+            return None
+        until = hold_deadline(req.arrival, self.config.slo.ttft_s, pl.prefill_s, pl.transfer_s)
+        return until if until > now else None
 
     def steal(
         self, idle: PrefillState, cluster: ClusterState,

@@ -94,6 +94,8 @@ class PrefillPolicy(ABC):
     sheds: ClassVar[bool] = False
     #: whether an idle prefill instance takes prompts queued on others (.stealing)
     steals: ClassVar[bool] = False
+    #: whether, with admission on, requests refused for decode room wait for it (.holding)
+    holds: ClassVar[bool] = False
     #: whether hot prefixes are replicated ahead of need (seed §7)
     replication: ClassVar[bool] = False
     #: whether the prefill-time model is calibrated online from observed durations

@@ -55,6 +55,8 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
 13. **Late binding of queued work** (:mod:`..stealing`, ``steals``): an instance that
     goes idle takes the prompt queued elsewhere whose predicted TTFT drops most by
     moving; placement binds on predictions, and executions stray from them.
+14. **Full decode pool: wait, don't refuse** (:mod:`..holding`, ``holds``): a request
+    refused only for decode room waits for room while it can still meet the TTFT SLO.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class ConductorPolicy(PrefillPolicy):
     admission = True
     sheds = True
     steals = True
+    holds = True
     replication = True
     calibrates = True
 
