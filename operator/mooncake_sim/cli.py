@@ -54,6 +54,10 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                    help="idle prefill instances take prompts queued on others, for every "
                    "policy (default: the policy's own: conductor on, the others off; never "
                    "with --routing-only)")
+    p.add_argument("--holding", action=argparse.BooleanOptionalAction, default=None,
+                   help="requests refused only for decode room wait for it while they can "
+                   "still meet the TTFT SLO, for every policy with admission (default: the "
+                   "policy's own: conductor on, the others off)")
     p.add_argument("--jobs", type=int, default=None, help="parallel processes")
     p.add_argument("--json", dest="json_out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="write a PNG chart of the results")
@@ -142,6 +146,7 @@ class _Setup:
     routing_only: bool = False
     shedding: bool | None = None
     stealing: bool | None = None
+    holding: bool | None = None
 
     def config(self, policy: str, speed: float, seed: int, own_params: bool,
                prefill: int | None = None, decode: int | None = None) -> dict[str, Any]:
@@ -161,6 +166,7 @@ class _Setup:
                 "routing_only": self.routing_only,
                 **({} if self.shedding is None else {"shedding": {"enabled": self.shedding}}),
                 **({} if self.stealing is None else {"stealing": {"enabled": self.stealing}}),
+                **({} if self.holding is None else {"holding": {"enabled": self.holding}}),
             },
         }
 
@@ -186,6 +192,7 @@ class _Setup:
             "routing_only": self.routing_only,
             "shedding": self.shedding,  # null: each policy's own
             "stealing": self.stealing,  # null: each policy's own
+            "holding": self.holding,  # null: each policy's own
             "ttft_mean_charged": "rejected requests charged the TTFT SLO",
         }
 
@@ -259,6 +266,7 @@ def _setup(args: argparse.Namespace) -> _Setup | str:
         routing_only=bool(args.routing_only),
         shedding=args.shedding,
         stealing=args.stealing,
+        holding=args.holding,
     )
 
 

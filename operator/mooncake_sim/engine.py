@@ -42,6 +42,11 @@ Work stealing (policies that steal, :mod:`mooncake_conductor.stealing`): when a 
 instance finishes with nothing queued, the Conductor may move a prompt queued on another
 instance to it; the prompt keeps its decode choice and its place in priority order, and
 a fetch its old placement started keeps its NIC time.
+
+Holding (policies that hold, :mod:`mooncake_conductor.holding`): a request refused only
+for decode room waits, and is scheduled afresh, oldest first, each time a decode
+instance finishes a request; it is rejected when its hold ends (the latest start that
+could still meet the TTFT SLO). Its TTFT counts from its arrival.
 """
 
 from __future__ import annotations
@@ -150,7 +155,8 @@ class _Decoder:
     seg_steps: list[int] = field(default_factory=list)
 
 
-ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_WAKE, REPLICATE, REPLICA_DONE, VISIBLE = range(7)
+(ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_WAKE, REPLICATE, REPLICA_DONE, VISIBLE,
+ HOLD_END) = range(8)
 
 
 class Simulation:
@@ -205,6 +211,10 @@ class Simulation:
         self._replica_seq = 0
         self.replicated_tokens = 0
         self.steals = 0
+        #: held requests (refused for decode room) -> the end of their hold, oldest first
+        self._holding: dict[int, float] = {}
+        self.held = 0
+        self._now = 0.0
         self._gang_order: dict[int, int] = {}
         self._gang_counter = 0
         # realism: execution factors, NIC queues, blocks stored but not yet visible
@@ -241,6 +251,7 @@ class Simulation:
         events = self._events
         while events:
             t, _, kind, a, b = heapq.heappop(events)
+            self._now = t
             if kind == ARRIVE:
                 self._arrive(t, a)
                 done_arrivals += 1
@@ -258,6 +269,9 @@ class Simulation:
             elif kind == REPLICA_DONE:
                 action = self._replicas.pop(a)
                 self._publish(t, action.target, action.keys, DRAM)
+            elif kind == HOLD_END:
+                if self._holding.pop(a, None) is not None:  # no room came in time
+                    self._reject(self.reqs[a].decision)
             elif kind == VISIBLE:
                 keys, tier = self._unseen[b].pop(a)
                 self.index.store(b, keys, tier)
@@ -334,14 +348,27 @@ class Simulation:
         return best
 
     # -- prefill ------------------------------------------------------------------------------
-    def _arrive(self, now: float, rid: int) -> None:
+    def _arrive(self, now: float, rid: int, held: bool = False) -> bool:
+        """Schedule ``rid`` now (on arrival, or again while ``held``); whether it was
+        placed. A request refused only for decode room is held (policies that hold) and
+        stays held on a failed retry; the hold's end rejects it."""
         req = self.reqs[rid]
         decision = self.conductor.schedule(req.info, self.cluster, now)
         req.decision = decision
-        reason = decision.reject_reason
-        if reason is not None:
-            self.reject_reasons[reason] = self.reject_reasons.get(reason, 0) + 1
-            return
+        if decision.rejected:
+            until = self.conductor.hold_until(req.info, decision, now)
+            if until is not None:
+                if not held:
+                    self._holding[rid] = until
+                    self.held += 1
+                    self._push(until, HOLD_END, rid)
+                return False
+            if held:
+                del self._holding[rid]
+            self._reject(decision)
+            return False
+        if held:
+            del self._holding[rid]
         pl = decision.placement
         assert pl.prefill is not None
         req.placed_at = now
@@ -357,6 +384,21 @@ class Simulation:
             inst.enqueue(rid, prio, pl.prefill_s + pl.transfer_s, blocks, req.info.input_tokens)
             if self._running_rid[iid] < 0:
                 self._start_next(inst, now)
+        return True
+
+    def _reject(self, decision: Decision | None) -> None:
+        assert decision is not None and decision.reject_reason is not None
+        reason = decision.reject_reason
+        self.reject_reasons[reason] = self.reject_reasons.get(reason, 0) + 1
+
+    def _release_held(self) -> None:
+        """Decode room freed: offer the held requests again, oldest first, until one
+        still finds none (one whose retry is rejected outright is dropped, and the next
+        is offered)."""
+        while self._holding:
+            rid = next(iter(self._holding))
+            if not self._arrive(self._now, rid, held=True) and rid in self._holding:
+                return
 
     def _start_next(self, inst: PrefillState, now: float) -> None:
         if not inst.queue and not (self.conductor.stealing is not None
@@ -595,6 +637,8 @@ class Simulation:
         r.tbt = self._tbt(dec, r)
         assert r.decision is not None
         self.conductor.finished(r.info, r.decision)
+        if self._holding:
+            self._release_held()
         while dec.waiting:
             nxt = self.reqs[dec.waiting[0]]
             need = nxt.info.input_tokens + nxt.info.output_tokens
@@ -684,6 +728,7 @@ class Simulation:
             "prefill_scale": self.conductor.cost.prefill_scale,
             "replicated_tokens": self.replicated_tokens,
             "steals": self.steals,
+            "held": self.held,
             "long_prompts": self._long_prompts(served),
             "simulated_seconds": max((r.info.arrival for r in self.reqs), default=0.0),
             "wall_seconds": wall,

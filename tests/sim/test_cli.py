@@ -102,6 +102,32 @@ def test_stealing_flag_reaches_every_policy_and_the_settings(small_trace: Path,
     assert setting is True and ours > 0 and paper > 0
 
 
+def test_holding_flag_reaches_every_policy_and_the_settings(small_trace: Path,
+                                                             tmp_path: Path) -> None:
+    """One decode instance for eight prefill: conductor's decode side refuses requests and
+    it holds them by default; --no-holding stops it and it rejects them (tbt-slo).
+    (mooncake-paper's tbt-slo selector prices the running batch only and hardly ever
+    refuses here; that the flag reaches every policy is tested in the core.)"""
+    out = tmp_path / "r.json"
+    args = ["simulate", "--trace", str(small_trace), "--compare", "conductor,mooncake-paper",
+            "--prefill", "8", "--decode", "1", "--speed", "4", "--jobs", "1",
+            "--json", str(out)]
+
+    def run(*flag: str) -> tuple[Any, int, int, int]:
+        assert main([*args, *flag]) == 0
+        doc = json.loads(out.read_text())
+        ours, paper = doc["results"]
+        return (doc["settings"]["holding"], ours["held"], paper["held"],
+                ours["reject_reasons"].get("tbt-slo", 0))
+
+    setting, ours, paper, refused = run()
+    assert setting is None and ours > 0 and paper == 0
+    setting, ours, paper, refused = run("--no-holding")
+    assert (setting, ours, paper) == (False, 0, 0) and refused > 0
+    setting, ours, _, _ = run("--holding")
+    assert setting is True and ours > 0
+
+
 def test_preset_works_on_any_trace(small_trace: Path, tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     assert main(["simulate", "--trace", str(small_trace), "--preset", "paper-fig5",

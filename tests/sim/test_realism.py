@@ -206,3 +206,37 @@ def test_an_instance_gone_idle_takes_the_prompt_queued_behind_another() -> None:
     _, r_off = _stealing_run(False)
     assert r_off["steals"] == 0 and r_off["completed"] == 3
     assert r["ttft_mean_s"] < r_off["ttft_mean_s"]
+
+
+# -- holding ----------------------------------------------------------------------------------
+def _holding_run(enabled: bool) -> tuple[Simulation, dict[str, object]]:
+    """One decode instance with KV room for one of the two requests: B (arriving while A
+    is placed) finds no room until A has decoded its 400 tokens."""
+    recs = [lone(8192, 0, out=400), lone(4096, 100, t_ms=1.0, out=100)]
+    sim = Simulation(recs, SimConfig(
+        prefill=2, decode=1, decode_capacity_tokens=10_000, conductor=ConductorConfig(
+            policy="conductor", params={"cpp": {"enabled": False}},
+            holding={"enabled": enabled})))
+    return sim, sim.run()
+
+
+def test_a_request_without_decode_room_waits_for_it_and_is_served_within_the_slo() -> None:
+    sim, r = _holding_run(True)
+    a, b = sim.reqs
+    assert r["held"] == 1 and r["completed"] == 2 and r["rejected"] == 0
+    assert r["slo_attainment"] == 1.0
+    # B's prefill started only once A had decoded: its TTFT spans A's whole decode
+    a_done = a.t_first + (a.info.output_tokens - 1) * 0.001  # a lower bound: >= 1 ms a step
+    assert b.t_first > a_done and b.ttft == pytest.approx(b.t_first - b.info.arrival)
+    _, off = _holding_run(False)
+    assert off["held"] == 0 and off["completed"] == 1
+    assert off["reject_reasons"] == {"tbt-slo": 1}
+
+
+def test_a_hold_ends_in_a_rejection_when_no_room_comes_in_time() -> None:
+    recs = [lone(4096, 0, out=5000), lone(6144, 100, t_ms=1.0, out=100)]
+    r = simulate(recs, SimConfig(
+        prefill=2, decode=1, decode_capacity_tokens=10_000, conductor=ConductorConfig(
+            policy="conductor", params={"cpp": {"enabled": False}},
+            slo={"ttft_s": 5.0, "tbt_s": 0.1})))
+    assert r["held"] == 1 and r["completed"] == 1 and r["reject_reasons"] == {"tbt-slo": 1}
