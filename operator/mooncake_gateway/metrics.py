@@ -44,6 +44,10 @@ class GatewayMetrics:
         self.rejections = Counter(
             "mooncake_gateway_rejections", "Requests answered 429, by reason",
             ["model", "reason"], registry=r)
+        self.held = Counter(
+            "mooncake_gateway_held", "Requests refused for decode room that waited for it "
+            "(holding), by how the wait ended: placed, or rejected at its deadline",
+            ["model", "outcome"], registry=r)
         self.retries = Counter(
             "mooncake_gateway_retries", "Upstream attempts repeated elsewhere",
             ["model", "role"], registry=r)

@@ -132,6 +132,8 @@ class ModelRuntime:
         self.m = ModelMetrics(metrics, cfg.name)
         self.conductor = Conductor(cfg.conductor)
         self.cost = self.conductor.cost
+        #: set (and replaced) whenever a decode request ends: held requests wait on it
+        self._decode_room = asyncio.Event()
         self.hot_tokens = self._hot_tokens()
         self.conductor.hot = self.hot_tokens  # the tracker that also keeps tokens
         #: called when an instance joins (the gateway checks its health at once)
@@ -432,6 +434,8 @@ class ModelRuntime:
         self.cfg = cfg
         self.conductor = Conductor(cfg.conductor)
         self.cost = self.conductor.cost
+        #: set (and replaced) whenever a decode request ends: held requests wait on it
+        self._decode_room = asyncio.Event()
         if old.config.replication != cfg.conductor.replication:
             self.hot_tokens = self._hot_tokens()
         self.conductor.hot = self.hot_tokens
@@ -545,6 +549,18 @@ class ModelRuntime:
         d.context_tokens = max(0, d.context_tokens - req.input_tokens)
         d.reserved_tokens = max(0, d.reserved_tokens - req.output_tokens)
         inst.inflight -= 1
+        room, self._decode_room = self._decode_room, asyncio.Event()
+        room.set()  # every request held for room tries again, oldest first
+
+    async def wait_decode_room(self, timeout_s: float) -> bool:
+        """Wait until a decode request ends (then ``True``) or ``timeout_s`` wall seconds
+        pass (``False``)."""
+        room = self._decode_room
+        try:
+            await asyncio.wait_for(room.wait(), timeout=max(0.0, timeout_s))
+        except TimeoutError:
+            return False
+        return True
 
     def publish_gauges(self) -> None:
         """Copy the in-flight counts to their gauges (when ``/metrics`` is read, not on every

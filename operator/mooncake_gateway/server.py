@@ -531,6 +531,8 @@ class Gateway:
         req = rt.request_info(len(tokens), key_array, max_tokens)
         decision, record = self._decide(rt, req, tokens, explain, t0)
         if decision.rejected:
+            decision, record = await self._hold(rt, req, tokens, explain, decision, record)
+        if decision.rejected:
             reason = decision.reject_reason or "rejected"
             self.metrics.rejections.labels(cfg.name, reason).inc()
             raise ApiError(429, f"request rejected by the scheduler ({reason}); retry later",
@@ -581,9 +583,33 @@ class Gateway:
         finally:
             rt.conductor.finished(req, decision)
 
+    async def _hold(self, rt: ModelRuntime, req: RequestInfo, tokens: Tokens, explain: bool,
+                    decision: Decision, record: dict[str, Any]
+                    ) -> tuple[Decision, dict[str, Any]]:
+        """Holding (``mooncake_conductor.holding``): while the Conductor says a request
+        refused for decode room may wait, wait for a decode request to end and decide
+        again (admission counts the wait); the last decision when the hold ends."""
+        held = False
+        while decision.rejected:
+            now = rt.now()
+            until = rt.conductor.hold_until(req, decision, now)
+            if until is None:
+                break
+            held = True
+            if not await rt.wait_decode_room((until - now) * rt.time_scale):
+                break  # the deadline passed: the refusal stands
+            decision, record = self._decide(rt, req, tokens, explain, time.perf_counter(),
+                                            rt.now())
+        if held:
+            self.metrics.held.labels(rt.cfg.name,
+                                     "rejected" if decision.rejected else "placed").inc()
+        return decision, record
+
     def _decide(self, rt: ModelRuntime, req: RequestInfo, tokens: Tokens, explain: bool,
-                t0: float) -> tuple[Decision, dict[str, Any]]:
-        now = req.arrival
+                t0: float, now: float | None = None) -> tuple[Decision, dict[str, Any]]:
+        """The Conductor's decision for ``req`` at ``now`` (default: its arrival)."""
+        if now is None:
+            now = req.arrival
         rt.drain(now)
         hot = rt.hot_tokens
         hot.prompt = tokens  # a prefix that gets hot by this request keeps its tokens

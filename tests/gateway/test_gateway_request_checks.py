@@ -9,9 +9,10 @@ import json
 from typing import Any
 
 import pytest
+from aiohttp import web
 from mooncake_contract.tokenizer import VOCAB_SIZE
 
-from .scripted import MODEL, engines, model, prompt_ids, running_gateway
+from .scripted import MODEL, ScriptedEngine, engines, model, prompt_ids, running_gateway, until
 
 MAX_LEN = 256
 DEFAULT_MAX_TOKENS = 16
@@ -189,3 +190,58 @@ def test_a_body_over_the_limit_is_a_413_and_reaches_no_engine(stream: bool) -> N
             assert status == 200, raw
 
     asyncio.run(main())
+
+
+class _SmallDecode(ScriptedEngine):
+    """A decode engine whose ``/metrics`` says it has KV room for 2 blocks (32 tokens): one
+    request of 20 prompt + 4 output tokens at a time."""
+
+    async def _metrics(self, _r: web.Request) -> web.Response:
+        return web.Response(text='vllm:cache_config_info{block_size="16",num_gpu_blocks="2"} 1',
+                            content_type="text/plain")
+
+
+@pytest.mark.parametrize("holding", [True, False], ids=["holding", "no-holding"])
+def test_a_request_refused_for_decode_room_waits_for_it_with_holding(holding: bool) -> None:
+    """The first request decodes (its answer held back); the second finds no decode room.
+    With holding it waits, reaches no engine, and is served once the first ends; without,
+    it is a 429 ``tbt_slo`` at once."""
+    async def main() -> None:
+        d0 = await _SmallDecode("d0").start()
+        d0.hold = asyncio.Event()
+        conductor: dict[str, Any] = {"policy": "conductor",
+                                     "holding": {"enabled": holding}}
+        try:
+            async with engines("p0") as (p0,), running_gateway(
+                    [model([p0], [d0], conductor=conductor)], metrics_interval_s=0.05) as gw:
+                async def scraped() -> bool:
+                    st = await gw.state()
+                    return bool(st["decode"][0]["engine"].get("num_gpu_blocks") == 2)
+                await until(scraped)
+                first = asyncio.ensure_future(gw.post(CMPL, _c()))
+                await until(lambda: _asyncly(bool(d0.calls)))
+                second = asyncio.ensure_future(gw.post(CMPL, _c(prompt=prompt_ids(21))))
+                if not holding:
+                    status, _h, raw = await second
+                    assert status == 429, raw
+                    assert json.loads(raw)["error"]["code"] == "tbt_slo"
+                else:
+                    await asyncio.sleep(0.3)
+                    assert not second.done()
+                    assert len(p0.calls) + len(d0.calls) == 2  # the first's, nothing more
+                d0.hold.set()
+                assert (await first)[0] == 200
+                if holding:
+                    status, _h, raw = await second
+                    assert status == 200, raw
+                    metrics = await gw.text("/metrics")
+                    assert (f'mooncake_gateway_held_total{{model="{MODEL}",outcome="placed"}}'
+                            ' 1.0') in metrics
+        finally:
+            await d0.stop()
+
+    asyncio.run(main())
+
+
+async def _asyncly(value: bool) -> bool:
+    return value
