@@ -295,6 +295,8 @@ def gateway_model(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
         conductor["admission"] = cond.admission
     if cond.shedding is not None:
         conductor["shedding"] = {"enabled": cond.shedding}
+    if cond.holding is not None:
+        conductor["holding"] = {"enabled": cond.holding}
     return {
         "name": spec.model.served,
         "block_size": spec.model.block_size,

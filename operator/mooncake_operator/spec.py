@@ -401,6 +401,10 @@ class ConductorSpec(_Model):
         "With admission on, under overload reject (HTTP 429, overload) the requests that "
         "cost more GPU time than the average one first; default: the policy's own "
         "(conductor: on)."))
+    holding: bool | None = Field(None, description=(
+        "With admission on, a request refused only for decode room waits for room while "
+        "it can still meet the TTFT objective, instead of an immediate HTTP 429; default: "
+        "the policy's own (conductor with the tbt-lookahead decode selector: on)."))
     slo: SLOSpec = Field(default_factory=SLOSpec, description="TTFT and TBT objectives.")
     hot_prefixes: HotPrefixSpec = Field(default_factory=HotPrefixSpec, description=(
         "Hot-prefix replication."))

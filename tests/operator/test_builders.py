@@ -203,6 +203,20 @@ def test_shedding_reaches_the_gateway_and_the_controller(shedding: bool | None) 
     assert conductor_config(spec).shedding.enabled is shedding
 
 
+@pytest.mark.parametrize("holding", [None, True, False])
+def test_holding_reaches_the_gateway_and_the_controller(holding: bool | None) -> None:
+    from mooncake_gateway.settings import ModelSettings
+    from mooncake_operator.reconcile import conductor_config
+
+    ref, spec = example("simulated")
+    spec = spec.model_copy(update={"conductor": spec.conductor.model_copy(
+        update={"holding": holding})})
+    cm = builders.gateway_configmap(ref, spec)
+    model = ModelSettings.model_validate(yaml.safe_load(cm["data"][c.GATEWAY_MODEL_KEY]))
+    assert model.conductor.holding.enabled is holding
+    assert conductor_config(spec).holding.enabled is holding
+
+
 def test_spec_hash_changes_only_with_content() -> None:
     ref, spec = example("simulated")
     a = builders.gateway_configmap(ref, spec)
