@@ -24,7 +24,8 @@ Sections (each can be skipped with ``--skip``):
   replication on against off, p90/p99 TTFT.
 - ``long``: prompts of at least 64k tokens on the conversation trace, CPP on against off.
 - ``decode``: a decode-bound workload (``long-output``: long answers, 4 decode
-  instances), conductor's look-ahead decode selector against ``tbt-slo`` and the others.
+  instances), conductor's look-ahead decode selector against ``tbt-slo`` and the others,
+  and conductor without holding (requests refused for decode room rejected at once).
 - ``ablation``: conductor on the conversation trace with one part turned off at a time.
 - ``speed``: wall time of one whole-trace replay in a fresh process, start-up included.
 
@@ -320,8 +321,11 @@ def decode_bound(args: argparse.Namespace) -> dict[str, Any]:
     variants: list[Variant] = [(p, p, {"decode": DECODE_POOL}) for p in DECODE_POLICIES]
     variants.append(("conductor, tbt-slo decode", "conductor",
                      {"decode": DECODE_POOL, "conductor_decode_selector": "tbt-slo"}))
+    variants.append(("conductor, no holding", "conductor",
+                     {"decode": DECODE_POOL, "conductor_holding": {"enabled": False}}))
     res = sweep(args, "decode-bound", recs, variants)
-    keep = ("ttft_mean_charged_s", "slo_attainment", "tbt_p90_ms", "tbt_p99_ms", "rejected")
+    keep = ("ttft_mean_charged_s", "ttft_mean_s", "slo_attainment", "tbt_p90_ms",
+            "tbt_p99_ms", "rejected", "held")
     return {"workload": "synth-long-output", "requests": len(recs), "decode": DECODE_POOL,
             "runs": {k: {x: r[x] for x in keep} for k, r in res.items()}}
 
@@ -478,9 +482,11 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += [f"## Decode-bound: long answers on {dc['decode']} decode instances "
                   f"({dc['workload']}, {dc['requests']} requests)", ""]
         lines += _table(
-            ["load, policy", "charged TTFT s", "SLO", "TBT p90 ms", "TBT p99 ms", "rejected"],
-            [[_at_load(k), f"{r['ttft_mean_charged_s']:.2f}", _pct(r["slo_attainment"]),
-              f"{r['tbt_p90_ms']:.0f}", f"{r['tbt_p99_ms']:.0f}", str(r["rejected"])]
+            ["load, policy", "charged TTFT s", "served TTFT s", "SLO", "TBT p90 ms",
+             "TBT p99 ms", "rejected", "held"],
+            [[_at_load(k), f"{r['ttft_mean_charged_s']:.2f}", f"{r['ttft_mean_s']:.2f}",
+              _pct(r["slo_attainment"]), f"{r['tbt_p90_ms']:.0f}", f"{r['tbt_p99_ms']:.0f}",
+              str(r["rejected"]), str(r["held"])]
              for k, r in dc["runs"].items()])
     ab = doc.get("ablation")
     if ab:
