@@ -189,32 +189,22 @@ def test_gateway_view_is_a_valid_gateway_model() -> None:
     assert model.time_scale == 0.5  # the Conductor's clock at the simulated engines' pace
 
 
-@pytest.mark.parametrize("shedding", [None, True, False])
-def test_shedding_reaches_the_gateway_and_the_controller(shedding: bool | None) -> None:
+@pytest.mark.parametrize("value", [None, True, False])
+@pytest.mark.parametrize("field", ["shedding", "holding"])
+def test_conductor_switches_reach_the_gateway_and_the_controller(
+        field: str, value: bool | None) -> None:
+    """spec.conductor.shedding / .holding: unset keeps the policy's own (None), else the
+    value, in the gateway's model document and in the controller's Conductor."""
     from mooncake_gateway.settings import ModelSettings
     from mooncake_operator.reconcile import conductor_config
 
     ref, spec = example("simulated")
     spec = spec.model_copy(update={"conductor": spec.conductor.model_copy(
-        update={"shedding": shedding})})
+        update={field: value})})
     cm = builders.gateway_configmap(ref, spec)
     model = ModelSettings.model_validate(yaml.safe_load(cm["data"][c.GATEWAY_MODEL_KEY]))
-    assert model.conductor.shedding.enabled is shedding
-    assert conductor_config(spec).shedding.enabled is shedding
-
-
-@pytest.mark.parametrize("holding", [None, True, False])
-def test_holding_reaches_the_gateway_and_the_controller(holding: bool | None) -> None:
-    from mooncake_gateway.settings import ModelSettings
-    from mooncake_operator.reconcile import conductor_config
-
-    ref, spec = example("simulated")
-    spec = spec.model_copy(update={"conductor": spec.conductor.model_copy(
-        update={"holding": holding})})
-    cm = builders.gateway_configmap(ref, spec)
-    model = ModelSettings.model_validate(yaml.safe_load(cm["data"][c.GATEWAY_MODEL_KEY]))
-    assert model.conductor.holding.enabled is holding
-    assert conductor_config(spec).holding.enabled is holding
+    assert getattr(model.conductor, field).enabled is value
+    assert getattr(conductor_config(spec), field).enabled is value
 
 
 def test_spec_hash_changes_only_with_content() -> None:
