@@ -49,13 +49,13 @@ class StealingConfig(BaseModel):
     min_gain_s: float = Field(
         0.02, ge=0, description="the stolen prompt's predicted TTFT must drop by at least "
         "this many seconds")
+    min_gain_share: float = Field(
+        0.05, ge=0, le=1, description="... and by at least this share of its TTFT where it "
+        "waits (prediction noise must not move prompts back and forth)")
     max_extra_share: float = Field(
         0.05, ge=0, description="the moved prompt's prefill may take at most this share "
         "longer than its work where it waits (a prefix recomputed instead of reused is GPU "
         "time the next prompts lose)")
-    min_gain_share: float = Field(
-        0.05, ge=0, le=1, description="... and by at least this share of its TTFT where it "
-        "waits (prediction noise must not move prompts back and forth)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ class WorkStealing:
     ) -> Steal | None:
         """The best prompt for ``idle`` to take now, or ``None``. ``request_of`` maps a
         queued request id to its request; ``movable(rid)`` says whether the caller can
-        move it (not a pipeline group's, not fetching)."""
+        move it (e.g. not a pipeline group's)."""
         cfg = self.config
         cost = self.cost
         best: Steal | None = None

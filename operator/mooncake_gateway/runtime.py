@@ -434,8 +434,6 @@ class ModelRuntime:
         self.cfg = cfg
         self.conductor = Conductor(cfg.conductor)
         self.cost = self.conductor.cost
-        #: set (and replaced) whenever a decode request ends: held requests wait on it
-        self._decode_room = asyncio.Event()
         if old.config.replication != cfg.conductor.replication:
             self.hot_tokens = self._hot_tokens()
         self.conductor.hot = self.hot_tokens
