@@ -109,6 +109,11 @@ class Decision:
         return self.placement.reject_reason or self.decode.reject_reason
 
 
+def _own(setting: bool | None, policy_default: bool) -> bool:
+    """A switch of the configuration: as set, or (``None``) the policy's own default."""
+    return policy_default if setting is None else setting
+
+
 class Conductor:
     def __init__(self, config: ConductorConfig | None = None, cost: CostModel | None = None):
         self.config = config or ConductorConfig()
@@ -122,29 +127,20 @@ class Conductor:
         self.decode_selector = create_decode_selector(
             decode_name, self.cost, self.config.slo.tbt_s, self.rng
         )
-        self.admission = not only and (
-            self.policy.admission if self.config.admission is None else self.config.admission
-        )
-        sheds = self.policy.sheds if self.config.shedding.enabled is None else (
-            self.config.shedding.enabled)
-        self.shedding = (OverloadShedding(self.config.shedding, self.config.slo.ttft_s)
-                         if self.admission and sheds else None)
-        steals = self.policy.steals if self.config.stealing.enabled is None else (
-            self.config.stealing.enabled)
-        self.stealing = (WorkStealing(self.config.stealing, self.cost)
-                         if steals and not only else None)
+        cfg, policy = self.config, self.policy
+        self.admission = not only and _own(cfg.admission, policy.admission)
+        self.shedding = (OverloadShedding(cfg.shedding, cfg.slo.ttft_s)
+                         if self.admission and _own(cfg.shedding.enabled, policy.sheds)
+                         else None)
+        self.stealing = (WorkStealing(cfg.stealing, self.cost)
+                         if not only and _own(cfg.stealing.enabled, policy.steals) else None)
         # by default only with a decode selector that counts placed requests: held requests
         # released together would all see the same free room and pile onto it
-        holds = (self.policy.holds and self.decode_selector.counts_placed
-                 if self.config.holding.enabled is None else self.config.holding.enabled)
-        self.holding = self.admission and holds
-        self.replicate = not only and (
-            self.policy.replication if self.config.replicate is None else self.config.replicate
-        )
-        self.hot = HotPrefixTracker(self.config.replication)
-        self.calibrate = (
-            self.policy.calibrates if self.config.calibrate is None else self.config.calibrate
-        )
+        self.holding = self.admission and _own(
+            cfg.holding.enabled, policy.holds and self.decode_selector.counts_placed)
+        self.replicate = not only and _own(cfg.replicate, policy.replication)
+        self.hot = HotPrefixTracker(cfg.replication)
+        self.calibrate = _own(cfg.calibrate, policy.calibrates)
         self._log_scale = math.log(self.config.calibration.initial_scale)
         if self._log_scale:
             self.cost.set_prefill_scale(self.config.calibration.initial_scale)

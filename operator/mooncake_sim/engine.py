@@ -357,18 +357,17 @@ class Simulation:
         req.decision = decision
         if decision.rejected:
             until = self.conductor.hold_until(req.info, decision, now)
-            if until is not None:
+            if until is not None:  # held, or still held
                 if not held:
                     self._holding[rid] = until
                     self.held += 1
                     self._push(until, HOLD_END, rid)
                 return False
-            if held:
-                del self._holding[rid]
+        if held:
+            del self._holding[rid]  # placed now, or rejected outright
+        if decision.rejected:
             self._reject(decision)
             return False
-        if held:
-            del self._holding[rid]
         pl = decision.placement
         assert pl.prefill is not None
         req.placed_at = now
@@ -401,8 +400,7 @@ class Simulation:
                 return
 
     def _start_next(self, inst: PrefillState, now: float) -> None:
-        if not inst.queue and not (self.conductor.stealing is not None
-                                   and self._steal(inst, now)):
+        if not inst.queue and not self._steal(inst, now):
             self._running_rid[inst.iid] = -1
             inst.running_blocks = inst.running_tokens = 0
             return
