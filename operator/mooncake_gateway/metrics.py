@@ -48,6 +48,9 @@ class GatewayMetrics:
             "mooncake_gateway_held", "Requests refused for decode room that waited for it "
             "(holding), by how the wait ended: placed, or rejected at its deadline",
             ["model", "outcome"], registry=r)
+        self.steals = Counter(
+            "mooncake_gateway_steals", "Prefills held in the gateway that an instance gone "
+            "idle took from another's queue (work stealing)", ["model"], registry=r)
         self.retries = Counter(
             "mooncake_gateway_retries", "Upstream attempts repeated elsewhere",
             ["model", "role"], registry=r)
@@ -90,6 +93,7 @@ class ModelMetrics:
         self.engine_cached_tokens = m.engine_cached_tokens.labels(model)
         self.engine_prompt_tokens = m.engine_prompt_tokens.labels(model)
         self.events = m.events.labels(model)
+        self.steals = m.steals.labels(model)
         self.retries_prefill = m.retries.labels(model, "prefill")
         self.retries_decode = m.retries.labels(model, "decode")
 

@@ -14,6 +14,13 @@ more than one engine revision, a prefill instance is routable only when a decode
 instance of its revision is, and the Conductor pairs prefill and decode by revision
 (the core's instance groups).
 
+Late binding (with the Conductor's work stealing on): the gateway sends each prefill
+engine at most ``prefill_dispatch_depth`` prefills at a time and holds the rest of that
+instance's queue itself, in the Conductor's queue order. An instance whose engine answers
+with nothing left here may take a prompt held for another instance
+(:mod:`mooncake_conductor.stealing`): the queues, the pending prefixes and the policy's
+books move with it, and the held request is sent to its new instance.
+
 Load = this gateway's own in-flight accounting (prefill queue / decode batch updated on
 dispatch and completion) plus what the engines' ``/metrics`` say (waiting requests,
 KV capacity, prefix-cache hits). Prefill work drains at one modelled second per
@@ -27,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from bisect import insort
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +46,7 @@ from mooncake_conductor.blockkeys import namespace_seed
 from mooncake_conductor.engine import Conductor
 from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.keytable import SLOTS, KeyMaskTable
+from mooncake_conductor.policies.base import Placement
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
 from prometheus_client import Gauge
 
@@ -57,6 +66,9 @@ EWMA_ALPHA = 0.2
 #: bounds of an instance's measured slowdown (actual / predicted prefill seconds)
 SLOWDOWN_MIN = 0.1
 SLOWDOWN_MAX = 100.0
+#: wall seconds between a held prefill's own checks of its turn (a safety net: turns are
+#: handed out when an engine answers, or when a steal moves the prefill)
+TURN_RECHECK_S = 1.0
 
 
 @dataclass(slots=True)
@@ -71,6 +83,27 @@ class EngineStats:
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     scraped_at: float = 0.0
+
+
+@dataclass(slots=True, eq=False)
+class QueuedPrefill:
+    """A prefill this gateway placed and has not seen answered: on which instance it is
+    queued now (a steal moves it), with which placement, and whether it was sent."""
+
+    req: RequestInfo
+    iid: int
+    placement: Placement | None
+    priority: float
+    seq: int
+    held: bool = False  # queued in the gateway (late binding) until its turn
+    sent: bool = False
+    turn: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def key(self) -> tuple[float, int, int]:
+        """Its place in its instance's queue order (the Conductor's: priority, then
+        arrival at the queue)."""
+        return (self.priority, self.seq, self.req.rid)
 
 
 @dataclass(slots=True)
@@ -163,6 +196,13 @@ class ModelRuntime:
         # per prefill instance: EWMA of actual and of predicted seconds (dispatch → answer)
         self._actual_s: dict[int, float] = {}
         self._predicted_s: dict[int, float] = {}
+        # late binding: every placed, unanswered prefill by request id; per instance the
+        # ones held here (queue order) and the count sent to its engine
+        self._prefills: dict[int, QueuedPrefill] = {}
+        self._held: dict[int, list[tuple[float, int, int]]] = {}
+        self._sent: dict[int, int] = {}
+        self._prefill_seq = 0
+        self.steals = 0
 
     # -- clock -----------------------------------------------------------------------------
     def now(self) -> float:
@@ -502,18 +542,128 @@ class ModelRuntime:
             key_array=keys,
         )
 
+    @property
+    def late_binding(self) -> bool:
+        """Whether prefills wait in the gateway for their turn (work stealing on and a
+        dispatch depth set)."""
+        return self.gw.prefill_dispatch_depth > 0 and self.conductor.stealing is not None
+
     def prefill_started(self, inst: Instance, req: RequestInfo, work_s: float,
-                        priority: float) -> None:
+                        priority: float, placement: Placement | None = None) -> None:
+        """Queue ``req``'s prefill on ``inst`` (sent at once, or when
+        :meth:`prefill_turn` says so)."""
         p = self.cluster.prefill[inst.iid]
         p.enqueue(req.rid, priority, work_s, len(req.keys), req.input_tokens)
         self.index.add_pending(inst.iid, req.keys)
         self.index.sync()
         inst.inflight += 1
+        self._prefill_seq += 1
+        q = QueuedPrefill(req, inst.iid, placement, priority, self._prefill_seq,
+                          held=self.late_binding)
+        self._prefills[req.rid] = q
+        if q.held:
+            insort(self._held.setdefault(inst.iid, []), q.key)
+
+    async def prefill_turn(self, req: RequestInfo) -> QueuedPrefill:
+        """Wait until ``req``'s prefill may be sent (at once without late binding): it is
+        first in its instance's queue order here and the engine has fewer than
+        ``prefill_dispatch_depth`` of ours. Its instance and placement may have changed
+        meanwhile (a steal). An instance that is not routable any more sends at once: the
+        call fails over as any other."""
+        q = self._prefills[req.rid]
+        if q.sent:
+            return q
+        if q.held:
+            while not self._may_send(q):
+                q.turn.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(q.turn.wait(), TURN_RECHECK_S)
+            self._held[q.iid].remove(q.key)
+            q.held = False
+        q.sent = True
+        self._sent[q.iid] = self._sent.get(q.iid, 0) + 1
+        self._hand_turn(q.iid)  # a depth above 1 may let the next one go too
+        return q
+
+    def _may_send(self, q: QueuedPrefill) -> bool:
+        if not self.prefill[q.iid].routable or not self.late_binding:
+            return True
+        if self._sent.get(q.iid, 0) >= self.gw.prefill_dispatch_depth:
+            return False
+        held = self._held.get(q.iid)
+        return not held or held[0] == q.key
+
+    def _hand_turn(self, iid: int) -> None:
+        """A slot of ``iid``'s engine may be free: wake its first held prefill, or, when it
+        has nothing queued at all, let it steal one held for another instance."""
+        if not self.late_binding or self._sent.get(iid, 0) >= self.gw.prefill_dispatch_depth:
+            return
+        held = self._held.get(iid)
+        if held:
+            self._prefills[held[0][2]].turn.set()
+        elif not self._sent.get(iid, 0):
+            self._steal_for(iid)
+
+    def _steal_for(self, iid: int) -> None:
+        """Instance ``iid`` went idle: move the held prefill the Conductor picks to it."""
+        inst = self.prefill[iid]
+        if not inst.routable:
+            return
+        now = self.now()
+        self.drain(now)
+        idle = self.cluster.prefill[iid]
+
+        def movable(rid: int) -> bool:
+            # the prefill's engine revision stays that of its decode instance (P/D pairs
+            # within a group while a rollout runs several)
+            q = self._prefills.get(rid)
+            return (q is not None and q.held and q.placement is not None
+                    and not q.placement.cpp_group
+                    and self.cluster.prefill[q.iid].group == idle.group)
+
+        steal = self.conductor.steal(idle, self.cluster, self._request_of, now, movable)
+        if steal is None:
+            return
+        q = self._prefills[steal.rid]
+        victim = q.iid
+        self._held[victim].remove(q.key)
+        item = self.cluster.prefill[victim].pop(steal.rid)
+        pl = steal.placement
+        idle.enqueue(steal.rid, item.priority, pl.prefill_s + pl.transfer_s, item.blocks,
+                     item.tokens)
+        self.index.remove_pending(victim, q.req.keys)
+        self.index.add_pending(iid, q.req.keys)
+        self.index.sync()
+        self.prefill[victim].inflight -= 1
+        inst.inflight += 1
+        if q.placement is not None:
+            self.conductor.moved(q.req, q.placement, pl, self.cluster)
+        q.iid, q.placement = iid, pl
+        insort(self._held.setdefault(iid, []), q.key)
+        self.steals += 1
+        self.m.steals.inc()
+        log.debug("%s: prefill %d moved from %s to %s (predicted gain %.3f s)", self.cfg.name,
+                  steal.rid, self.prefill[victim].name, inst.name, steal.gain_s)
+        q.turn.set()
+
+    def _request_of(self, rid: int) -> RequestInfo:
+        return self._prefills[rid].req
 
     def prefill_done(self, inst: Instance, req: RequestInfo, elapsed_s: float,
                      predicted_s: float | None = None) -> None:
-        """Retire a prefill; ``elapsed_s`` modelled seconds from dispatch to answer,
-        ``predicted_s`` what the placement predicted for that (``None``: failed call)."""
+        """Retire a prefill (answered, failed, or abandoned before it was sent); ``elapsed_s``
+        modelled seconds from placement to answer, ``predicted_s`` what the placement
+        predicted for that (``None``: no answer). ``inst`` is where it was placed; where a
+        steal moved it is known here."""
+        q = self._prefills.pop(req.rid, None)
+        sent = True
+        if q is not None:
+            inst = self.prefill[q.iid]
+            sent = q.sent
+            if sent:
+                self._sent[q.iid] -= 1
+            elif q.held:
+                self._held[q.iid].remove(q.key)
         p = self.cluster.prefill[inst.iid]
         if predicted_s is not None and predicted_s > 0:
             iid = inst.iid
@@ -528,11 +678,13 @@ class ModelRuntime:
         self.index.remove_pending(inst.iid, req.keys)
         self.index.sync()
         inst.inflight -= 1
-        p.completed += 1
-        p.avg_prefill_s = (
-            elapsed_s if p.completed == 1
-            else (1 - EWMA_ALPHA) * p.avg_prefill_s + EWMA_ALPHA * elapsed_s
-        )
+        if sent:  # one abandoned while held here never reached the engine
+            p.completed += 1
+            p.avg_prefill_s = (
+                elapsed_s if p.completed == 1
+                else (1 - EWMA_ALPHA) * p.avg_prefill_s + EWMA_ALPHA * elapsed_s
+            )
+        self._hand_turn(inst.iid)
 
     def decode_started(self, inst: Instance, req: RequestInfo) -> None:
         d = self.cluster.decode[inst.iid]

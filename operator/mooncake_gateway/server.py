@@ -685,10 +685,22 @@ class Gateway:
             inst = rt.prefill[pl.prefill]
             tried.add(inst.iid)
             prio = pl.priority if pl.priority is not None else req.arrival
-            rt.prefill_started(inst, req, pl.prefill_s + pl.transfer_s, prio)
+            # only the decision's own placement is in the policy's books, so only it can
+            # move (a retry's stays where it is sent)
+            rt.prefill_started(inst, req, pl.prefill_s + pl.transfer_s, prio,
+                               pl if attempt == 0 else None)
             started = time.perf_counter()
             status = 0
             try:
+                queued = await rt.prefill_turn(req)  # late binding: its turn, maybe elsewhere
+                if queued.iid != inst.iid and queued.placement is not None:
+                    record["attempts"].append({"prefill": inst.name, "stolen_by":
+                                               rt.prefill[queued.iid].name})
+                    inst, pl = rt.prefill[queued.iid], queued.placement
+                    tried.add(inst.iid)
+                    decision.placement = pl  # the policy's books moved with it
+                    record["prefill"] = inst.name
+                    started = time.perf_counter()  # predicted from the move on
                 status, resp = await self._post_json(inst, path, body)
             except UpstreamError as exc:
                 last = f"{inst.name}: {exc}"

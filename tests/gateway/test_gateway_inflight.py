@@ -23,9 +23,12 @@ def _view(st: dict[str, Any]) -> list[tuple[int, int, int]]:
 
 
 def test_in_flight_prefills_and_pending_prefixes_show_per_instance_until_answered() -> None:
+    """Every prefill sent at once (``prefill_dispatch_depth`` 0: no late binding, so the
+    engines hold all of them; tests/gateway/test_gateway_late_binding.py holds them in
+    the gateway)."""
     async def main() -> None:
         async with engines("p0", "p1", "d0") as (p0, p1, d0), \
-                running_gateway([model([p0, p1], [d0])]) as gw:
+                running_gateway([model([p0, p1], [d0])], prefill_dispatch_depth=0) as gw:
             p0.hold, p1.hold, d0.hold = asyncio.Event(), asyncio.Event(), asyncio.Event()
             bodies = [{"model": MODEL, "prompt": prompt_ids(PROMPT_TOKENS, first=i + 1),
                        "max_tokens": 3} for i in range(REQUESTS)]
