@@ -49,6 +49,27 @@ def test_prefill_and_decode_time_follow_the_cost_model() -> None:
     assert want2 * 0.95 <= with_decode <= want2 * 2 + 0.25
 
 
+@pytest.mark.parametrize("sigma", [0.0, 0.5])
+def test_prefill_noise_scales_each_request_by_its_own_seeded_factor(sigma: float) -> None:
+    """A step's prefill seconds are the cost model's times the request's log-normal factor,
+    drawn from the seeded stream in admission order (sigma 0: the model exactly)."""
+    async def main() -> list[float]:
+        e = engine(time_scale=0, prefill_noise=sigma, noise_seed=7)
+        out = []
+        for i in range(3):
+            e.submit(list(range(1000 * (i + 1), 1000 * (i + 1) + 2000)), 1)
+            out.append(e.step_plan())
+            e.running.clear()
+        return out
+
+    steps = asyncio.run(main())
+    draws = random.Random(7)
+    for got in steps:
+        factor = draws.lognormvariate(0.0, sigma) if sigma else 1.0
+        assert got == pytest.approx(factor * COST.prefill_time(2000))
+    assert (len(set(steps)) == 3) == bool(sigma)
+
+
 def test_continuous_batching_runs_sequences_together() -> None:
     scale = 1.0
 

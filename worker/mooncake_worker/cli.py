@@ -48,6 +48,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-tokens", type=int, default=None,
                    help="KV cache capacity in tokens (default: from the cost model)")
     p.add_argument("--chunked-prefill-tokens", type=int, default=0)
+    p.add_argument("--prefill-noise", type=float, default=d["prefill_noise"].default,
+                   help="sigma of a per-request log-normal factor on prefill time (0: exactly "
+                   "the cost model; the scheduler's predictions are then perfect)")
+    p.add_argument("--noise-seed", type=int, default=d["noise_seed"].default)
     p.add_argument("--max-running", type=int, default=d["max_running"].default)
     p.add_argument("--max-waiting", type=int, default=d["max_waiting"].default)
     p.add_argument("--max-model-len", type=int, default=d["max_model_len"].default)

@@ -3,8 +3,10 @@
 One asyncio task (:meth:`Engine.run`) steps every running sequence. A step's modelled
 duration is the cost model's prefill time of the prompt tokens computed in it plus one
 decode step of the sequences already past prefill, times ``time_scale`` (0: no sleep,
-only a yield to the event loop). Steps are paced against a deadline so that loop
-overhead does not add up.
+only a yield to the event loop). With ``prefill_noise`` sigma > 0 each request's prefill
+time is the model's times its own log-normal factor (median 1), so that the model the
+gateway predicts with is wrong per request, as a real engine's is. Steps are paced
+against a deadline so that loop overhead does not add up.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -58,6 +61,8 @@ class EngineSeq:
     cached_tokens: int = 0
     state: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    #: this request's prefill takes ``noise`` times the cost model's time
+    noise: float = 1.0
     first_token_at: float | None = None
     last_token_at: float = 0.0
     finish_reason: str | None = None
@@ -97,6 +102,7 @@ class Engine:
         self._deadline = 0.0
         self.steps = 0
         self.busy_model_s = 0.0
+        self._noise = random.Random(settings.noise_seed)
 
     # -- public API -----------------------------------------------------------------------
     def keys_of(self, tokens: Sequence[int]) -> list[int]:
@@ -230,6 +236,8 @@ class Engine:
             seq.cached_tokens = min(m * bs, n - 1) if n else 0
             seq.computed = seq.cached_tokens
             seq.tokens = list(seq.prompt)
+            if self.settings.prefill_noise:
+                seq.noise = self._noise.lognormvariate(0.0, self.settings.prefill_noise)
             self.observer.on_prefix_query(n, seq.cached_tokens)
             self.running.append(seq)
 
@@ -267,7 +275,8 @@ class Engine:
                     continue
                 chunk = min(n - seq.computed, budget)
                 budget -= chunk
-                seconds += cost.prefill_time(seq.computed + chunk, seq.computed, seq.computed)
+                seconds += seq.noise * cost.prefill_time(seq.computed + chunk, seq.computed,
+                                                         seq.computed)
                 seq.computed += chunk
                 self._grow_to(seq, seq.computed)
             else:

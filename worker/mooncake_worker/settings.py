@@ -51,6 +51,12 @@ class WorkerSettings(BaseModel):
         0, ge=0, description="prefill tokens per engine step at most (0: whole prompt at once)"
     )
     cost: CostModelConfig = CostModelConfig()
+    prefill_noise: float = Field(
+        0.0, ge=0, le=2, description="sigma of a per-request log-normal factor on prefill "
+        "time (median 1): real prefills stray from any cost model (kernels, interference, "
+        "runtime variance), so a scheduler's predictions are wrong by about this much; "
+        "0: exactly the cost model")
+    noise_seed: int = Field(0, description="seed of the prefill-noise draws")
     lora_name: str = Field("", description="LoRA name folded into the block-key namespace")
     cache_salt: str = Field("", description="salt folded into the block-key namespace")
 
