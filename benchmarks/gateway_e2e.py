@@ -126,20 +126,22 @@ def main() -> int:
                     res["policy"] = spec
                     res["run"] = run_no
                     runs.append(res)
-    keys = ("completed", "rejected", "failed", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s",
-            "ttft_p99_s", "tbt_p90_ms", "slo_attainment", "token_hit_ratio",
-            "token_hit_ratio_predicted", "worker_hit_ratio", "wall_seconds")
+    keys = ("completed", "rejected", "failed", "ttft_mean_s", "ttft_mean_charged_s",
+            "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "tbt_p90_ms", "slo_attainment",
+            "token_hit_ratio", "token_hit_ratio_predicted", "worker_hit_ratio", "steals",
+            "wall_seconds")
     print("policy        " + " ".join(f"{k[:12]:>12}" for k in keys))
     for r in runs:
         print(f"{r['policy']:<13} " + " ".join(
-            f"{r[k]:>12.3f}" if isinstance(r[k], float) else f"{r[k]!s:>12}" for k in keys))
+            f"{r.get(k):>12.3f}" if isinstance(r.get(k), float) else f"{r.get(k)!s:>12}"
+            for k in keys))
     means = {}
     if a.repeats > 1:
         print("means over the repeats")
         for spec in a.policies.split(","):
             mine = [r for r in runs if r["policy"] == spec]
             means[spec] = {k: sum(r[k] for r in mine) / len(mine) for k in keys
-                           if all(isinstance(r[k], int | float) for r in mine)}
+                           if all(isinstance(r.get(k), int | float) for r in mine)}
             print(f"{spec:<13} " + " ".join(f"{means[spec].get(k, float('nan')):>12.3f}"
                                             for k in keys))
     if a.json_out:

@@ -176,10 +176,10 @@ class GatewaySettings(BaseSettings):
     prefill_attempts: int = Field(3, gt=0, description="prefill tries on distinct instances")
     retry_after_s: int = Field(1, ge=0, description="Retry-After seconds with a 429")
     prefill_dispatch_depth: int = Field(
-        1, ge=0, description="with work stealing on (the Conductor's stealing; on for "
-        "conductor), prefills sent to one prefill engine at a time; the rest of its queue "
-        "waits in the gateway, where an instance that goes idle can take it (0: send every "
-        "prefill at once, nothing is stolen)",
+        0, ge=0, description="late binding: with work stealing on (the Conductor's "
+        "stealing; on for conductor), prefills sent to one prefill engine at a time, the "
+        "rest of its queue waiting in the gateway, where an instance that goes idle can "
+        "take it (e.g. 1); 0, the default: every prefill is sent at once, nothing is stolen",
     )
     max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body")
     decisions_kept: int = Field(1000, gt=0, description="recent decisions kept for inspection")

@@ -1,5 +1,5 @@
-"""Late binding in the gateway (``prefill_dispatch_depth``, with the Conductor's work
-stealing on): a prefill engine gets one prefill of ours at a time, the rest wait in the
+"""Late binding in the gateway (``prefill_dispatch_depth`` 1, opt-in, with the
+Conductor's work stealing on): a prefill engine gets one prefill of ours at a time, the rest wait in the
 gateway in queue order, and an instance whose engine answers with nothing left here takes
 a prompt held for another (:mod:`mooncake_conductor.stealing`). First the runtime's own
 bookkeeping, driven directly; then over real HTTP with scripted engines."""
@@ -27,7 +27,8 @@ LONG = 16_384
 
 def _runtime(stealing: bool = True, prefill: int = 2, **gw: Any) -> ModelRuntime:
     cfg = ModelSettings(name="m", conductor={"stealing": {"enabled": stealing}})
-    rt = ModelRuntime(cfg, GatewaySettings(**gw), GatewayMetrics())
+    rt = ModelRuntime(cfg, GatewaySettings(**{"prefill_dispatch_depth": 1, **gw}),
+                      GatewayMetrics())
     rt.set_endpoints(Role.PREFILL, [Endpoint(url=f"http://{HOST}:{1 + i}")
                                     for i in range(prefill)])
     rt.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
@@ -54,6 +55,13 @@ def _place(rt: ModelRuntime, iid: int, req: RequestInfo, priority: float | None 
 
 def _queued(rt: ModelRuntime) -> list[list[int]]:
     return [sorted(q.rid for q in p.queue) for p in rt.cluster.prefill]
+
+
+def test_late_binding_is_off_by_default_and_needs_a_stealing_policy() -> None:
+    assert not _runtime(prefill_dispatch_depth=0).late_binding  # the default
+    assert GatewaySettings().prefill_dispatch_depth == 0
+    assert not _runtime(stealing=False).late_binding
+    assert _runtime().late_binding
 
 
 def test_held_prefills_go_out_one_at_a_time_in_queue_order() -> None:
@@ -210,7 +218,7 @@ def test_over_http_the_engine_that_answers_first_serves_the_held_request(
     async def main() -> None:
         conductor = {"policy": "conductor", "stealing": {"enabled": stealing}}
         async with engines("p0", "p1", "d0") as (p0, p1, d0), running_gateway(
-                [model([p0, p1], [d0], conductor=conductor)]) as gw:
+                [model([p0, p1], [d0], conductor=conductor)], prefill_dispatch_depth=1) as gw:
             p0.hold, p1.hold = asyncio.Event(), asyncio.Event()
             by_name = {"p0": p0, "p1": p1}
 
