@@ -21,9 +21,9 @@ remedy (work stealing, Blumofe & Leiserson 1999; SGLang's and llm-d's gateways
 also bind at arrival). A prompt whose prefix a later prompt on its queue is set
 to reuse (the later prompt was placed to read what this one writes) stays.
 
-The gateway can steal only what it still holds: queues it keeps itself. Engines
-queue what they were sent, so the gateway does not steal yet; the simulator
-models a gateway that dispatches from its own queues (docs/conductor.md).
+A gateway can steal only what it still holds: queues it keeps itself. Ours does
+so when asked (late binding, ``prefill_dispatch_depth`` 1: one prefill per engine
+at a time, the rest held); the simulator models the same (docs/conductor.md).
 """
 
 from __future__ import annotations
