@@ -14,9 +14,9 @@ more than one engine revision, a prefill instance is routable only when a decode
 instance of its revision is, and the Conductor pairs prefill and decode by revision
 (the core's instance groups).
 
-Late binding (opt-in, ``prefill_dispatch_depth`` >= 1, with the Conductor's work stealing
-on): the gateway sends each prefill engine at most that many prefills at a time and holds the rest of that
-instance's queue itself, in the Conductor's queue order. An instance whose engine answers
+Late binding (opt-in, ``prefill_dispatch_depth`` >= 1, with the Conductor's work
+stealing on): the gateway sends each prefill engine at most that many prefills at a
+time and holds the rest of that instance's queue itself, in the Conductor's queue order. An instance whose engine answers
 with nothing left here may take a prompt held for another instance
 (:mod:`mooncake_conductor.stealing`): the queues, the pending prefixes and the policy's
 books move with it, and the held request is sent to its new instance.

@@ -1,6 +1,6 @@
 """Late binding in the gateway (``prefill_dispatch_depth`` 1, opt-in, with the
-Conductor's work stealing on): a prefill engine gets one prefill of ours at a time, the rest wait in the
-gateway in queue order, and an instance whose engine answers with nothing left here takes
+Conductor's work stealing on): a prefill engine gets one prefill of ours at a time, the
+rest wait in the gateway in queue order, and an instance whose engine answers with nothing left here takes
 a prompt held for another (:mod:`mooncake_conductor.stealing`). First the runtime's own
 bookkeeping, driven directly; then over real HTTP with scripted engines."""
 
