@@ -15,11 +15,11 @@ instance of its revision is, and the Conductor pairs prefill and decode by revis
 (the core's instance groups).
 
 Late binding (opt-in, ``prefill_dispatch_depth`` >= 1, with the Conductor's work
-stealing on): the gateway sends each prefill engine at most that many prefills at a
-time and holds the rest of that instance's queue itself, in the Conductor's queue order. An instance whose engine answers
-with nothing left here may take a prompt held for another instance
-(:mod:`mooncake_conductor.stealing`): the queues, the pending prefixes and the policy's
-books move with it, and the held request is sent to its new instance.
+stealing on): the gateway sends each prefill engine at most that many prefills at a time
+and holds the rest of that instance's queue itself, in the Conductor's queue order. An
+instance whose engine answers with nothing left here may take a prompt held for another
+instance (:mod:`mooncake_conductor.stealing`): the queues, the pending prefixes and the
+policy's books move with it, and the held request is sent to its new instance.
 
 Load = this gateway's own in-flight accounting (prefill queue / decode batch updated on
 dispatch and completion) plus what the engines' ``/metrics`` say (waiting requests,

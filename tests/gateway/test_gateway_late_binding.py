@@ -1,8 +1,8 @@
-"""Late binding in the gateway (``prefill_dispatch_depth`` 1, opt-in, with the
-Conductor's work stealing on): a prefill engine gets one prefill of ours at a time, the
-rest wait in the gateway in queue order, and an instance whose engine answers with nothing left here takes
-a prompt held for another (:mod:`mooncake_conductor.stealing`). First the runtime's own
-bookkeeping, driven directly; then over real HTTP with scripted engines."""
+"""Late binding in the gateway (``prefill_dispatch_depth`` 1, opt-in, with the Conductor's
+work stealing on): a prefill engine gets one prefill of ours at a time, the rest wait in
+the gateway in queue order, and an instance whose engine answers with nothing left here
+takes a prompt held for another (:mod:`mooncake_conductor.stealing`). First the
+runtime's own bookkeeping, driven directly; then over real HTTP with scripted engines."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from mooncake_conductor.policies.base import Placement
 from mooncake_conductor.state import RequestInfo
 from mooncake_gateway.metrics import GatewayMetrics
-from mooncake_gateway.runtime import ModelRuntime
+from mooncake_gateway.runtime import ModelRuntime, QueuedPrefill
 from mooncake_gateway.settings import Endpoint, GatewaySettings, ModelSettings, Role
 
 from .scripted import HOST, MODEL, engines, model, prompt_ids, running_gateway, until
@@ -55,6 +55,18 @@ def _place(rt: ModelRuntime, iid: int, req: RequestInfo, priority: float | None 
 
 def _queued(rt: ModelRuntime) -> list[list[int]]:
     return [sorted(q.rid for q in p.queue) for p in rt.cluster.prefill]
+
+
+async def _behind_a_busy_instance(
+    rt: ModelRuntime,
+) -> tuple[list[RequestInfo], asyncio.Future[QueuedPrefill]]:
+    """r0 sent to p1; r1 sent to p0 and r2 queued behind it: the requests and r2's turn."""
+    reqs = [_request(rt, i) for i in (1, 2, 3)]
+    for iid, r in zip((1, 0, 0), reqs, strict=True):
+        _place(rt, iid, r)
+    for r in reqs[:2]:
+        await rt.prefill_turn(r)
+    return reqs, asyncio.ensure_future(rt.prefill_turn(reqs[2]))
 
 
 def test_late_binding_is_off_by_default_and_needs_a_stealing_policy() -> None:
@@ -123,13 +135,7 @@ def test_an_instance_that_goes_idle_takes_a_prefill_held_for_a_busy_one(
     async def main() -> None:
         rt = _runtime(stealing=stealing)
         assert rt.late_binding == stealing
-        r0, r1, r2 = (_request(rt, i) for i in (1, 2, 3))
-        _place(rt, 1, r0)
-        _place(rt, 0, r1)
-        _place(rt, 0, r2)
-        for r in (r0, r1):
-            await rt.prefill_turn(r)
-        t2 = asyncio.ensure_future(rt.prefill_turn(r2))
+        (r0, r1, r2), t2 = await _behind_a_busy_instance(rt)
         await asyncio.sleep(0.05)
         assert t2.done() != stealing  # held here only with late binding
         assert _queued(rt) == [[r1.rid, r2.rid], [r0.rid]]
@@ -158,13 +164,7 @@ def test_nothing_is_stolen_across_engine_revisions() -> None:
     async def main() -> None:
         rt = _runtime()
         rt.cluster.prefill[1].group = 1
-        r0, r1, r2 = (_request(rt, i) for i in (1, 2, 3))
-        _place(rt, 1, r0)
-        _place(rt, 0, r1)
-        _place(rt, 0, r2)
-        for r in (r0, r1):
-            await rt.prefill_turn(r)
-        t2 = asyncio.ensure_future(rt.prefill_turn(r2))
+        (r0, r1, r2), t2 = await _behind_a_busy_instance(rt)
         rt.prefill_done(rt.prefill[1], r0, 0.1, 2.0)
         await asyncio.sleep(0.05)
         assert not t2.done() and rt.steals == 0
