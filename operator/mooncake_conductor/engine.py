@@ -204,6 +204,21 @@ class Conductor:
             return None
         return self.stealing.pick(idle, cluster, request_of, now, movable)
 
+    def take(self, steal: Steal, req: RequestInfo, old: Placement,
+             cluster: ClusterState) -> None:
+        """Carry out ``steal`` of ``req`` (placed at ``old``): its queue entry and its
+        pending blocks leave the victim for the idle instance, where it keeps its
+        priority and weighs the new placement's work, and the policy's books follow
+        (:meth:`moved`). Callers keep their own books (in-flight counts, fetches)."""
+        pl = steal.placement
+        assert pl.prefill is not None
+        item = cluster.prefill[steal.victim].pop(steal.rid)
+        cluster.index.remove_pending(steal.victim, req.keys)
+        cluster.index.add_pending(pl.prefill, req.keys)
+        self.moved(req, old, pl, cluster)
+        cluster.prefill[pl.prefill].enqueue(steal.rid, item.priority, pl.prefill_s + pl.transfer_s,
+                                            item.blocks, item.tokens)
+
     def moved(self, req: RequestInfo, old: Placement, new: Placement,
               cluster: ClusterState) -> None:
         """A queued prefill moved from ``old`` to ``new`` (a steal): policies that count

@@ -625,20 +625,14 @@ class ModelRuntime:
         if steal is None:
             return
         q = self._prefills[steal.rid]
+        assert q.placement is not None  # movable() asked for one
         victim = q.iid
         self._held[victim].remove(q.key)
-        item = self.cluster.prefill[victim].pop(steal.rid)
-        pl = steal.placement
-        idle.enqueue(steal.rid, item.priority, pl.prefill_s + pl.transfer_s, item.blocks,
-                     item.tokens)
-        self.index.remove_pending(victim, q.req.keys)
-        self.index.add_pending(iid, q.req.keys)
+        self.conductor.take(steal, q.req, q.placement, self.cluster)
         self.index.sync()
         self.prefill[victim].inflight -= 1
         inst.inflight += 1
-        if q.placement is not None:
-            self.conductor.moved(q.req, q.placement, pl, self.cluster)
-        q.iid, q.placement = iid, pl
+        q.iid, q.placement = iid, steal.placement
         insort(self._held.setdefault(iid, []), q.key)
         self.steals += 1
         self.m.steals.inc()

@@ -435,19 +435,13 @@ class Simulation:
             return False
         req = self.reqs[steal.rid]
         assert req.decision is not None
-        item = self.cluster.prefill[steal.victim].pop(steal.rid)
-        keys = req.info.keys
-        self.index.remove_pending(steal.victim, keys)
-        self.index.add_pending(inst.iid, keys)
+        self.conductor.take(steal, req.info, req.decision.placement, self.cluster)
         # a fetch the old placement started keeps its NIC time (it is not taken back)
         self._fetch_end.pop(steal.rid, None)
         pl = steal.placement
-        self.conductor.moved(req.info, req.decision.placement, pl, self.cluster)
         req.decision = Decision(pl, req.decision.decode)
         req.placed_at = now
         self._book_fetch(req.info, pl, now)
-        inst.enqueue(steal.rid, item.priority, pl.prefill_s + pl.transfer_s, item.blocks,
-                     item.tokens)
         self.steals += 1
         return True
 

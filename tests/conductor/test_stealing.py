@@ -280,6 +280,24 @@ def test_who_steals(policy: str, cfg: dict[str, Any], steals: bool) -> None:
     assert (got is not None) is steals
 
 
+def test_take_moves_the_queue_entry_and_the_pending_blocks_keeping_the_priority() -> None:
+    cond = Conductor(ConductorConfig(policy="conductor"))
+    req = request(list(range(8)), rid=1)
+    work = COST.prefill_time(req.input_tokens, 0)
+    c, known = _pool((1, req, work))
+    steal = cond.steal(c.prefill[0], c, known.__getitem__, NOW, lambda rid: True)
+    assert steal is not None and steal.victim == 1
+    old = type(steal.placement)(prefill=1, prefill_s=work, priority=req.arrival)
+    cond.take(steal, req, old, c)
+    assert c.prefill[1].queue == [] and c.prefill[1].queued_work_s == 0.0
+    (item,) = c.prefill[0].queue
+    assert (item.rid, item.priority, item.blocks, item.tokens) == (
+        1, req.arrival, len(req.keys), req.input_tokens)
+    assert item.work_s == steal.placement.prefill_s + steal.placement.transfer_s
+    assert c.index.match(0, req.keys, include_pending=True) == len(req.keys)
+    assert c.index.match(1, req.keys, include_pending=True) == 0
+
+
 def test_a_move_moves_the_policy_s_own_in_flight_books() -> None:
     """dynamo-kv counts its in-flight blocks per worker: after a move they are counted
     where the prompt went, so the next prompt goes where it left."""
