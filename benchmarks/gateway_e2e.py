@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from typing import Any
 
 from mooncake_testbed.procs import (
@@ -152,8 +153,6 @@ def main() -> int:
 
 def scrape(url: str, name: str) -> float:
     """The sum of a counter's samples on the gateway's ``/metrics``."""
-    import urllib.request
-
     with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
         text = r.read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
