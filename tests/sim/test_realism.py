@@ -240,3 +240,14 @@ def test_a_hold_ends_in_a_rejection_when_no_room_comes_in_time() -> None:
             policy="conductor", params={"cpp": {"enabled": False}},
             slo={"ttft_s": 5.0, "tbt_s": 0.1})))
     assert r["held"] == 1 and r["completed"] == 1 and r["reject_reasons"] == {"tbt-slo": 1}
+
+
+def test_ttft_splits_into_prefill_execution_and_wait() -> None:
+    # two equal prompts at once on one instance: the second waits for the first
+    r = simulate([lone(4096, 0), lone(4096, 100)], cfg(model_bias=0.5))
+    execution = 1.5 * Simulation([lone(4096, 0)], cfg()).cost.prefill_time(4096)
+    assert r["prefill_exec_mean_s"] == pytest.approx(execution)
+    assert r["ttft_wait_mean_s"] == pytest.approx(execution / 2)
+    assert r["prefill_exec_mean_s"] + r["ttft_wait_mean_s"] == pytest.approx(r["ttft_mean_s"])
+    alone = simulate([lone(4096, 0)], cfg())
+    assert alone["ttft_wait_mean_s"] == pytest.approx(0.0, abs=1e-12)
