@@ -552,11 +552,12 @@ def markdown(doc: dict[str, Any]) -> str:
                   "(seed 0: the tables above).", ""]
         cols = [str(x) for x in sd["seeds"]]
         lines += _table(
-            ["workload, load", *(f"seed {c}" for c in cols), "mean", "lowest"],
+            ["workload, load", *(f"seed {c}" for c in cols), "mean", "lowest",
+             "SLO vs best other, lowest"],
             [[f"{r['workload']}, {100 * r['load']:.0f}%",
               *(_seed_cell(r["seeds"].get(c, {})) for c in cols),
-              f"{r['ttft_ratio_mean']:.3f}x", f"{r['ttft_ratio_min']:.3f}x"]
-             for r in sd["runs"]], left=(0,))
+              f"{r['ttft_ratio_mean']:.3f}x", f"{r['ttft_ratio_min']:.3f}x",
+              _slo_cell(r)] for r in sd["runs"]], left=(0,))
     s = doc.get("speed")
     if s:
         lines += ["## Simulator speed", "",
@@ -635,6 +636,16 @@ def verdicts(doc: dict[str, Any]) -> list[str]:
 def _seed_cell(r: dict[str, Any]) -> str:
     """One seed's ratio and the policy it is against."""
     return f"{r['ttft_ratio']:.3f}x vs {r['best_other']}" if "ttft_ratio" in r else "–"
+
+
+def _slo_cell(run: dict[str, Any]) -> str:
+    """The seed where conductor's SLO attainment is least above (or most below) the best
+    other's, in points."""
+    rows = [x for x in run["seeds"].values() if "slo_margin" in x]
+    if not rows:
+        return "–"
+    low = min(rows, key=lambda x: x["slo_margin"])
+    return f"{100 * low['slo_margin']:+.2f} points vs {low['best_slo_other']}"
 
 
 def _split(r: dict[str, Any]) -> str:
