@@ -547,8 +547,8 @@ def _nan(x: Any) -> Any:
 
 def format_table(results: list[dict[str, Any]]) -> str:
     ref = next((r for r in results if r["policy"] == "conductor"), None)
-    cols = ["policy", "done", "rej", "TTFT mean", "charged", "p50", "p90", "p99", "TBT p90",
-            "SLO ok", "hit", "GPU s", "charged/cond"]
+    cols = ["policy", "done", "rej", "TTFT mean", "wait", "charged", "p50", "p90", "p99",
+            "TBT p90", "SLO ok", "hit", "GPU s", "charged/cond"]
     rows = []
     for r in results:
         key = "ttft_mean_charged_s"
@@ -556,14 +556,16 @@ def format_table(results: list[dict[str, Any]]) -> str:
                  if ref and ref[key] else "–")  # no conductor run to compare
         rows.append([
             r["policy"], str(r["completed"]), str(r["rejected"]),
-            f"{r['ttft_mean_s']:.2f} s", f"{r[key]:.2f} s", f"{r['ttft_p50_s']:.2f}",
+            f"{r['ttft_mean_s']:.2f} s", f"{r['ttft_wait_mean_s']:.2f} s", f"{r[key]:.2f} s",
+            f"{r['ttft_p50_s']:.2f}",
             f"{r['ttft_p90_s']:.2f}",
             f"{r['ttft_p99_s']:.2f}", f"{r['tbt_p90_ms']:.1f} ms",
             f"{100 * r['slo_attainment']:.2f}%", f"{100 * r['token_hit_ratio']:.1f}%",
             f"{r['prefill_gpu_seconds']:,.0f}", ratio,
         ])
-    return (_columns(cols, rows) + "\nTTFT mean: served requests; charged: all requests, "
-            "each rejected one charged the TTFT SLO")
+    return (_columns(cols, rows) + "\nTTFT mean: served requests; wait: the part of it spent "
+            "before the prefill ran (queue, fetch, hold); charged: all requests, each "
+            "rejected one charged the TTFT SLO")
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:

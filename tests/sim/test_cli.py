@@ -29,11 +29,16 @@ def test_simulate_json_has_the_documented_keys(small_trace: Path, tmp_path: Path
     for r in data["results"]:
         for key in ("policy", "requests", "completed", "rejected", "ttft_mean_s", "ttft_p50_s",
                     "ttft_p90_s", "ttft_p99_s", "tbt_p90_ms", "slo_attainment",
-                    "token_hit_ratio", "prefill_gpu_seconds", "wall_seconds"):
+                    "token_hit_ratio", "prefill_gpu_seconds", "prefill_exec_mean_s",
+                    "ttft_wait_mean_s", "wall_seconds"):
             assert key in r
         assert r["requests"] == 300
     table = capsys.readouterr().out
     assert "conductor" in table and "TTFT mean" in table
+    header, _, *rows = table.splitlines()
+    wait_at = header.split().index("wait")  # each column before it: as many words per row
+    for r, row in zip(data["results"], rows, strict=False):
+        assert row.split()[wait_at: wait_at + 2] == [f"{r['ttft_wait_mean_s']:.2f}", "s"]
 
 
 def test_routing_only_reaches_every_policy_and_the_settings(small_trace: Path,
