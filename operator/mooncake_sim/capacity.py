@@ -119,60 +119,103 @@ def search_capacity(
 ) -> CapacitySearch:
     """Highest speed with ``attainment_at(speed) >= target``: bracket by doubling or halving
     from ``start``, then bisect geometrically until ``hi / lo - 1 <= rel_tol``."""
+    return search_capacity_batched(lambda speeds: [attainment_at(s) for s in speeds], start,
+                                   1, target, rel_tol, max_probes, on_probe)
+
+
+def search_capacity_batched(
+    attainments_at: Callable[[list[float]], list[float]],
+    start: float,
+    width: int,
+    target: float = DEFAULT_TARGET,
+    rel_tol: float = DEFAULT_REL_TOL,
+    max_probes: int = DEFAULT_MAX_PROBES,
+    on_probe: Callable[[Probe], None] | None = None,
+) -> CapacitySearch:
+    """:func:`search_capacity` with ``width`` speeds probed per round (``attainments_at``
+    may replay them in parallel): the bracket grows by ``2**width`` a round instead of 2,
+    and a round splits it into ``width + 1`` geometric parts instead of 2, so the rounds
+    fall from about ``log2`` to ``log_{width+1}`` of the bracket's ratio over the
+    tolerance. With ``width`` 1 it probes exactly the speeds :func:`search_capacity` did.
+
+    Inside a round the lowest speed that missed bounds the capacity from above and the
+    highest speed under it that met the target from below; speeds past the first miss are
+    kept in ``probes`` but decide nothing (attainment is assumed not to rise with load,
+    and ``probes`` lets a reader check that)."""
     if not (start > 0 and math.isfinite(start)):
         raise ValueError("start must be a positive, finite speed")
     if not 0 < target <= 1:
         raise ValueError("target must be in (0, 1]")
     if rel_tol <= 0:
         raise ValueError("rel_tol must be positive")
+    if width < 1:
+        raise ValueError("width must be at least 1")
     out = CapacitySearch(capacity_speed=0.0, bracketed=False)
 
-    def probe(speed: float) -> bool:
-        att = attainment_at(speed)
-        p = Probe(speed, att, att >= target)
-        out.probes.append(p)
-        if on_probe is not None:
-            on_probe(p)
-        return p.ok
+    def probe(speeds: list[float], at_least: int = 0) -> list[bool]:
+        """Probe ``speeds`` in one round, as many as the budget leaves (``at_least`` in
+        any case); whether each met the target."""
+        speeds = speeds[: max(at_least, max_probes - len(out.probes))]
+        oks = []
+        for speed, att in zip(speeds, attainments_at(speeds), strict=True):
+            p = Probe(speed, att, att >= target)
+            out.probes.append(p)
+            oks.append(p.ok)
+            if on_probe is not None:
+                on_probe(p)
+        return oks
 
-    lo: float | None = None
-    hi: float | None = None
-    speed = start
-    if probe(speed):
-        lo = speed
-        for _ in range(MAX_BRACKET_STEPS):
-            if len(out.probes) >= max_probes:
-                break
-            speed *= 2
-            if probe(speed):
-                lo = speed
-            else:
-                hi = speed
-                break
-    else:
-        hi = speed
-        for _ in range(MAX_BRACKET_STEPS):
-            if len(out.probes) >= max_probes:
-                break
-            speed /= 2
-            if probe(speed):
-                lo = speed
-                break
-            hi = speed
+    # the first round: start, and the speeds above it (capacity is often above the start)
+    speeds = [start * 2.0 ** i for i in range(width)]
+    oks = probe(speeds, at_least=1)
+    lo, hi = _narrow(speeds[: len(oks)], oks, None, None)
+    steps = len(oks) - 1
+    if not oks[0]:  # start missed: halve
+        steps = 0
+        while lo is None and steps < MAX_BRACKET_STEPS and len(out.probes) < max_probes:
+            speeds = [start / 2.0 ** (steps + i) for i in range(1, width + 1)]
+            speeds = speeds[: MAX_BRACKET_STEPS - steps]
+            oks = probe(speeds)
+            steps += len(oks)
+            lo, hi = _narrow(speeds[: len(oks)][::-1], oks[::-1], None, hi)  # ascending
+    else:  # start met it: double until one misses
+        while hi is None and steps < MAX_BRACKET_STEPS and len(out.probes) < max_probes:
+            top = speeds[len(oks) - 1] if oks else start
+            speeds = [top * 2.0 ** i for i in range(1, width + 1)]
+            speeds = speeds[: MAX_BRACKET_STEPS - steps]
+            oks = probe(speeds)
+            steps += len(oks)
+            lo, hi = _narrow(speeds[: len(oks)], oks, lo, hi)
     if lo is None:  # nothing met the target, down to start / 2**MAX_BRACKET_STEPS
         return out
     if hi is None:  # met it up to the highest speed probed: a lower bound only
         out.capacity_speed = lo
         return out
     while hi / lo - 1 > rel_tol and len(out.probes) < max_probes:
-        mid = math.sqrt(lo * hi)
-        if probe(mid):
-            lo = mid
-        else:
-            hi = mid
+        ratio = hi / lo
+        speeds = [lo * ratio ** (i / (width + 1)) for i in range(1, width + 1)]
+        if width == 1:
+            speeds = [math.sqrt(lo * hi)]  # bit for bit the bisection's midpoint
+        oks = probe(speeds)
+        new_lo, new_hi = _narrow(speeds[: len(oks)], oks, lo, hi)
+        assert new_lo is not None and new_hi is not None  # a bracket only narrows
+        lo, hi = new_lo, new_hi
     out.capacity_speed = lo
     out.bracketed = True
     return out
+
+
+def _narrow(speeds: list[float], oks: list[bool], lo: float | None,
+            hi: float | None) -> tuple[float | None, float | None]:
+    """The bracket after one round of ``speeds`` (ascending) and whether each met the
+    target: the first miss becomes ``hi``; the last speed that met it before that, ``lo``
+    (either stays as it was when the round has none)."""
+    for speed, ok in zip(speeds, oks, strict=True):
+        if ok:
+            lo = speed
+        else:
+            return lo, speed
+    return lo, hi
 
 
 def pd_splits(total: int, step: int = 1) -> list[tuple[int, int]]:

@@ -7,7 +7,8 @@ import json
 import math
 import os
 import sys
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -377,26 +378,68 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _capacity_one(job: tuple[list[Any], dict[str, Any], float, float, float]) -> dict[str, Any]:
-    """One capacity search (runs in a worker process): bisection over simulated replays."""
-    from .capacity import Probe, search_capacity
+#: the trace a capacity worker process replays (sent once, by the pool's initializer)
+_worker_records: list[Any] = []
+
+#: replays ``speeds`` of one configuration, one result row per speed (in order)
+RunBatch = Callable[[dict[str, Any], list[float]], list[dict[str, Any]]]
+#: most threads that drive capacity searches at once (each waits on its probes)
+MAX_SEARCH_THREADS = 64
+
+
+def _init_capacity_worker(records: list[Any]) -> None:
+    _worker_records[:] = records
+
+
+def _replay_at(cfg: dict[str, Any], speed: float) -> dict[str, Any]:
+    """One probe in a worker process: the trace it was given at ``speed``."""
     from .engine import SimConfig, simulate
 
-    records, cfg, start, target, tol = job
-    base = SimConfig.model_validate(cfg)
+    return simulate(_worker_records, SimConfig.model_validate({**cfg, "speed": speed}))
+
+
+def _inline_batch(records: list[Any]) -> RunBatch:
+    """Probes replayed here, one after another."""
+    from .engine import SimConfig, simulate
+
+    def run(cfg: dict[str, Any], speeds: list[float]) -> list[dict[str, Any]]:
+        base = SimConfig.model_validate(cfg)
+        return [simulate(records, base.model_copy(update={"speed": s})) for s in speeds]
+
+    return run
+
+
+def _pooled_batch(pool: ProcessPoolExecutor) -> RunBatch:
+    """Probes replayed in ``pool``'s worker processes, a round's speeds side by side."""
+
+    def run(cfg: dict[str, Any], speeds: list[float]) -> list[dict[str, Any]]:
+        futures = [pool.submit(_replay_at, cfg, s) for s in speeds]
+        return [f.result() for f in futures]
+
+    return run
+
+
+def _capacity_one(job: tuple[dict[str, Any], float, float, float], width: int,
+                  run_batch: RunBatch) -> dict[str, Any]:
+    """One capacity search over simulated replays, ``width`` probes a round through
+    ``run_batch``."""
+    from .capacity import Probe, search_capacity_batched
+
+    cfg, start, target, tol = job
     label = f"{cfg['conductor']['policy']} {cfg['prefill']}P+{cfg['decode']}D"
     rows: dict[float, dict[str, Any]] = {}
 
-    def attainment(speed: float) -> float:
-        r = simulate(records, base.model_copy(update={"speed": speed}))
-        rows[speed] = r
-        return float(r["slo_attainment"])
+    def attainments(speeds: list[float]) -> list[float]:
+        results = run_batch(cfg, speeds)
+        rows.update(zip(speeds, results, strict=True))
+        return [float(r["slo_attainment"]) for r in results]
 
     def show(p: Probe) -> None:
         print(f"  {label}: speed {p.speed:.4g}x -> {100 * p.attainment:.2f}% in SLO "
               f"({'ok' if p.ok else 'miss'})", file=sys.stderr, flush=True)
 
-    found = search_capacity(attainment, start, target=target, rel_tol=tol, on_probe=show)
+    found = search_capacity_batched(attainments, start, width, target=target, rel_tol=tol,
+                                    on_probe=show)
     at = rows.get(found.capacity_speed)
     return {
         "policy": cfg["conductor"]["policy"],
@@ -404,6 +447,7 @@ def _capacity_one(job: tuple[list[Any], dict[str, Any], float, float, float]) ->
         "decode": cfg["decode"],
         "capacity_speed": found.capacity_speed,
         "bracketed": found.bracketed,
+        "probes_per_round": width,
         "probes": [{"speed": p.speed, "slo_attainment": p.attainment, "ok": p.ok}
                    for p in found.probes],
         "at_capacity": None if at is None else {
@@ -440,14 +484,14 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     limits = {p: compute_bound_speed(setup.records, p) for p, _ in splits}
     served_limits = {p: compute_bound_speed(setup.records, p, share=target,
                                             drain_s=setup.ttft_s) for p, _ in splits}
-    jobs_in: list[tuple[list[Any], dict[str, Any], float, float, float]] = []
+    jobs_in: list[tuple[dict[str, Any], float, float, float]] = []
     for pol in chosen:
         for p, d in splits:
             cfg = setup.config(pol, 1.0, args.seed, len(chosen) == 1 or pol == "conductor",
                                prefill=p, decode=d)
             start = limits[p] if math.isfinite(limits[p]) else 1.0
-            jobs_in.append((setup.records, cfg, start, target, tol))
-    err = _validate([j[1] for j in jobs_in])
+            jobs_in.append((cfg, start, target, tol))
+    err = _validate([j[0] for j in jobs_in])
     if err:
         return _fail(err)
     print(f"capacity on {setup.path.name}: {len(setup.records)} requests | "
@@ -456,19 +500,26 @@ def cmd_capacity(args: argparse.Namespace) -> int:
           + f" | SLO TTFT {setup.ttft_s:g} s, TBT {setup.tbt_ms:g} ms | target "
           f"{100 * target:g}% of all requests | {len(jobs_in)} searches | "
           + _realism_line(setup), file=sys.stderr)
-    jobs = min(args.jobs or os.cpu_count() or 1, len(jobs_in))
+    jobs = args.jobs or os.cpu_count() or 1
     results: list[dict[str, Any]] = []
     if jobs > 1:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            futures = [pool.submit(_capacity_one, j) for j in jobs_in]
+        # every search in a thread of its own, their probes on one pool of processes; with
+        # fewer searches than processes each search probes several speeds a round
+        width = max(1, jobs // len(jobs_in))
+        with ProcessPoolExecutor(max_workers=jobs, initializer=_init_capacity_worker,
+                                 initargs=(setup.records,)) as pool, \
+                ThreadPoolExecutor(max_workers=min(len(jobs_in), MAX_SEARCH_THREADS)) as threads:
+            run_batch = _pooled_batch(pool)
+            futures = [threads.submit(_capacity_one, j, width, run_batch) for j in jobs_in]
             for done, fut in enumerate(as_completed(futures), 1):
                 r = fut.result()
                 print(f"[{done}/{len(jobs_in)}] {r['policy']} {r['prefill']}P+{r['decode']}D: "
                       f"capacity {r['capacity_speed']:.4g}x", file=sys.stderr)
             results = [f.result() for f in futures]
     else:
+        run_inline = _inline_batch(setup.records)
         for done, j in enumerate(jobs_in, 1):
-            r = _capacity_one(j)
+            r = _capacity_one(j, 1, run_inline)
             print(f"[{done}/{len(jobs_in)}] {r['policy']} {r['prefill']}P+{r['decode']}D: "
                   f"capacity {r['capacity_speed']:.4g}x", file=sys.stderr)
             results.append(r)

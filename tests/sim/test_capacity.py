@@ -15,6 +15,7 @@ from mooncake_sim.capacity import (
     ideal_reuse_prefill_times,
     pd_splits,
     search_capacity,
+    search_capacity_batched,
 )
 from mooncake_sim.synth import generate, write_trace
 from mooncake_sim.trace import TraceRecord
@@ -77,6 +78,57 @@ def test_bad_search_arguments(kwargs: dict[str, float]) -> None:
     args = {"start": 1.0, **kwargs}
     with pytest.raises(ValueError):
         search_capacity(lambda s: 1.0, **args)  # type: ignore[arg-type]
+
+
+def batched(threshold: float) -> tuple[list[list[float]], object]:
+    rounds: list[list[float]] = []
+
+    def attainments(speeds: list[float]) -> list[float]:
+        rounds.append(list(speeds))
+        return [1.0 if s <= threshold else 0.5 for s in speeds]
+
+    return rounds, attainments
+
+
+@pytest.mark.parametrize("width", [2, 3])
+@pytest.mark.parametrize("start", [0.1, 1.0, 2.5, 7.0, 60.0])
+def test_wider_rounds_find_the_same_threshold_in_fewer_rounds(start: float, width: int) -> None:
+    rounds, f = batched(2.5)
+    out = search_capacity_batched(f, start, width, target=0.9, rel_tol=0.01)  # type: ignore[arg-type]
+    assert out.bracketed
+    assert 2.5 / 1.01 <= out.capacity_speed <= 2.5
+    assert all(len(r) <= width for r in rounds) and max(map(len, rounds)) == width
+    assert [p.speed for p in out.probes] == [s for r in rounds for s in r]
+    assert max(p.speed for p in out.probes if p.ok) == out.capacity_speed
+    assert min(p.speed for p in out.probes if not p.ok) > out.capacity_speed
+    one = search_capacity(lambda s: 1.0 if s <= 2.5 else 0.5, start, target=0.9, rel_tol=0.01)
+    assert len(rounds) < len(one.probes)  # each round of the plain search is one probe
+
+
+def test_a_round_is_decided_by_its_first_miss() -> None:
+    # attainment rises again from 4 on (it should not): the ok at 4 above the miss at 2 is
+    # kept in the probes but decides nothing
+    def f(speeds: list[float]) -> list[float]:
+        return [1.0 if s <= 1.5 or s >= 4 else 0.5 for s in speeds]
+
+    out = search_capacity_batched(f, 1.0, 3, target=0.9, rel_tol=0.01)
+    assert [(p.speed, p.ok) for p in out.probes[:3]] == [(1.0, True), (2.0, False), (4.0, True)]
+    assert out.bracketed
+    assert 1.5 / 1.01 <= out.capacity_speed <= 1.5
+
+
+@pytest.mark.parametrize("max_probes", [1, 2, 5])
+def test_wide_rounds_keep_the_probe_budget(max_probes: int) -> None:
+    _, f = batched(2.5)
+    out = search_capacity_batched(f, 1.0, 3, rel_tol=1e-9,  # type: ignore[arg-type]
+                                  max_probes=max_probes)
+    assert len(out.probes) == max_probes
+    assert out.capacity_speed <= 2.5
+
+
+def test_width_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="width"):
+        search_capacity_batched(lambda s: [1.0] * len(s), 1.0, 0)
 
 
 def rec(t_ms: float, n: int, hashes: tuple[int, ...]) -> TraceRecord:
@@ -153,6 +205,32 @@ def test_capacity_cli_json(small_trace: Path, tmp_path: Path,
     assert doc["results"][0]["limit_speed"] == doc["results"][1]["limit_speed"]
     table = capsys.readouterr().out
     assert "capacity" in table and "conductor" in table
+
+
+def test_one_search_on_two_processes_probes_two_speeds_a_round(small_trace: Path,
+                                                               tmp_path: Path) -> None:
+    runs = {}
+    for jobs in ("1", "2"):
+        out = tmp_path / f"cap{jobs}.json"
+        assert main(["capacity", "--trace", str(small_trace), "--policy", "least-load",
+                     "--prefill", "2", "--decode", "2", "--tolerance", "0.05",
+                     "--jobs", jobs, "--json", str(out)]) == 0
+        runs[jobs] = json.loads(out.read_text())["results"][0]
+    one, two = runs["1"], runs["2"]
+    assert (one["probes_per_round"], two["probes_per_round"]) == (1, 2)
+    assert one["bracketed"] and two["bracketed"]
+    # the same replay at the same speed, in a worker process or here
+    both = {p["speed"] for p in one["probes"]} & {p["speed"] for p in two["probes"]}
+    assert both  # the start at least
+    for speed in both:
+        assert ([p["slo_attainment"] for p in one["probes"] if p["speed"] == speed]
+                == [p["slo_attainment"] for p in two["probes"] if p["speed"] == speed])
+    # each found the capacity within the tolerance of the other's bracket
+    for a, b in ((one, two), (two, one)):
+        miss = min(p["speed"] for p in b["probes"]
+                   if not p["ok"] and p["speed"] > b["capacity_speed"])
+        assert a["capacity_speed"] <= miss
+    assert two["at_capacity"]["slo_attainment"] >= 0.9
 
 
 def test_pd_sweep_reports_each_split_and_the_best(small_trace: Path, tmp_path: Path) -> None:
