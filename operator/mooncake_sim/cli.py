@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable
@@ -387,6 +388,13 @@ RunBatch = Callable[[dict[str, Any], list[float]], list[dict[str, Any]]]
 MAX_SEARCH_THREADS = 64
 
 
+def _thread_safe_start() -> multiprocessing.context.BaseContext:
+    """How a pool that threads submit to starts its processes: from a server process
+    (or afresh), never forked from this one while other threads may hold its locks."""
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
 def _init_capacity_worker(records: list[Any]) -> None:
     _worker_records[:] = records
 
@@ -506,7 +514,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         # every search in a thread of its own, their probes on one pool of processes; with
         # fewer searches than processes each search probes several speeds a round
         width = max(1, jobs // len(jobs_in))
-        with ProcessPoolExecutor(max_workers=jobs, initializer=_init_capacity_worker,
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=_thread_safe_start(),
+                                 initializer=_init_capacity_worker,
                                  initargs=(setup.records,)) as pool, \
                 ThreadPoolExecutor(max_workers=min(len(jobs_in), MAX_SEARCH_THREADS)) as threads:
             run_batch = _pooled_batch(pool)
