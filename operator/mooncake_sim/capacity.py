@@ -129,7 +129,7 @@ def search_capacity_batched(
     width: int,
     target: float = DEFAULT_TARGET,
     rel_tol: float = DEFAULT_REL_TOL,
-    max_probes: int = DEFAULT_MAX_PROBES,
+    max_probes: int | None = None,
     on_probe: Callable[[Probe], None] | None = None,
 ) -> CapacitySearch:
     """:func:`search_capacity` with ``width`` speeds probed per round (``attainments_at``
@@ -141,7 +141,8 @@ def search_capacity_batched(
     Inside a round the lowest speed that missed bounds the capacity from above and the
     highest speed under it that met the target from below; speeds past the first miss are
     kept in ``probes`` but decide nothing (attainment is assumed not to rise with load,
-    and ``probes`` lets a reader check that)."""
+    and ``probes`` lets a reader check that). ``max_probes`` defaults to
+    ``DEFAULT_MAX_PROBES`` rounds' worth (``width`` probes each)."""
     if not (start > 0 and math.isfinite(start)):
         raise ValueError("start must be a positive, finite speed")
     if not 0 < target <= 1:
@@ -150,12 +151,13 @@ def search_capacity_batched(
         raise ValueError("rel_tol must be positive")
     if width < 1:
         raise ValueError("width must be at least 1")
+    budget = DEFAULT_MAX_PROBES * width if max_probes is None else max_probes
     out = CapacitySearch(capacity_speed=0.0, bracketed=False)
 
     def probe(speeds: list[float], at_least: int = 0) -> list[bool]:
         """Probe ``speeds`` in one round, as many as the budget leaves (``at_least`` in
         any case); whether each met the target."""
-        speeds = speeds[: max(at_least, max_probes - len(out.probes))]
+        speeds = speeds[: max(at_least, budget - len(out.probes))]
         oks = []
         for speed, att in zip(speeds, attainments_at(speeds), strict=True):
             p = Probe(speed, att, att >= target)
@@ -166,20 +168,20 @@ def search_capacity_batched(
         return oks
 
     # the first round: start, and the speeds above it (capacity is often above the start)
-    speeds = [start * 2.0 ** i for i in range(width)]
+    speeds = [start * 2.0 ** i for i in range(min(width, MAX_BRACKET_STEPS + 1))]
     oks = probe(speeds, at_least=1)
     lo, hi = _narrow(speeds[: len(oks)], oks, None, None)
     steps = len(oks) - 1
     if not oks[0]:  # start missed: halve
         steps = 0
-        while lo is None and steps < MAX_BRACKET_STEPS and len(out.probes) < max_probes:
+        while lo is None and steps < MAX_BRACKET_STEPS and len(out.probes) < budget:
             speeds = [start / 2.0 ** (steps + i) for i in range(1, width + 1)]
             speeds = speeds[: MAX_BRACKET_STEPS - steps]
             oks = probe(speeds)
             steps += len(oks)
             lo, hi = _narrow(speeds[: len(oks)][::-1], oks[::-1], None, hi)  # ascending
     else:  # start met it: double until one misses
-        while hi is None and steps < MAX_BRACKET_STEPS and len(out.probes) < max_probes:
+        while hi is None and steps < MAX_BRACKET_STEPS and len(out.probes) < budget:
             top = speeds[len(oks) - 1] if oks else start
             speeds = [top * 2.0 ** i for i in range(1, width + 1)]
             speeds = speeds[: MAX_BRACKET_STEPS - steps]
@@ -191,7 +193,7 @@ def search_capacity_batched(
     if hi is None:  # met it up to the highest speed probed: a lower bound only
         out.capacity_speed = lo
         return out
-    while hi / lo - 1 > rel_tol and len(out.probes) < max_probes:
+    while hi / lo - 1 > rel_tol and len(out.probes) < budget:
         ratio = hi / lo
         speeds = [lo * ratio ** (i / (width + 1)) for i in range(1, width + 1)]
         if width == 1:

@@ -386,6 +386,9 @@ _worker_records: list[Any] = []
 RunBatch = Callable[[dict[str, Any], list[float]], list[dict[str, Any]]]
 #: most threads that drive capacity searches at once (each waits on its probes)
 MAX_SEARCH_THREADS = 64
+#: most speeds one search probes a round: 8 already takes a 2x bracket to 2% in two
+#: rounds, and every process holds the trace and a replay's state
+MAX_PROBES_PER_ROUND = 8
 
 
 def _thread_safe_start() -> multiprocessing.context.BaseContext:
@@ -513,8 +516,9 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     if jobs > 1:
         # every search in a thread of its own, their probes on one pool of processes; with
         # fewer searches than processes each search probes several speeds a round
-        width = max(1, jobs // len(jobs_in))
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=_thread_safe_start(),
+        width = max(1, min(MAX_PROBES_PER_ROUND, jobs // len(jobs_in)))
+        processes = min(jobs, len(jobs_in) * width)
+        with ProcessPoolExecutor(max_workers=processes, mp_context=_thread_safe_start(),
                                  initializer=_init_capacity_worker,
                                  initargs=(setup.records,)) as pool, \
                 ThreadPoolExecutor(max_workers=min(len(jobs_in), MAX_SEARCH_THREADS)) as threads:

@@ -126,6 +126,17 @@ def test_wide_rounds_keep_the_probe_budget(max_probes: int) -> None:
     assert out.capacity_speed <= 2.5
 
 
+def test_a_wide_search_keeps_the_bracket_limits_and_a_budget_per_round() -> None:
+    always = search_capacity_batched(lambda s: [1.0] * len(s), 1.0, 64)
+    assert max(p.speed for p in always.probes) == 2.0 ** MAX_BRACKET_STEPS
+    assert len(always.probes) == MAX_BRACKET_STEPS + 1 and not always.bracketed
+    # eight a round still reaches the tolerance: the default budget counts rounds
+    _, f = batched(3.0)
+    out = search_capacity_batched(f, 1.0, 8, rel_tol=0.001)  # type: ignore[arg-type]
+    assert out.bracketed and 3.0 / 1.001 <= out.capacity_speed <= 3.0
+    assert len(out.probes) > 24
+
+
 def test_width_must_be_positive() -> None:
     with pytest.raises(ValueError, match="width"):
         search_capacity_batched(lambda s: [1.0] * len(s), 1.0, 0)
