@@ -705,15 +705,21 @@ class Simulation:
         prompt = sum(r.info.input_tokens for r in served)
         reused = sum(r.reused_tokens for r in served)
         n = len(self.reqs)
+        latency = latency_summary([(r.ttft, r.tbt) for r in served], n, slo.ttft_s, slo.tbt_s)
+        execution = sum(r.exec_s for r in served) / len(served) if served else math.nan
         return {
             "policy": self.cfg.conductor.policy,
             "requests": n,
             "completed": len(served),
             "rejected": n - len(served),
             "reject_reasons": dict(sorted(self.reject_reasons.items())),
-            **latency_summary([(r.ttft, r.tbt) for r in served], n, slo.ttft_s, slo.tbt_s),
+            **latency,
             "token_hit_ratio": reused / prompt if prompt else 0.0,
-            **_ttft_split(served),
+            # where the served mean TTFT went: the prefill's own execution (a CPP group's
+            # makespan), which placement shortens only through reuse and CPP, and the rest
+            # (queueing, fetches, decode holds), the part scheduling controls
+            "prefill_exec_mean_s": execution,
+            "ttft_wait_mean_s": latency["ttft_mean_s"] - execution,
             "prefill_gpu_seconds": self.prefill_gpu_s,
             "prefill_prediction_error": (self.prefill_gpu_s / self.predicted_prefill_s - 1.0
                                          if self.predicted_prefill_s else 0.0),
@@ -738,18 +744,6 @@ class Simulation:
                 "completed": len(done), "slo_attainment": summary["slo_attainment"],
                 "ttft_mean_charged_s": summary["ttft_mean_charged_s"],
                 "ttft_p90_s": summary["ttft_p90_s"]}
-
-
-def _ttft_split(served: list[_Req]) -> dict[str, float]:
-    """Where the served requests' mean TTFT went: ``prefill_exec_mean_s``, the prefill's
-    own execution (a CPP group's makespan), which placement can shorten only through
-    reuse and CPP; ``ttft_wait_mean_s``, the rest (queueing, fetches, decode holds),
-    which is what scheduling controls. The two add up to ``ttft_mean_s``."""
-    if not served:
-        return {"prefill_exec_mean_s": math.nan, "ttft_wait_mean_s": math.nan}
-    execution = sum(r.exec_s for r in served) / len(served)
-    ttft = sum(r.ttft for r in served) / len(served)
-    return {"prefill_exec_mean_s": execution, "ttft_wait_mean_s": ttft - execution}
 
 
 def simulate(records: list[TraceRecord], config: SimConfig) -> dict[str, Any]:
