@@ -186,10 +186,16 @@ def sweep(args: argparse.Namespace, label: str, recs: list[TraceRecord],
 
 
 # -- sections ----------------------------------------------------------------------------------
-def tables(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
+def table_workloads(requests: int) -> dict[str, list[TraceRecord]]:
+    """The workloads of the tables and the seeds section: the bundled trace, then each of
+    the paper's shapes."""
     names = [CONVERSATION, *(f"synth-{s}" for s in PAPER_SHAPES)]
+    return {n: workload(n, requests) for n in names}
+
+
+def tables(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
     loads = args.loads
-    data = {n: workload(n, args.requests) for n in names}
+    data = table_workloads(args.requests)
     ceilings = {n: trace_stats(r).reuse_ceiling_tokens for n, r in data.items()}
     jobs = []
     for n, recs in data.items():
@@ -201,7 +207,7 @@ def tables(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
                                  sim_config(pol, speed, routing_only=mode == "routing-only")))
     res = run_all("tables", jobs, args.jobs)
     runs = []
-    for n in names:
+    for n in data:
         for load in loads:
             for mode in ("full", "routing-only"):
                 rows = {p: res[f"{n}|{load}|{mode}|{p}"] for p in policies}
@@ -214,8 +220,7 @@ def seeds(args: argparse.Namespace, policies: list[str],
           base: dict[str, Any] | None) -> dict[str, Any]:
     """The full-system comparison at every workload and load again with each seed of
     ``--seeds``; with the tables' own run (seed 0) when ``base`` has it."""
-    names = [CONVERSATION, *(f"synth-{s}" for s in PAPER_SHAPES)]
-    data = {n: workload(n, args.requests) for n in names}
+    data = table_workloads(args.requests)
     jobs = []
     for n, recs in data.items():
         for load in args.loads:
@@ -228,7 +233,7 @@ def seeds(args: argparse.Namespace, policies: list[str],
     earlier = {(r["workload"], r["load"]): r for r in (base or {}).get("runs", [])
                if r["mode"] == "full" and "ttft_ratio" in r}
     runs = []
-    for n in names:
+    for n in data:
         for load in args.loads:
             per_seed: dict[str, Any] = {}
             if (n, load) in earlier:
