@@ -38,15 +38,9 @@ def run_once(policy: str, jobs: int, trace: str | None) -> dict[str, Any]:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wall = time.perf_counter() - started
         row = json.loads(out.read_text())["results"][0]
-    width = row["probes_per_round"]
     return {"jobs": jobs, "wall_s": wall, "capacity_speed": row["capacity_speed"],
-            "probes": len(row["probes"]), "rounds": _rounds(len(row["probes"]), width),
-            "probes_per_round": width}
-
-
-def _rounds(probes: int, width: int) -> int:
-    """Rounds a search of ``probes`` took at ``width`` a round (the last may be short)."""
-    return -(-probes // width)
+            "probes": len(row["probes"]), "rounds": row["rounds"],
+            "probes_per_round": row["probes_per_round"]}
 
 
 def main() -> None:

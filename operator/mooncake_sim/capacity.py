@@ -107,6 +107,8 @@ class CapacitySearch:
     capacity_speed: float
     bracketed: bool
     probes: list[Probe] = field(default_factory=list)
+    #: rounds of probes (one probe each for :func:`search_capacity`)
+    rounds: int = 0
 
 
 def search_capacity(
@@ -158,6 +160,7 @@ def search_capacity_batched(
         """Probe ``speeds`` in one round, as many as the budget leaves (``at_least`` in
         any case); whether each met the target."""
         speeds = speeds[: max(at_least, budget - len(out.probes))]
+        out.rounds += 1
         oks = []
         for speed, att in zip(speeds, attainments_at(speeds), strict=True):
             p = Probe(speed, att, att >= target)
@@ -171,23 +174,19 @@ def search_capacity_batched(
     speeds = [start * 2.0 ** i for i in range(min(width, MAX_BRACKET_STEPS + 1))]
     oks = probe(speeds, at_least=1)
     lo, hi = _narrow(speeds[: len(oks)], oks, None, None)
-    steps = len(oks) - 1
-    if not oks[0]:  # start missed: halve
-        steps = 0
-        while lo is None and steps < MAX_BRACKET_STEPS and len(out.probes) < budget:
-            speeds = [start / 2.0 ** (steps + i) for i in range(1, width + 1)]
-            speeds = speeds[: MAX_BRACKET_STEPS - steps]
-            oks = probe(speeds)
-            steps += len(oks)
-            lo, hi = _narrow(speeds[: len(oks)][::-1], oks[::-1], None, hi)  # ascending
-    else:  # start met it: double until one misses
-        while hi is None and steps < MAX_BRACKET_STEPS and len(out.probes) < budget:
-            top = speeds[len(oks) - 1] if oks else start
-            speeds = [top * 2.0 ** i for i in range(1, width + 1)]
-            speeds = speeds[: MAX_BRACKET_STEPS - steps]
-            oks = probe(speeds)
-            steps += len(oks)
-            lo, hi = _narrow(speeds[: len(oks)], oks, lo, hi)
+    # then double from the last speed probed until one misses, or (start missed) halve
+    # from start until one meets the target
+    grow = 2.0 if oks[0] else 0.5
+    edge = speeds[len(oks) - 1] if oks[0] else start
+    steps = len(oks) - 1 if oks[0] else 0
+    while ((hi if grow > 1 else lo) is None and steps < MAX_BRACKET_STEPS
+           and len(out.probes) < budget):
+        speeds = [edge * grow ** i for i in range(1, width + 1)][: MAX_BRACKET_STEPS - steps]
+        oks = probe(speeds)
+        steps += len(oks)
+        edge = speeds[len(oks) - 1]
+        ordered = sorted(zip(speeds[: len(oks)], oks, strict=True))  # ascending
+        lo, hi = _narrow([sp for sp, _ in ordered], [ok for _, ok in ordered], lo, hi)
     if lo is None:  # nothing met the target, down to start / 2**MAX_BRACKET_STEPS
         return out
     if hi is None:  # met it up to the highest speed probed: a lower bound only

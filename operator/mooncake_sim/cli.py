@@ -459,6 +459,7 @@ def _capacity_one(job: tuple[dict[str, Any], float, float, float], width: int,
         "capacity_speed": found.capacity_speed,
         "bracketed": found.bracketed,
         "probes_per_round": width,
+        "rounds": found.rounds,
         "probes": [{"speed": p.speed, "slo_attainment": p.attainment, "ok": p.ok}
                    for p in found.probes],
         "at_capacity": None if at is None else {

@@ -99,6 +99,7 @@ def test_wider_rounds_find_the_same_threshold_in_fewer_rounds(start: float, widt
     assert 2.5 / 1.01 <= out.capacity_speed <= 2.5
     assert all(len(r) <= width for r in rounds) and max(map(len, rounds)) == width
     assert [p.speed for p in out.probes] == [s for r in rounds for s in r]
+    assert out.rounds == len(rounds)
     assert max(p.speed for p in out.probes if p.ok) == out.capacity_speed
     assert min(p.speed for p in out.probes if not p.ok) > out.capacity_speed
     one = search_capacity(lambda s: 1.0 if s <= 2.5 else 0.5, start, target=0.9, rel_tol=0.01)
@@ -229,6 +230,7 @@ def test_one_search_on_two_processes_probes_two_speeds_a_round(small_trace: Path
         runs[jobs] = json.loads(out.read_text())["results"][0]
     one, two = runs["1"], runs["2"]
     assert (one["probes_per_round"], two["probes_per_round"]) == (1, 2)
+    assert one["rounds"] == len(one["probes"]) and two["rounds"] < len(two["probes"])
     assert one["bracketed"] and two["bracketed"]
     # the same replay at the same speed, in a worker process or here
     both = {p["speed"] for p in one["probes"]} & {p["speed"] for p in two["probes"]}
