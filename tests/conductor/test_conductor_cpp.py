@@ -40,11 +40,21 @@ def test_rescue_uses_all_idle_instances_and_the_plans_makespan() -> None:
 
 
 def test_rescue_beats_the_work_price_when_the_slo_is_at_stake() -> None:
-    """kappa 4.2: the group's 39 GPU seconds score worse than one instance's 30.6, but
-    the single instance breaks the TTFT SLO and the group does not."""
+    """kappa 4.2: group sizes compete on TTFT + kappa x GPU seconds, and the pair scores
+    best (17.46 + 4.2 x 34.9 = 164.1 s against 168.2 for three and 170.7 for four). It
+    scores worse than one instance (30.56 + 4.2 x 30.56 = 158.9), but the single
+    instance breaks the TTFT SLO and the pair does not."""
     pl = policy("conductor").choose(BIG, loaded(5), 0.0)
-    assert sorted(pl.cpp_group) == [0, 1, 2, 3]
-    assert pl.ttft_s == makespan(100_000, 4)
+    assert len(pl.cpp_group) == 2 and 4 not in pl.cpp_group
+    assert pl.ttft_s == makespan(100_000, 2) < 30.0
+
+
+def test_a_rescue_never_takes_a_group_that_misses_the_slo() -> None:
+    """A 15 s SLO at kappa 4.2: the pair still scores best (164.1) but takes 17.46 s;
+    of the groups that meet the SLO, three score best (168.2 against 170.7 for four)."""
+    pl = policy("conductor", slo=SLOConfig(ttft_s=15.0)).choose(BIG, loaded(5), 0.0)
+    assert len(pl.cpp_group) == 3
+    assert pl.ttft_s == makespan(100_000, 3) < 15.0
 
 
 def test_without_an_slo_at_stake_the_work_price_decides() -> None:
@@ -72,12 +82,13 @@ def test_a_rescue_uses_idle_instances_only() -> None:
 
 
 def test_a_group_waits_for_its_busiest_member() -> None:
-    """``rescue_idle_only`` off, every instance busy (1..4 s): the group of all four
-    starts when the last one is free, 4 s + 9.83 s beating 3 s + 12.37 s."""
+    """``rescue_idle_only`` off, every instance busy (1..4 s), no price on work (at
+    kappa 2 the pair would score best): the group of all four starts when the last one
+    is free, 4 s + 9.83 s beating 3 s + 12.37 s."""
     c = cluster(4)
     for i, p in enumerate(c.prefill):
         queue(p, float(i + 1))
-    pl = policy("conductor", cpp={"rescue_idle_only": False}).choose(BIG, c, 0.0)
+    pl = policy("conductor", work_weight=0.0, cpp={"rescue_idle_only": False}).choose(BIG, c, 0.0)
     assert sorted(pl.cpp_group) == [0, 1, 2, 3]
     assert pl.queue_s == 4.0
     assert pl.ttft_s == 4.0 + makespan(100_000, 4)

@@ -36,6 +36,10 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
    chunks are planned) of the pool can stay idle for what arrives next; when
    one instance would break ``cpp.trigger_share`` of the TTFT SLO, a faster
    group serves the prompt instead of a rejection.
+   A group also pays for the arrivals it shuts out (:mod:`..arrivals`): each option,
+   one instance or a group, adds the wait of the requests expected (at the measured
+   arrival rate) before enough instances free up, so on a small pool or in a burst a
+   group that takes the last idle instances for long loses to one instance.
 7. **Migrate, don't copy, on fetch.** The source's copy of fetched blocks goes
    to the cold end of its LRU: the newest copy stays hot, old ones age out
    unless reused, and duplicates stop crowding the pooled cache.
@@ -67,6 +71,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..arrivals import ArrivalRate, shut_out_wait
 from ..cpp import CPPConfig, choose_chunk
 from ..kernels import rank_fifo
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
@@ -92,6 +97,13 @@ class ConductorParams(BaseModel):
     work_weight: float = Field(
         1.0, ge=0, description="weight of a choice's GPU seconds, times (busy share of the "
         "prefill pool + requests waiting per instance), added to its TTFT (0: pure TTFT)",
+    )
+    shut_out_price: bool = Field(
+        True, description="a CPP group and the one-instance option it competes with each "
+        "pay the wait of the arrivals they shut out of the pool (measured arrival rate)",
+    )
+    arrival_window: int = Field(
+        32, ge=1, description="arrivals the measured arrival rate averages over (weighted)"
     )
     explain: bool = Field(False, description="attach the top candidates to each placement")
     cpp: CPPConfig = CPPConfig()
@@ -123,6 +135,8 @@ class ConductorPolicy(PrefillPolicy):
         self._score = np.empty(0)
         self._fetch = np.empty(0, dtype=np.bool_)
         self._ties = np.empty(0, dtype=np.int64)
+        assert isinstance(params, ConductorParams)
+        self._arrivals = ArrivalRate(params.arrival_window)
 
     def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
         """FIFO queues without ``explain``: the live instances come from the pool's board
@@ -150,6 +164,7 @@ class ConductorPolicy(PrefillPolicy):
         assert isinstance(self.params, ConductorParams)
         prm = self.params
         cost = self.ctx.cost
+        self._arrivals.observe(req.rid, req.arrival)
         if cost.version != self._consts_version:  # the cost model was recalibrated
             self._consts = np.array(cost.prefill_constants())
             self._consts_version = cost.version
@@ -232,17 +247,23 @@ class ConductorPolicy(PrefillPolicy):
             chosen = cluster.prefill[int(ties_at[0] if count == 1
                                          else ties_at[self.ctx.rng.choice(range(count))])]
         choice = self._placement(row_of(chosen), best_src)
-        cpp = None
+        cpp: Placement | None = None
         if prm.cpp.enabled and self.ctx.cpp:
             if live is None:
                 live = [p for p in cluster.prefill if p.up]
-            cpp = self._cpp(req, live, stored, best_src, best_len, choice, now)
-        if cpp is not None:
-            rescue = choice.ttft_s > prm.cpp.trigger_share * self.ctx.slo.ttft_s
-            if (rescue and cpp.ttft_s < choice.ttft_s) or (
-                cpp.ttft_s + kappa * cpp.gpu_seconds < choice.ttft_s + kappa * choice.gpu_seconds
-            ):
-                choice = cpp
+            rate = self._arrivals.per_s if prm.shut_out_price else 0.0
+            found = self._cpp(req, live, stored, best_src, best_len, choice, now, kappa, rate)
+            if found is not None:
+                cpp, cpp_shut_out = found
+                rescue = choice.ttft_s > prm.cpp.trigger_share * self.ctx.slo.ttft_s
+                single_shut_out = shut_out_wait(
+                    [choice.ttft_s if p.iid == choice.prefill else p.wait_time(now)
+                     for p in live], rate)
+                if (rescue and cpp.ttft_s < choice.ttft_s) or (
+                    cpp.ttft_s + kappa * cpp.gpu_seconds + cpp_shut_out
+                    < choice.ttft_s + kappa * choice.gpu_seconds + single_shut_out
+                ):
+                    choice = cpp
         if prm.explain:
             options = [self._placement(r, best_src) for r in sorted(r[1] for r in rows)[:5]]
             if cpp is not None:
@@ -294,9 +315,13 @@ class ConductorPolicy(PrefillPolicy):
         best_len: int,
         single: Placement,
         now: float,
-    ) -> Placement | None:
+        kappa: float,
+        rate: float,
+    ) -> tuple[Placement, float] | None:
         """The best chunked-pipeline placement over the least-loaded instances, for prompts
-        with at least ``min_new_tokens`` to compute."""
+        with at least ``min_new_tokens`` to compute, and the wait of the arrivals it shuts
+        out at ``rate`` per second. Group sizes compete on the score: TTFT, ``kappa`` per
+        GPU second, and that wait."""
         assert isinstance(self.params, ConductorParams)
         cfg = self.params.cpp
         n = req.input_tokens
@@ -308,14 +333,17 @@ class ConductorPolicy(PrefillPolicy):
         order = {p.iid: (p.wait_time(now), rng.random()) for p in live}  # random among equals
         by_wait = sorted(live, key=lambda p: order[p.iid])
         idle = sum(1 for p in by_wait if order[p.iid][0] <= 0.0)
-        if single.ttft_s <= cfg.trigger_share * self.ctx.slo.ttft_s:
+        rescue = single.ttft_s > cfg.trigger_share * self.ctx.slo.ttft_s
+        if not rescue:
             # opportunistic: only idle instances, and some stay idle for what arrives next
             limit = min(cfg.max_group, idle - math.ceil(cfg.reserve_idle_share * len(live)))
         elif cfg.rescue_idle_only:
             limit = min(cfg.max_group, idle)
         else:
             limit = cfg.max_group
-        best: Placement | None = None
+        best: tuple[Placement, float] | None = None
+        # a rescue's groups that meet the SLO compete on the score; with none, the fastest
+        best_key = (True, math.inf)
         for size in range(2, min(limit, len(by_wait)) + 1):
             members = by_wait[:size]
             leader = max(members, key=lambda p: (stored[p.iid], -order[p.iid][1]))
@@ -326,7 +354,15 @@ class ConductorPolicy(PrefillPolicy):
             chunk, makespan = choose_chunk(self.ctx.cost, n, req.tokens_of(reuse), size, cfg)
             prio = req.arrival + self.params.priority_weight * makespan
             wait = max(p.wait_time(now, prio) for p in members)
-            if best is None or max(wait, transfer) + makespan < best.ttft_s:
+            ttft = max(wait, transfer) + makespan
+            # members free at the group's end, the others as they are
+            shut_out = shut_out_wait(
+                [ttft] * size + [order[p.iid][0] for p in by_wait[size:]], rate)
+            score = ttft + kappa * size * makespan + shut_out
+            late = rescue and ttft > self.ctx.slo.ttft_s
+            key = (late, ttft if late else score)
+            if key < best_key:
+                best_key = key
                 best = Placement(
                     prefill=leader.iid, local_blocks=local, fetch_blocks=fetch,
                     source=best_src if fetch else None, queue_s=wait,
@@ -335,5 +371,5 @@ class ConductorPolicy(PrefillPolicy):
                     cpp_group=[leader.iid] + [p.iid for p in members if p is not leader],
                     cpp_chunk_tokens=chunk,
                     migrate=self.params.migrate_on_fetch,
-                )
+                ), shut_out
         return best

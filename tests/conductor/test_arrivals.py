@@ -1,0 +1,107 @@
+"""The arrival rate and the wait of the arrivals a choice shuts out (``arrivals``), and
+how the conductor prices a CPP group with them."""
+
+import math
+
+import pytest
+from mooncake_conductor.arrivals import ArrivalRate, shut_out_wait
+from mooncake_conductor.cpp import CPPConfig, choose_chunk
+from mooncake_conductor.policies.base import PrefillPolicy
+
+from .helpers import COST, cluster, policy, queue, request
+
+
+def test_no_rate_or_an_idle_pool_shuts_nobody_out() -> None:
+    assert shut_out_wait([30.0, 30.0], 0.0) == 0.0
+    assert shut_out_wait([0.0, 0.0, 0.0], 100.0) == 0.0
+    assert shut_out_wait([], 5.0) == 0.0
+
+
+def test_each_arrival_takes_the_instance_that_frees_next() -> None:
+    # one instance busy 10 s, three idle, one arrival a second: the fourth arrival (at
+    # 4 s) is the first with no idle instance left and waits 10 - 4 = 6 s
+    assert shut_out_wait([10.0, 0.0, 0.0, 0.0], 1.0) == pytest.approx(6.0)
+    # all four busy 5 s, two arrivals a second (at 0.5, 1, 1.5, 2 s): 4.5 + 4 + 3.5 + 3
+    assert shut_out_wait([5.0, 5.0, 5.0, 5.0], 2.0) == pytest.approx(15.0)
+    # an instance free before its arrival comes costs nothing
+    assert shut_out_wait([0.2, 0.3], 1.0) == 0.0
+
+
+def test_holding_more_instances_longer_shuts_out_more() -> None:
+    base = [0.0, 0.0, 0.0, 0.0]
+    pair = [4.0, 4.0, 0.0, 0.0]
+    four = [4.0, 4.0, 4.0, 4.0]
+    assert shut_out_wait(base, 3.0) < shut_out_wait(pair, 3.0) < shut_out_wait(four, 3.0)
+
+
+def test_rate_is_the_mean_gap_then_a_weighted_one() -> None:
+    r = ArrivalRate(window=2)
+    assert r.per_s == 0.0
+    r.observe(1, 0.0)
+    assert r.per_s == 0.0  # one arrival: no gap yet
+    r.observe(2, 1.0)
+    r.observe(3, 2.0)
+    assert r.per_s == pytest.approx(1.0)
+    r.observe(4, 5.0)  # gap 3 s, weight 1/2: mean gap 1 + (3 - 1) / 2 = 2 s
+    assert r.per_s == pytest.approx(0.5)
+
+
+def test_a_burst_counts_its_zero_gaps() -> None:
+    r = ArrivalRate(window=32)
+    for rid, at in enumerate([0.0, 0.0, 0.0, 3.0], start=1):
+        r.observe(rid, at)
+    assert r.per_s == pytest.approx(1.0)  # gaps 0, 0, 3
+
+
+def test_a_request_seen_before_is_not_a_new_arrival() -> None:
+    r = ArrivalRate(window=32)
+    r.observe(1, 0.0)
+    r.observe(2, 1.0)
+    r.observe(2, 1.0)  # scheduled again while held
+    r.observe(1, 0.0)  # an older one (a steal prices it again)
+    r.observe(3, 2.0)
+    assert r.per_s == pytest.approx(1.0)
+
+
+def test_window_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        ArrivalRate(window=0)
+
+
+def _after_arrivals(gap: float, **params: object) -> tuple[PrefillPolicy, float]:
+    """A conductor that has seen 20 short requests ``gap`` seconds apart (ids 1..20);
+    returns it and the time the next arrives."""
+    pol = policy("conductor", **params)
+    for i in range(1, 21):
+        pol.choose(request([10_000 + i], rid=i, arrival=i * gap), cluster(4), i * gap)
+    return pol, 21 * gap
+
+
+def test_a_group_that_shuts_out_a_stream_of_arrivals_loses_to_one_instance() -> None:
+    """4 instances, 2 busy for 1 s (kappa (2 busy + 2 waiting) / 4 = 1), a 40k-token
+    prompt, ten arrivals a second. The idle pair: 4.39 s + 1 x 8.78 GPU s + the arrivals
+    it shuts out (ends 1, 1, 4.39, 4.39 against arrivals at 0.1..0.4 s: 9.78 s) = 22.95;
+    one idle instance: 7.20 + 7.20 + (ends 0, 1, 1, 7.2: 8.30 s) = 22.70. Without the
+    price the pair wins (13.17 against 14.40)."""
+    prompt = list(range(40_000 // 512))
+    pair = choose_chunk(COST, 40_000, 0, 2, CPPConfig())[1]
+    single = COST.prefill_time(40_000)
+    chosen = {}
+    for priced in (True, False):
+        pol, now = _after_arrivals(0.1, shut_out_price=priced)
+        c = cluster(4)
+        queue(c.prefill[2], 1.0)
+        queue(c.prefill[3], 1.0)
+        chosen[priced] = pol.choose(request(prompt, tokens=40_000, rid=21, arrival=now), c, now)
+    assert chosen[True].cpp_group == [] and math.isclose(chosen[True].ttft_s, single)
+    assert len(chosen[False].cpp_group) == 2 and math.isclose(chosen[False].ttft_s, pair)
+
+
+def test_with_arrivals_far_apart_the_group_still_forms() -> None:
+    # the same pool and prompt, one arrival every 50 s: nobody is shut out
+    pol, now = _after_arrivals(50.0)
+    c = cluster(4)
+    queue(c.prefill[2], 1.0)
+    queue(c.prefill[3], 1.0)
+    pl = pol.choose(request(list(range(78)), tokens=40_000, rid=21, arrival=now), c, now)
+    assert len(pl.cpp_group) == 2
