@@ -2,25 +2,26 @@
 wait of the arrivals a choice shuts out of the pool.
 
 Rule (:func:`shut_out_wait`): after a choice, every live prefill instance is free again
-at some predicted time (0 for an idle one). Requests arrive at the measured rate ``r``,
-the ``j``-th at ``j / r``, and each takes the instance that frees ``j``-th: it waits
-``max(0, end_j - j / r)``. The sum over the pool is what the choice makes the next
-arrivals wait, in the same seconds as a TTFT. A choice that leaves instances idle
-charges nothing; one that takes the last idle ones for long charges the arrivals that
-find none.
+at some predicted time (0 for an idle one); ``t`` is the earliest. Requests arrive at the
+measured rate ``r``; each one that comes before ``t`` finds no instance free and waits
+until ``t``: ``r * t**2 / 2`` seconds in all, in the same seconds as a TTFT. A choice
+that leaves an instance idle charges nothing; one that takes the last idle instances
+for long charges the arrivals that find none.
 
 Why: a chunked-pipeline (CPP) group holds all its members for its whole makespan. On
 a large pool the next arrivals go to the instances it left idle; on a small one, or in
 a burst, they queue behind it. The conductor's price of a GPU second (``kappa``) is the
 pool's load *now*, which is lowest exactly when idle instances let a group form, so it
-does not see this. Measured (``benchmarks/scheduling_results.py`` and
-``docs/conductor.md``): pricing it cut the conductor's charged mean TTFT by about 1% on
-average over the conversation trace and three synthetic shapes at 4, 8 and 16 prefill
-instances, and up to 2.4%; no setting got more than 0.5% worse (mean of three seeds).
+does not see this. Measured (``docs/conductor.md``, item 7): pricing it cut the
+conductor's charged mean TTFT by 1% on (geometric) average over the conversation trace
+and three synthetic shapes at 4, 8 and 16 prefill instances, 80% and 110% load, and by
+up to 4.1% (the conversation trace on 4 instances); the worst of the 24 settings got
+1.5% slower (mean of three seeds each). Charging every arrival for the instance that
+frees in its turn (not only the first) gained as much on average but recomputed more:
+the token hit ratio of the synthetic conversation fell from 95% to 94% of its ceiling.
 
-A first-order estimate: it ignores that the arrivals bring work of their own, and that a
-request may arrive with no instance to spare for reasons the choice did not cause (the
-same for every option, so it cancels where options are compared).
+A first-order estimate: it ignores the work the arrivals bring (after ``t`` they may
+still queue), and counts only the expected number of arrivals, not their spread.
 
 :class:`ArrivalRate`: an exponentially weighted mean of the gaps between arrivals, each
 new request counted once (a request scheduled again while held is not a new arrival).
@@ -32,17 +33,13 @@ from collections.abc import Iterable
 
 
 def shut_out_wait(ends: Iterable[float], rate: float) -> float:
-    """Seconds the next arrivals wait, summed, when requests arrive at ``rate`` per second
-    and each takes the instance that frees next; ``ends``: when each live instance is
-    free (seconds from now; 0 or less: idle). 0 without a rate."""
-    if rate <= 0.0:
+    """Seconds the next arrivals wait, summed, until the first live instance is free:
+    ``ends`` says when each one is (seconds from now; 0 or less: idle), requests come at
+    ``rate`` per second. 0 without a rate or with an idle instance."""
+    first = min(ends, default=0.0)
+    if rate <= 0.0 or first <= 0.0:
         return 0.0
-    total = 0.0
-    for j, end in enumerate(sorted(ends), start=1):
-        late = end - j / rate
-        if late > 0.0:
-            total += late
-    return total
+    return rate * first * first / 2.0
 
 
 class ArrivalRate:

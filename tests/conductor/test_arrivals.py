@@ -11,27 +11,22 @@ from mooncake_conductor.policies.base import PrefillPolicy
 from .helpers import COST, cluster, policy, queue, request
 
 
-def test_no_rate_or_an_idle_pool_shuts_nobody_out() -> None:
+def test_no_rate_or_an_idle_instance_shuts_nobody_out() -> None:
     assert shut_out_wait([30.0, 30.0], 0.0) == 0.0
-    assert shut_out_wait([0.0, 0.0, 0.0], 100.0) == 0.0
+    assert shut_out_wait([10.0, 0.0, 10.0], 100.0) == 0.0
     assert shut_out_wait([], 5.0) == 0.0
 
 
-def test_each_arrival_takes_the_instance_that_frees_next() -> None:
-    # one instance busy 10 s, three idle, one arrival a second: the fourth arrival (at
-    # 4 s) is the first with no idle instance left and waits 10 - 4 = 6 s
-    assert shut_out_wait([10.0, 0.0, 0.0, 0.0], 1.0) == pytest.approx(6.0)
-    # all four busy 5 s, two arrivals a second (at 0.5, 1, 1.5, 2 s): 4.5 + 4 + 3.5 + 3
-    assert shut_out_wait([5.0, 5.0, 5.0, 5.0], 2.0) == pytest.approx(15.0)
-    # an instance free before its arrival comes costs nothing
-    assert shut_out_wait([0.2, 0.3], 1.0) == 0.0
+def test_the_arrivals_before_the_first_instance_frees_wait_for_it() -> None:
+    # every instance busy, the first free in 4 s, two arrivals a second: 8 arrivals
+    # waiting 2 s on average
+    assert shut_out_wait([6.0, 4.0, 9.0], 2.0) == pytest.approx(16.0)
+    assert shut_out_wait([0.5], 1.0) == pytest.approx(0.125)
 
 
-def test_holding_more_instances_longer_shuts_out_more() -> None:
-    base = [0.0, 0.0, 0.0, 0.0]
-    pair = [4.0, 4.0, 0.0, 0.0]
-    four = [4.0, 4.0, 4.0, 4.0]
-    assert shut_out_wait(base, 3.0) < shut_out_wait(pair, 3.0) < shut_out_wait(four, 3.0)
+def test_holding_the_last_idle_instances_longer_shuts_out_more() -> None:
+    assert (shut_out_wait([1.0, 0.0], 3.0) < shut_out_wait([1.0, 2.0], 3.0)
+            < shut_out_wait([3.0, 2.0], 3.0) < shut_out_wait([3.0, 2.0], 6.0))
 
 
 def test_rate_is_the_mean_gap_then_a_weighted_one() -> None:
@@ -80,9 +75,9 @@ def _after_arrivals(gap: float, **params: object) -> tuple[PrefillPolicy, float]
 def test_a_group_that_shuts_out_a_stream_of_arrivals_loses_to_one_instance() -> None:
     """4 instances, 2 busy for 1 s (kappa (2 busy + 2 waiting) / 4 = 1), a 40k-token
     prompt, ten arrivals a second. The idle pair: 4.39 s + 1 x 8.78 GPU s + the arrivals
-    it shuts out (ends 1, 1, 4.39, 4.39 against arrivals at 0.1..0.4 s: 9.78 s) = 22.95;
-    one idle instance: 7.20 + 7.20 + (ends 0, 1, 1, 7.2: 8.30 s) = 22.70. Without the
-    price the pair wins (13.17 against 14.40)."""
+    it shuts out (no instance free for 1 s: 10 x 1**2 / 2 = 5 s) = 18.17; one idle
+    instance leaves the other idle: 7.20 + 7.20 = 14.40. Without the price the pair wins
+    (13.17 against 14.40)."""
     prompt = list(range(40_000 // 512))
     pair = choose_chunk(COST, 40_000, 0, 2, CPPConfig())[1]
     single = COST.prefill_time(40_000)
