@@ -18,6 +18,10 @@ Sections (each can be skipped with ``--skip``):
 - ``seeds``: the full-system table's ratio again with other seeds (``--seeds``: the
   Conductor's random draws and every request's prediction error drawn anew), so a margin
   is read against its spread from one draw to the next.
+- ``pools``: the full-system comparison on smaller and larger pools (4, 8 and 32 prefill
+  instances, as many decode) at the same loads, the strongest designs only, and
+  ``conductor`` with ``cpp.max_group`` 2 beside its defaults: whether the 16-instance
+  picture holds at a size a reader may run.
 - ``capacity``: effective request capacity on the conversation trace (``mooncake-operator
   capacity``), against the compute-bound limit.
 - ``calibration``: hardware 25% slower than the model, with and without online
@@ -63,8 +67,16 @@ CONVERSATION = "mooncake-conversation"
 DEFAULT_POLICIES = ("least-load,sglang-cache-aware,sglang-cache-aware+,dynamo-kv,llm-d,"
                     "llm-d-precise,aibrix-prefix-cache,kvcache-centric,mooncake-paper,conductor")
 DEFAULT_CAPACITY = "sglang-cache-aware+,dynamo-kv,llm-d-precise,mooncake-paper,conductor"
-SECTIONS = ("tables", "seeds", "capacity", "calibration", "hot", "long", "decode", "ablation",
-            "speed")
+#: the pools section: prefill instances (as many decode) besides the preset's 16, the
+#: designs compared there (the best others of the 16-instance tables), and conductor
+#: variants shown beside its defaults (not counted as "others")
+POOL_SIZES = (4, 8, 32)
+POOL_POLICIES = ("dynamo-kv", "llm-d", "kvcache-centric", "mooncake-paper", "conductor")
+POOL_VARIANTS: dict[str, dict[str, Any]] = {
+    "conductor, max_group 2": {"conductor_params": {"cpp": {"max_group": 2}}},
+}
+SECTIONS = ("tables", "seeds", "pools", "capacity", "calibration", "hot", "long", "decode",
+            "ablation", "speed")
 #: the decode-bound setting: long answers on a quarter of the preset's decode pool
 DECODE_POOL = 4
 DECODE_POLICIES = ("dynamo-kv", "llm-d", "kvcache-centric", "mooncake-paper", "conductor")
@@ -74,6 +86,7 @@ ABLATION: dict[str, dict[str, Any]] = {
     "shortest-job-first queues (priority_weight 2)": {"params": {"priority_weight": 2.0}},
     "no work price (work_weight 0)": {"params": {"work_weight": 0.0}},
     "no CPP": {"params": {"cpp": {"enabled": False}}},
+    "CPP groups do not pay for the arrivals they shut out": {"params": {"shut_out_price": False}},
     "no in-flight prefixes (include_pending false)": {"params": {"include_pending": False}},
     "copy instead of migrate on fetch": {"params": {"migrate_on_fetch": False}},
     "transfer not overlapped": {"params": {"overlap_transfer": False}},
@@ -246,6 +259,43 @@ def seeds(args: argparse.Namespace, policies: list[str],
                          "ttft_ratio_mean": sum(ratios) / len(ratios) if ratios else math.nan,
                          "ttft_ratio_min": min(ratios, default=math.nan)})
     return {"seeds": [0, *args.seeds] if earlier else list(args.seeds), "runs": runs}
+
+
+def pools(args: argparse.Namespace) -> dict[str, Any]:
+    """The full-system comparison at each of ``POOL_SIZES`` (the loads scaled to the pool),
+    the conductor variants of ``POOL_VARIANTS`` beside it."""
+    data = table_workloads(args.requests)
+    names = [*POOL_POLICIES, *POOL_VARIANTS]
+    jobs = []
+    for size in POOL_SIZES:
+        for n, recs in data.items():
+            for load in args.loads:
+                speed = speed_for_utilization(recs, size, load)
+                for name in names:
+                    pol, kw = (name, {}) if name in POOL_POLICIES else ("conductor",
+                                                                          POOL_VARIANTS[name])
+                    jobs.append((f"{size}|{n}|{load}|{name}", recs,
+                                 sim_config(pol, speed, prefill=size, decode=size, **kw)))
+    res = run_all("pools", jobs, args.jobs)
+    runs = []
+    for size in POOL_SIZES:
+        for n in data:
+            for load in args.loads:
+                rows = {p: res[f"{size}|{n}|{load}|{p}"] for p in POOL_POLICIES}
+                run = _compare(n, load, "full", rows, 0.0)
+                run.pop("hit_of_ceiling", None)
+                run["prefill"] = size
+                run["variants"] = {}
+                for v in POOL_VARIANTS:
+                    r = res[f"{size}|{n}|{load}|{v}"]
+                    best = run["results"][run["best_other"]]["ttft_mean_charged_s"]
+                    run["variants"][v] = {
+                        "ttft_mean_charged_s": r["ttft_mean_charged_s"],
+                        "slo_attainment": r["slo_attainment"], "rejected": r["rejected"],
+                        "ttft_ratio": best / r["ttft_mean_charged_s"]}
+                runs.append(run)
+    return {"sizes": list(POOL_SIZES), "policies": list(POOL_POLICIES),
+            "variants": list(POOL_VARIANTS), "runs": runs}
 
 
 def _seed_row(run: dict[str, Any]) -> dict[str, Any]:
@@ -563,6 +613,24 @@ def markdown(doc: dict[str, Any]) -> str:
               *(_seed_cell(r["seeds"].get(c, {})) for c in cols),
               f"{r['ttft_ratio_mean']:.3f}x", f"{r['ttft_ratio_min']:.3f}x",
               _slo_cell(r)] for r in sd["runs"]], left=(0,))
+    pl = doc.get("pools")
+    if pl:
+        lines += ["## Other pool sizes (full system)", "",
+                  f"The tables' setting on {', '.join(f'{x}P+{x}D' for x in pl['sizes'])} "
+                  "(loads scaled to the pool), the strongest designs only ("
+                  + ", ".join(f"`{p}`" for p in pl["policies"] if p != "conductor")
+                  + "). Ratio: best other's charged TTFT / conductor's; "
+                  + "; ".join(f"`{v}`: the same ratio for that variant" for v in pl["variants"])
+                  + ".", ""]
+        lines += _table(
+            ["pool, workload, load", "best other", "its charged TTFT s", "conductor s",
+             "ratio", "SLO vs best other", *(f"{v}: s, ratio" for v in pl["variants"])],
+            [[f"{r['prefill']}P, {r['workload']}, {100 * r['load']:.0f}%", r["best_other"],
+              f"{r['results'][r['best_other']]['ttft_mean_charged_s']:.3f}",
+              f"{r['results']['conductor']['ttft_mean_charged_s']:.3f}",
+              f"**{r['ttft_ratio']:.3f}x**", f"{100 * r['slo_margin']:+.2f} points",
+              *(f"{x['ttft_mean_charged_s']:.3f}, {x['ttft_ratio']:.3f}x"
+                for x in r["variants"].values())] for r in pl["runs"]], left=(0, 1))
     s = doc.get("speed")
     if s:
         lines += ["## Simulator speed", "",
@@ -613,6 +681,19 @@ def verdicts(doc: dict[str, Any]) -> list[str]:
                    f"≥ {TTFT_MARGIN:.2f}x in {met}/{len(cells)} runs, SLO ≥ every other in "
                    f"{slo}/{len(cells)}; lowest mean ratio {lowest['ttft_ratio_mean']:.3f}x "
                    f"({lowest['workload']} at {100 * lowest['load']:.0f}%)")
+    pl = doc.get("pools")
+    if pl:
+        runs = pl["runs"]
+        lost = [r for r in runs if r["ttft_ratio"] < 1.0]
+        out.append(f"other pool sizes ({', '.join(map(str, pl['sizes']))} prefill instances): "
+                   f"conductor's charged TTFT lowest in {len(runs) - len(lost)}/{len(runs)} "
+                   f"runs, ≥ {TTFT_MARGIN:.2f}x in "
+                   f"{sum(r['ttft_ratio'] >= TTFT_MARGIN for r in runs)}/{len(runs)}, SLO ≥ "
+                   f"every other in {sum(r['slo_margin'] >= 0 for r in runs)}/{len(runs)}"
+                   + ("; behind in: " + "; ".join(
+                       f"{r['prefill']}P {r['workload']} at {100 * r['load']:.0f}% "
+                       f"({r['ttft_ratio']:.3f}x vs {r['best_other']})" for r in lost)
+                      if lost else ""))
     c = doc.get("capacity")
     if c and "ratio_to_best" in c:
         ok = c["ratio_to_best"] >= CAPACITY_MARGIN and (c["of_limit"] or 0) >= CAPACITY_OF_LIMIT
@@ -722,7 +803,8 @@ def main() -> None:
                                         "cpus": os.cpu_count()}}
     t0 = time.perf_counter()
     for name, fn in (("tables", lambda: tables(args, policies)),
-                     ("seeds", lambda: seeds(args, policies, doc.get("tables"))), ("capacity",
+                     ("seeds", lambda: seeds(args, policies, doc.get("tables"))),
+                     ("pools", lambda: pools(args)), ("capacity",
                      lambda: capacity(args)), ("calibration", lambda: calibration(args)),
                      ("hot", lambda: hot(args)), ("long", lambda: long_prompts(args)),
                      ("decode", lambda: decode_bound(args)),
