@@ -38,8 +38,8 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
    group serves the prompt instead of a rejection.
    A group also pays for the arrivals it shuts out (:mod:`..arrivals`): each option,
    one instance or a group, adds the wait of the requests expected (at the measured
-   arrival rate) before enough instances free up, so on a small pool or in a burst a
-   group that takes the last idle instances for long loses to one instance.
+   arrival rate) before the first instance is free again, so on a small pool or in a
+   burst a group that takes the last idle instances for long loses to one instance.
 7. **Migrate, don't copy, on fetch.** The source's copy of fetched blocks goes
    to the cold end of its LRU: the newest copy stays hot, old ones age out
    unless reused, and duplicates stop crowding the pooled cache.
