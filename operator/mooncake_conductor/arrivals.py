@@ -36,8 +36,10 @@ def shut_out_wait(ends: Iterable[float], rate: float) -> float:
     """Seconds the next arrivals wait, summed, until the first live instance is free:
     ``ends`` says when each one is (seconds from now; 0 or less: idle), requests come at
     ``rate`` per second. 0 without a rate or with an idle instance."""
+    if rate <= 0.0:  # ``ends`` is not even read
+        return 0.0
     first = min(ends, default=0.0)
-    if rate <= 0.0 or first <= 0.0:
+    if first <= 0.0:
         return 0.0
     return rate * first * first / 2.0
 

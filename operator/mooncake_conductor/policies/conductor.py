@@ -66,6 +66,7 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
 from __future__ import annotations
 
 import math
+from itertools import chain
 
 import numpy as np
 import numpy.typing as npt
@@ -252,13 +253,11 @@ class ConductorPolicy(PrefillPolicy):
             if live is None:
                 live = [p for p in cluster.prefill if p.up]
             rate = self._arrivals.per_s if prm.shut_out_price else 0.0
-            found = self._cpp(req, live, stored, best_src, best_len, choice, now, kappa, rate)
+            rescue = choice.ttft_s > prm.cpp.trigger_share * self.ctx.slo.ttft_s
+            found = self._cpp(req, live, stored, best_src, best_len, choice, now, rescue,
+                              kappa, rate)
             if found is not None:
-                cpp, cpp_shut_out = found
-                rescue = choice.ttft_s > prm.cpp.trigger_share * self.ctx.slo.ttft_s
-                single_shut_out = shut_out_wait(
-                    [choice.ttft_s if p.iid == choice.prefill else p.wait_time(now)
-                     for p in live], rate)
+                cpp, cpp_shut_out, single_shut_out = found
                 if (rescue and cpp.ttft_s < choice.ttft_s) or (
                     cpp.ttft_s + kappa * cpp.gpu_seconds + cpp_shut_out
                     < choice.ttft_s + kappa * choice.gpu_seconds + single_shut_out
@@ -315,13 +314,16 @@ class ConductorPolicy(PrefillPolicy):
         best_len: int,
         single: Placement,
         now: float,
+        rescue: bool,
         kappa: float,
         rate: float,
-    ) -> tuple[Placement, float] | None:
+    ) -> tuple[Placement, float, float] | None:
         """The best chunked-pipeline placement over the least-loaded instances, for prompts
-        with at least ``min_new_tokens`` to compute, and the wait of the arrivals it shuts
-        out at ``rate`` per second. Group sizes compete on the score: TTFT, ``kappa`` per
-        GPU second, and that wait."""
+        with at least ``min_new_tokens`` to compute, the wait of the arrivals it shuts out
+        at ``rate`` per second, and the same for ``single`` (the one-instance option).
+        Group sizes compete on the score: TTFT, ``kappa`` per GPU second, and that wait;
+        for a ``rescue`` (``single`` breaks the TTFT SLO) only the groups that meet it do,
+        and with none the fastest group is taken."""
         assert isinstance(self.params, ConductorParams)
         cfg = self.params.cpp
         n = req.input_tokens
@@ -333,7 +335,6 @@ class ConductorPolicy(PrefillPolicy):
         order = {p.iid: (p.wait_time(now), rng.random()) for p in live}  # random among equals
         by_wait = sorted(live, key=lambda p: order[p.iid])
         idle = sum(1 for p in by_wait if order[p.iid][0] <= 0.0)
-        rescue = single.ttft_s > cfg.trigger_share * self.ctx.slo.ttft_s
         if not rescue:
             # opportunistic: only idle instances, and some stay idle for what arrives next
             limit = min(cfg.max_group, idle - math.ceil(cfg.reserve_idle_share * len(live)))
@@ -342,8 +343,7 @@ class ConductorPolicy(PrefillPolicy):
         else:
             limit = cfg.max_group
         best: tuple[Placement, float] | None = None
-        # a rescue's groups that meet the SLO compete on the score; with none, the fastest
-        best_key = (True, math.inf)
+        best_key = (True, math.inf)  # (misses the SLO in a rescue, score or TTFT)
         for size in range(2, min(limit, len(by_wait)) + 1):
             members = by_wait[:size]
             leader = max(members, key=lambda p: (stored[p.iid], -order[p.iid][1]))
@@ -357,7 +357,7 @@ class ConductorPolicy(PrefillPolicy):
             ttft = max(wait, transfer) + makespan
             # members free at the group's end, the others as they are
             shut_out = shut_out_wait(
-                [ttft] * size + [order[p.iid][0] for p in by_wait[size:]], rate)
+                chain([ttft] * size, (order[p.iid][0] for p in by_wait[size:])), rate)
             score = ttft + kappa * size * makespan + shut_out
             late = rescue and ttft > self.ctx.slo.ttft_s
             key = (late, ttft if late else score)
@@ -372,4 +372,8 @@ class ConductorPolicy(PrefillPolicy):
                     cpp_chunk_tokens=chunk,
                     migrate=self.params.migrate_on_fetch,
                 ), shut_out
-        return best
+        if best is None:
+            return None
+        single_shut_out = shut_out_wait(
+            (single.ttft_s if p.iid == single.prefill else order[p.iid][0] for p in live), rate)
+        return best[0], best[1], single_shut_out
