@@ -35,8 +35,11 @@ def run_once(policy: str, jobs: int, trace: str | None) -> dict[str, Any]:
         if trace:
             cmd += ["--trace", trace]
         started = time.perf_counter()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         wall = time.perf_counter() - started
+        if done.returncode:  # bad input (policy, trace): the CLI's own message, no traceback
+            sys.exit(f"capacity_parallel: `{' '.join(cmd[2:])}` failed: "
+                     + (done.stderr.strip().splitlines() or ["no message"])[-1])
         row = json.loads(out.read_text())["results"][0]
     return {"jobs": jobs, "wall_s": wall, "capacity_speed": row["capacity_speed"],
             "probes": len(row["probes"]), "rounds": row["rounds"],
