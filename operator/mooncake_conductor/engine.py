@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .cost import CostModel, CostModelConfig
 from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
 from .holding import HoldingConfig, hold_deadline
+from .overrun import OverrunConfig, OverrunEstimator
 from .policies.base import Placement, PolicyContext, SLOConfig, create_policy, policy_class
 from .replication import HotPrefixTracker, ReplicationAction, ReplicationConfig
 from .shedding import OverloadShedding, SheddingConfig
@@ -77,6 +78,7 @@ class ConductorConfig(BaseModel):
     calibrate: bool | None = Field(
         None, description="learn the prefill-time scale online (default: the policy's own)")
     calibration: CalibrationConfig = CalibrationConfig()
+    overrun: OverrunConfig = OverrunConfig()
     routing_only: bool = Field(
         False, description="equal capability: every policy routes on local caches only "
         "(no KV fetch, no CPP, no admission, no replication), to compare routing alone")
@@ -141,13 +143,18 @@ class Conductor:
         self.replicate = not only and _own(cfg.replicate, policy.replication)
         self.hot = HotPrefixTracker(cfg.replication)
         self.calibrate = _own(cfg.calibrate, policy.calibrates)
+        self.overrun = (OverrunEstimator(cfg.overrun)
+                        if _own(cfg.overrun.enabled, policy.reestimates) else None)
         self._log_scale = math.log(self.config.calibration.initial_scale)
         if self._log_scale:
             self.cost.set_prefill_scale(self.config.calibration.initial_scale)
 
     def observe_prefill(self, predicted_s: float, observed_s: float) -> None:
         """A prefill predicted to take ``predicted_s`` (by the current model) took
-        ``observed_s``: with calibration on, move the model's prefill scale towards it."""
+        ``observed_s``: with calibration on, move the model's prefill scale towards it;
+        with overrun re-estimation on, measure the prediction error's spread."""
+        if self.overrun is not None:
+            self.overrun.observe(predicted_s, observed_s)
         if not self.calibrate or predicted_s <= 0 or observed_s <= 0:
             return
         cal = self.config.calibration
@@ -155,6 +162,15 @@ class Conductor:
         lo, hi = math.log(cal.min_scale), math.log(cal.max_scale)
         self._log_scale = min(hi, max(lo, self._log_scale))
         self.cost.set_prefill_scale(math.exp(self._log_scale))
+
+    def overdue_until(self, now: float, started: float, predicted_s: float) -> float | None:
+        """A prefill that started at ``started``, predicted to take ``predicted_s``, is still
+        running at ``now`` (past its predicted end): the instance's new busy-until time
+        (:mod:`.overrun`), or ``None`` when re-estimation is off (the instance then counts
+        as free, the paper's reading of T_queue)."""
+        if self.overrun is None:
+            return None
+        return self.overrun.busy_until(now, started, predicted_s)
 
     def schedule(self, req: RequestInfo, cluster: ClusterState, now: float) -> Decision:
         # every state in group 0 (the usual case): one class-attribute read

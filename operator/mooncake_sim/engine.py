@@ -156,7 +156,7 @@ class _Decoder:
 
 
 (ARRIVE, PREFILL_DONE, DECODE_JOIN, DECODE_WAKE, REPLICATE, REPLICA_DONE, VISIBLE,
- HOLD_END) = range(8)
+ HOLD_END, OVERDUE) = range(9)
 
 
 class Simulation:
@@ -232,6 +232,8 @@ class Simulation:
         self._unseen_seq = 0
         self.predicted_prefill_s = 0.0
         self._pairs: list[tuple[float, float]] = []  # (predicted, executed) per prefill
+        #: (start, predicted seconds) of the prefill running on each instance
+        self._started: dict[int, tuple[float, float]] = {}
 
     # -- event queue ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
@@ -275,6 +277,8 @@ class Simulation:
             elif kind == VISIBLE:
                 keys, tier = self._unseen[b].pop(a)
                 self.index.store(b, keys, tier)
+            elif kind == OVERDUE:
+                self._overdue(t, a, b)
             else:
                 dec = self.decoders[a]
                 if b == dec.version:
@@ -426,6 +430,7 @@ class Simulation:
         self.predicted_prefill_s += predicted
         inst.busy_until = start + predicted  # what the gateway can know
         self._push(start + dur, PREFILL_DONE, inst.iid, item.rid)
+        self._watch(inst.iid, item.rid, start, predicted)
 
     def _steal(self, inst: PrefillState, now: float) -> bool:
         """``inst`` went idle: move the prompt the Conductor picks from another queue to
@@ -529,6 +534,25 @@ class Simulation:
         for iid in pl.cpp_group:
             self.cluster.prefill[iid].busy_until = now + seen.makespan_s
             self._push(end, PREFILL_DONE, iid, rid)
+            self._watch(iid, rid, now, seen.makespan_s)
+
+    def _watch(self, iid: int, rid: int, start: float, predicted: float) -> None:
+        """With overrun re-estimation on, look at ``iid`` again at the predicted end of
+        the prefill of ``rid`` that starts there at ``start``."""
+        if self.conductor.overrun is not None:
+            self._started[iid] = (start, predicted)
+            self._push(start + predicted, OVERDUE, iid, rid)
+
+    def _overdue(self, now: float, iid: int, rid: int) -> None:
+        """The predicted end of ``rid``'s prefill on ``iid`` passed: if it still runs, the
+        gateway knows it (no completion came) and the Conductor re-estimates its end."""
+        if self._running_rid[iid] != rid:
+            return
+        start, predicted = self._started[iid]
+        until = self.conductor.overdue_until(now, start, predicted)
+        assert until is not None and until > now
+        self.cluster.prefill[iid].busy_until = until
+        self._push(until, OVERDUE, iid, rid)
 
     def _prefill_done(self, now: float, iid: int, rid: int) -> None:
         req = self.reqs[rid]

@@ -100,6 +100,8 @@ class PrefillPolicy(ABC):
     replication: ClassVar[bool] = False
     #: whether the prefill-time model is calibrated online from observed durations
     calibrates: ClassVar[bool] = False
+    #: whether a prefill still running past its predicted end is re-estimated (.overrun)
+    reestimates: ClassVar[bool] = False
 
     def __init__(self, params: BaseModel, ctx: PolicyContext) -> None:
         self.params = params

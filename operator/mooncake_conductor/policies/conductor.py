@@ -61,6 +61,10 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
     moving; placement binds on predictions, and executions stray from them.
 14. **Full decode pool: wait, don't refuse** (:mod:`..holding`, ``holds``): a request
     refused only for decode room waits for room while it can still meet the TTFT SLO.
+15. **A prefill past its predicted end is not done** (:mod:`..overrun`, ``reestimates``):
+    an instance whose prefill is still running at its predicted end gets a new expected
+    end from the prediction error measured so far, instead of counting as idle (the
+    paper's T_queue, which sums predictions only).
 """
 
 from __future__ import annotations
@@ -127,6 +131,7 @@ class ConductorPolicy(PrefillPolicy):
     holds = True
     replication = True
     calibrates = True
+    reestimates = True
 
     def __init__(self, params: BaseModel, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)
