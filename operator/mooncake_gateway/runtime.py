@@ -199,6 +199,10 @@ class ModelRuntime:
         # late binding: every placed, unanswered prefill by request id; per instance the
         # ones held here (queue order) and the count sent to its engine
         self._prefills: dict[int, QueuedPrefill] = {}
+        # per unanswered prefill: its predicted work (modelled seconds), and for the ones
+        # whose work ran out before an answer came, (predicted seconds, when it ran out)
+        self._work: dict[int, float] = {}
+        self._overdue: dict[int, tuple[float, float]] = {}
         self._held: dict[int, list[tuple[float, int, int]]] = {}
         self._sent: dict[int, int] = {}
         self._prefill_seq = 0
@@ -513,21 +517,37 @@ class ModelRuntime:
 
     def drain(self, now: float) -> None:
         """Retire ``now - last`` modelled seconds (over the instance's slowdown) of prefill
-        work from each queue's front."""
+        work from each queue's front. With the Conductor's overrun re-estimation on, a
+        prefill whose work ran out with no answer yet keeps the work it is now expected
+        to take (:mod:`mooncake_conductor.overrun`) instead of none."""
         elapsed = now - self._drained_at
         self._drained_at = now
         if elapsed <= 0:
             return
+        est = self.conductor.overrun
         for p in self.cluster.prefill:
-            if not p.queue or p.queued_work_s <= 0:
+            if not p.queue or (p.queued_work_s <= 0 and est is None):
                 continue
-            left = elapsed / self.slowdown(p.iid)
+            slow = self.slowdown(p.iid)
+            left = elapsed / slow
             for item in sorted(p.queue):
                 if left <= 0:
                     break
                 take = min(item.work_s, left)
                 item.work_s -= take
                 left -= take
+                if (item.work_s <= 0 and est is not None and item.rid in self._work
+                        and item.rid not in self._overdue):
+                    # predicted done when its work ran out, and no answer came
+                    self._overdue[item.rid] = (self._work[item.rid] * slow, now - left * slow)
+            if est is not None:
+                # a prefill past its predicted end is not done (mooncake_conductor.overrun)
+                for item in p.queue:
+                    late = self._overdue.get(item.rid)
+                    if late is not None:
+                        predicted, ran_out = late
+                        until = est.busy_until(now, ran_out - predicted, predicted)
+                        item.work_s = (until - now) / slow
             p.queued_work_s = sum(q.work_s for q in p.queue)
 
     def request_info(
@@ -554,6 +574,8 @@ class ModelRuntime:
         :meth:`prefill_turn` says so)."""
         p = self.cluster.prefill[inst.iid]
         p.enqueue(req.rid, priority, work_s, len(req.keys), req.input_tokens)
+        self._work[req.rid] = work_s
+        self._overdue.pop(req.rid, None)
         self.index.add_pending(inst.iid, req.keys)
         self.index.sync()
         inst.inflight += 1
@@ -629,6 +651,8 @@ class ModelRuntime:
         victim = q.iid
         self._held[victim].remove(q.key)
         self.conductor.take(steal, q.req, q.placement, self.cluster)
+        self._work[steal.rid] = steal.placement.prefill_s + steal.placement.transfer_s
+        self._overdue.pop(steal.rid, None)
         self.index.sync()
         self.prefill[victim].inflight -= 1
         inst.inflight += 1
@@ -659,8 +683,12 @@ class ModelRuntime:
             elif q.held:
                 self._held[q.iid].remove(q.key)
         p = self.cluster.prefill[inst.iid]
+        self._work.pop(req.rid, None)
+        self._overdue.pop(req.rid, None)
         if predicted_s is not None and predicted_s > 0:
             iid = inst.iid
+            if self.conductor.overrun is not None:
+                self.conductor.overrun.observe(predicted_s * self.slowdown(iid), elapsed_s)
             if iid in self._actual_s:
                 a = EWMA_ALPHA
                 self._actual_s[iid] = (1 - a) * self._actual_s[iid] + a * elapsed_s

@@ -1,0 +1,76 @@
+"""The gateway's queue model with the Conductor's overrun re-estimation
+(:mod:`mooncake_conductor.overrun`): a prefill whose predicted work has run out while no
+answer came keeps the work it is now expected to take; without it, the instance looks
+free. Driven through the runtime directly (no engines: nothing is answered)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from mooncake_conductor.overrun import expected_residual
+from mooncake_conductor.policies.base import Placement
+from mooncake_gateway.metrics import GatewayMetrics
+from mooncake_gateway.runtime import ModelRuntime
+from mooncake_gateway.settings import Endpoint, GatewaySettings, ModelSettings, Role
+
+HOST = "127.0.0.1"
+TOKENS = 16_384
+
+
+def _runtime(**overrun: Any) -> ModelRuntime:
+    cfg = ModelSettings(name="m", conductor={"overrun": overrun})
+    rt = ModelRuntime(cfg, GatewaySettings(), GatewayMetrics())
+    rt.set_endpoints(Role.PREFILL, [Endpoint(url=f"http://{HOST}:1")])
+    rt.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
+    for inst in [*rt.prefill, *rt.decode]:
+        rt.mark_health(inst, True)
+    return rt
+
+
+def _place(rt: ModelRuntime, first: int) -> tuple[Any, float]:
+    keys = np.arange(first << 20, (first << 20) + TOKENS // 16, dtype=np.uint64)
+    req = rt.request_info(TOKENS, keys, 4)
+    work = rt.cost.prefill_time(TOKENS, 0)
+    pl = Placement(prefill=0, prefill_s=work, priority=req.arrival)
+    rt.conductor.policy.on_placed(req, pl, rt.cluster)
+    rt.prefill_started(rt.prefill[0], req, work, req.arrival, pl)
+    return req, work
+
+
+def test_an_unanswered_prefill_past_its_prediction_keeps_expected_work() -> None:
+    rt = _runtime(prior_sigma=0.2)
+    t0 = rt.now()
+    rt.drain(t0)  # from here on the test's clock drives the queue model
+    _req, work = _place(rt, 1)
+    p = rt.cluster.prefill[0]
+    rt.drain(t0 + 0.5 * work)  # half done: half the work left, as before
+    assert p.queued_work_s == pytest.approx(0.5 * work, rel=1e-6)
+    rt.drain(t0 + 1.5 * work)  # half again past its prediction, no answer
+    want = expected_residual(work, 1.5 * work, 0.0, 0.2)
+    assert p.queued_work_s == pytest.approx(want, rel=1e-3)
+    assert 0.0 < p.queued_work_s < 0.5 * work
+
+
+def test_without_re_estimation_it_looks_free() -> None:
+    rt = _runtime(enabled=False)
+    t0 = rt.now()
+    rt.drain(t0)
+    _req, work = _place(rt, 1)
+    rt.drain(t0 + 1.5 * work)
+    assert rt.cluster.prefill[0].queued_work_s == 0.0
+
+
+def test_the_answer_retires_it_and_feeds_the_measured_error() -> None:
+    rt = _runtime(min_samples=1)
+    t0 = rt.now()
+    rt.drain(t0)
+    req, work = _place(rt, 1)
+    rt.drain(t0 + 1.5 * work)
+    rt.prefill_done(rt.prefill[0], req, 2.0 * work, work)
+    rt.drain(t0 + 2.0 * work)
+    assert rt.cluster.prefill[0].queued_work_s == 0.0
+    est = rt.conductor.overrun
+    assert est is not None and est.samples == 1
+    assert est.mu == pytest.approx(np.log(2.0))
