@@ -11,7 +11,9 @@ computed) takes ``t_j = prefill_compute(e_j, s_j)`` on one whole node, so
 (``tokens * d_model * elem_bytes`` over the NIC). Every chunk takes the same
 time on every stage (a proportionate flow shop), so the pipeline finishes after
 ``sum_j st_j + (X - 1) * max_j st_j``. Each member is busy for that makespan;
-the KV of the whole prompt ends up on the group's leader.
+the KV of the whole prompt ends up on the group's leader. Stage ``k`` first works
+``k * st_0`` after stage 0 starts, so a member that comes free up to that late delays
+nothing (:func:`staggered_start`, what the simulator executes).
 
 Chunk size (the paper leaves it open): small chunks shorten the pipeline's fill and
 drain (the ``(X - 1) * max`` term), large ones pay the per-pass overhead and the low
@@ -128,6 +130,13 @@ def cpp_makespan(cost: CostModel, n: int, cached: int, group_size: int,
         compute += tail
         top = max(top, tail / group_size + rest * per_token)
     return compute / group_size + new * per_token + (group_size - 1) * top
+
+
+def staggered_start(ready: list[float], offset_s: float) -> float:
+    """When a pipeline whose members are free at ``ready`` can start (stage 0's first
+    chunk): the members take stages in the order they are free, and stage ``k`` is first
+    needed ``k * offset_s`` after the start."""
+    return max(t - k * offset_s for k, t in enumerate(sorted(ready)))
 
 
 def choose_chunk(cost: CostModel, n: int, cached: int, group_size: int,

@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 from mooncake_conductor.blockkeys import namespace_seed, trace_block_keys_many
 from mooncake_conductor.cost import CostModel
-from mooncake_conductor.cpp import plan_cpp
+from mooncake_conductor.cpp import plan_cpp, staggered_start
 from mooncake_conductor.engine import Conductor, ConductorConfig, Decision
 from mooncake_conductor.index import DRAM, STORE, PrefixIndex
 from mooncake_conductor.policies.base import Placement
@@ -206,7 +206,8 @@ class Simulation:
         self.prefill_gpu_s = 0.0
         self.reject_reasons: dict[str, int] = {}
         self._running_rid: list[int] = [-1] * n_p
-        self._gangs: dict[int, set[int]] = {}
+        #: per CPP request, its members that reached it and when
+        self._gangs: dict[int, dict[int, float]] = {}
         self._replicas: dict[int, Any] = {}
         self._replica_seq = 0
         self.replicated_tokens = 0
@@ -379,7 +380,7 @@ class Simulation:
         blocks = len(req.info.keys)
         members = pl.cpp_group or [pl.prefill]
         if pl.cpp_group:
-            self._gangs[rid] = set()
+            self._gangs[rid] = {}
         self.index.add_pending(pl.prefill, req.info.keys)
         self._book_fetch(req.info, pl, now)
         for iid in members:
@@ -501,12 +502,14 @@ class Simulation:
         return None if best is None else best[1]
 
     def _gang_member_ready(self, rid: int, inst: PrefillState, now: float) -> None:
-        """A CPP group member reached the request; start when every member has."""
+        """A CPP group member reached the request; once every member has, the pipeline
+        runs from the earliest start its members' free times allow
+        (:func:`~mooncake_conductor.cpp.staggered_start`)."""
         req = self.reqs[rid]
         assert req.decision is not None
         pl = req.decision.placement
         ready = self._gangs[rid]
-        ready.add(inst.iid)
+        ready[inst.iid] = now
         if rid not in self._gang_order:
             self._gang_counter += 1
             self._gang_order[rid] = self._gang_counter
@@ -517,15 +520,18 @@ class Simulation:
         del self._gang_order[rid]
         info = req.info
         leader = pl.cpp_group[0]
-        reuse, start = self._reuse_at_start(req, leader, now)
+        reuse, fetched = self._reuse_at_start(req, leader, min(ready.values()))
         cached = info.tokens_of(reuse)
-        now = start
         plan = plan_cpp(self.cost, info.input_tokens, cached, len(pl.cpp_group),
                         pl.cpp_chunk_tokens)
         seen = plan_cpp(self.conductor.cost, info.input_tokens, cached, len(pl.cpp_group),
                         pl.cpp_chunk_tokens)
         req.reused_tokens = cached
         factor = float(self._factor[rid])
+        # the pipeline starts once the fetch is done and each member is free by the time
+        # its stage first works (members take stages in the order they came free): the
+        # last one may come up to its stage's offset late, so the start can lie before now
+        now = max(fetched, staggered_start(list(ready.values()), plan.stage_s[0] * factor))
         req.exec_s = plan.makespan_s * factor
         req.predicted_s = seen.makespan_s
         self.prefill_gpu_s += plan.gpu_seconds * factor
@@ -541,7 +547,7 @@ class Simulation:
         the prefill of ``rid`` that starts there at ``start``."""
         if self.conductor.overrun is not None:
             self._started[iid] = (start, predicted)
-            self._push(start + predicted, OVERDUE, iid, rid)
+            self._push(max(start + predicted, self._now), OVERDUE, iid, rid)
 
     def _overdue(self, now: float, iid: int, rid: int) -> None:
         """The predicted end of ``rid``'s prefill on ``iid`` passed: if it still runs, the

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from mooncake_cli.main import main
+from mooncake_conductor.cpp import plan_cpp, staggered_start
 from mooncake_conductor.engine import ConductorConfig
 from mooncake_sim.engine import SimConfig, Simulation, simulate
 from mooncake_sim.metrics import latency_summary
@@ -271,3 +272,30 @@ def test_an_instance_past_its_predicted_end_is_not_idle_to_the_conductor() -> No
     # reading: idle at 1.2 P, so the second prompt is predicted to start at once
     assert seen[False] == 0.0
     assert 0.05 * predicted < seen[True] < 0.3 * predicted
+
+
+def test_a_pipeline_member_free_late_by_less_than_its_stage_offset_delays_nothing() -> None:
+    # hardware 50% slower than the model: a short prompt on one instance runs past its
+    # prediction, so a long prompt arriving after the predicted end takes both instances
+    # as idle; the busy one comes free shortly after, before stage 1 first needs it
+    probe = Simulation([lone(2048, 0)], cfg())
+    short = probe.cost.prefill_time(2048)
+    arrive = 1.1 * short
+    late = 1.5 * short - arrive  # how long after the arrival the second member is free
+    recs = [lone(2048, 0), lone(65536, 1000, t_ms=arrive * 1000.0)]
+    sim = Simulation(recs, cfg(policy="mooncake-paper", prefill=2, model_bias=0.5))
+    sim.run()
+    long = sim.reqs[1]
+    pl = long.decision.placement
+    assert sorted(pl.cpp_group) == [0, 1]
+    plan = plan_cpp(sim.cost, 65536, 0, 2, pl.cpp_chunk_tokens)
+    assert 1.5 * plan.stage_s[0] > late > 0.0  # the premise: late by less than the offset
+    # the pipeline starts at the arrival: TTFT is the (slowed) makespan alone
+    assert long.ttft == pytest.approx(1.5 * plan.makespan_s, rel=1e-9)
+
+
+def test_a_pipeline_member_free_later_than_its_stage_offset_delays_the_rest() -> None:
+    assert staggered_start([0.0, 1.0], 0.4) == pytest.approx(0.6)
+    assert staggered_start([0.0, 0.3], 0.4) == 0.0
+    # stages follow the order members come free: the late one takes the last stage
+    assert staggered_start([2.0, 0.0, 0.5], 0.5) == pytest.approx(1.0)
