@@ -92,6 +92,8 @@ ABLATION: dict[str, dict[str, Any]] = {
     "transfer not overlapped": {"params": {"overlap_transfer": False}},
     "deterministic ties (tie_tolerance 0)": {"params": {"tie_tolerance": 0.0}},
     "no online calibration": {"calibrate": False},
+    "no overrun re-estimation (a prefill past its predicted end counts as done)":
+        {"overrun": {"enabled": False}},
     "no hot-prefix replication": {"replicate": False},
     "no overload shedding": {"shedding": {"enabled": False}},
     "no work stealing": {"stealing": {"enabled": False}},
