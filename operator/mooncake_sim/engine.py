@@ -545,7 +545,7 @@ class Simulation:
     def _watch(self, iid: int, rid: int, start: float, predicted: float) -> None:
         """With overrun re-estimation on, look at ``iid`` again at the predicted end of
         the prefill of ``rid`` that starts there at ``start``."""
-        if self.conductor.overrun is not None:
+        if self.conductor.overrun is not None and predicted > 0.0:
             self._started[iid] = (start, predicted)
             self._push(max(start + predicted, self._now), OVERDUE, iid, rid)
 
