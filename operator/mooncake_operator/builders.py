@@ -297,6 +297,8 @@ def gateway_model(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
         conductor["shedding"] = {"enabled": cond.shedding}
     if cond.holding is not None:
         conductor["holding"] = {"enabled": cond.holding}
+    if cond.overrun is not None:
+        conductor["overrun"] = {"enabled": cond.overrun}
     return {
         "name": spec.model.served,
         "block_size": spec.model.block_size,

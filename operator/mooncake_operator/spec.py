@@ -405,6 +405,10 @@ class ConductorSpec(_Model):
         "With admission on, a request refused only for decode room waits for room while "
         "it can still meet the TTFT objective, instead of an immediate HTTP 429; default: "
         "the policy's own (conductor with the tbt-lookahead decode selector: on)."))
+    overrun: bool | None = Field(None, description=(
+        "A prefill still running past its predicted end gets a new expected end (from the "
+        "prediction error measured so far) instead of its instance counting as free; "
+        "default: the policy's own (conductor: on)."))
     slo: SLOSpec = Field(default_factory=SLOSpec, description="TTFT and TBT objectives.")
     hot_prefixes: HotPrefixSpec = Field(default_factory=HotPrefixSpec, description=(
         "Hot-prefix replication."))

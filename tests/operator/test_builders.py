@@ -190,10 +190,10 @@ def test_gateway_view_is_a_valid_gateway_model() -> None:
 
 
 @pytest.mark.parametrize("value", [None, True, False])
-@pytest.mark.parametrize("field", ["shedding", "holding"])
+@pytest.mark.parametrize("field", ["shedding", "holding", "overrun"])
 def test_conductor_switches_reach_the_gateway_and_the_controller(
         field: str, value: bool | None) -> None:
-    """spec.conductor.shedding / .holding: unset keeps the policy's own (None), else the
+    """spec.conductor.shedding / .holding / .overrun: unset keeps the policy's own (None), else the
     value, in the gateway's model document and in the controller's Conductor."""
     from mooncake_gateway.settings import ModelSettings
     from mooncake_operator.reconcile import conductor_config
