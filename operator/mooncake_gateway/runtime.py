@@ -98,6 +98,9 @@ class QueuedPrefill:
     held: bool = False  # queued in the gateway (late binding) until its turn
     sent: bool = False
     turn: asyncio.Event = field(default_factory=asyncio.Event)
+    work_s: float = 0.0  # its predicted work where it is queued (modelled seconds)
+    #: once that work ran out with no answer: (predicted seconds, when it ran out)
+    overdue: tuple[float, float] | None = None
 
     @property
     def key(self) -> tuple[float, int, int]:
@@ -199,10 +202,6 @@ class ModelRuntime:
         # late binding: every placed, unanswered prefill by request id; per instance the
         # ones held here (queue order) and the count sent to its engine
         self._prefills: dict[int, QueuedPrefill] = {}
-        # per unanswered prefill: its predicted work (modelled seconds), and for the ones
-        # whose work ran out before an answer came, (predicted seconds, when it ran out)
-        self._work: dict[int, float] = {}
-        self._overdue: dict[int, tuple[float, float]] = {}
         self._held: dict[int, list[tuple[float, int, int]]] = {}
         self._sent: dict[int, int] = {}
         self._prefill_seq = 0
@@ -536,16 +535,16 @@ class ModelRuntime:
                 take = min(item.work_s, left)
                 item.work_s -= take
                 left -= take
-                if (item.work_s <= 0 and est is not None and item.rid in self._work
-                        and item.rid not in self._overdue):
+                q = self._prefills.get(item.rid)
+                if item.work_s <= 0 and est is not None and q is not None and q.overdue is None:
                     # predicted done when its work ran out, and no answer came
-                    self._overdue[item.rid] = (self._work[item.rid] * slow, now - left * slow)
+                    q.overdue = (q.work_s * slow, now - left * slow)
             if est is not None:
                 # a prefill past its predicted end is not done (mooncake_conductor.overrun)
                 for item in p.queue:
-                    late = self._overdue.get(item.rid)
-                    if late is not None:
-                        predicted, ran_out = late
+                    q = self._prefills.get(item.rid)
+                    if q is not None and q.overdue is not None:
+                        predicted, ran_out = q.overdue
                         until = est.busy_until(now, ran_out - predicted, predicted)
                         item.work_s = (until - now) / slow
             p.queued_work_s = sum(q.work_s for q in p.queue)
@@ -574,14 +573,12 @@ class ModelRuntime:
         :meth:`prefill_turn` says so)."""
         p = self.cluster.prefill[inst.iid]
         p.enqueue(req.rid, priority, work_s, len(req.keys), req.input_tokens)
-        self._work[req.rid] = work_s
-        self._overdue.pop(req.rid, None)
         self.index.add_pending(inst.iid, req.keys)
         self.index.sync()
         inst.inflight += 1
         self._prefill_seq += 1
         q = QueuedPrefill(req, inst.iid, placement, priority, self._prefill_seq,
-                          held=self.late_binding)
+                          held=self.late_binding, work_s=work_s)
         self._prefills[req.rid] = q
         if q.held:
             insort(self._held.setdefault(inst.iid, []), q.key)
@@ -651,12 +648,11 @@ class ModelRuntime:
         victim = q.iid
         self._held[victim].remove(q.key)
         self.conductor.take(steal, q.req, q.placement, self.cluster)
-        self._work[steal.rid] = steal.placement.prefill_s + steal.placement.transfer_s
-        self._overdue.pop(steal.rid, None)
         self.index.sync()
         self.prefill[victim].inflight -= 1
         inst.inflight += 1
         q.iid, q.placement = iid, steal.placement
+        q.work_s, q.overdue = steal.placement.prefill_s + steal.placement.transfer_s, None
         insort(self._held.setdefault(iid, []), q.key)
         self.steals += 1
         self.m.steals.inc()
@@ -683,8 +679,6 @@ class ModelRuntime:
             elif q.held:
                 self._held[q.iid].remove(q.key)
         p = self.cluster.prefill[inst.iid]
-        self._work.pop(req.rid, None)
-        self._overdue.pop(req.rid, None)
         if predicted_s is not None and predicted_s > 0:
             iid = inst.iid
             if self.conductor.overrun is not None:
