@@ -87,6 +87,8 @@ ABLATION: dict[str, dict[str, Any]] = {
     "no work price (work_weight 0)": {"params": {"work_weight": 0.0}},
     "no CPP": {"params": {"cpp": {"enabled": False}}},
     "CPP groups do not pay for the arrivals they shut out": {"params": {"shut_out_price": False}},
+    "SLO rescues take idle instances only (rescue_staggered false)":
+        {"params": {"cpp": {"rescue_staggered": False}}},
     "no in-flight prefixes (include_pending false)": {"params": {"include_pending": False}},
     "copy instead of migrate on fetch": {"params": {"migrate_on_fetch": False}},
     "transfer not overlapped": {"params": {"overlap_transfer": False}},

@@ -56,6 +56,11 @@ class CPPConfig(BaseModel):
         True, description="an SLO rescue also uses idle instances only (else: the least "
         "loaded, waiting for all of them)",
     )
+    rescue_staggered: bool = Field(
+        True, description="when no group of idle instances meets the TTFT SLO, a rescue "
+        "may also take instances still busy that come free before their pipeline stage "
+        "first works, so the group still starts at once (rescue_idle_only only)",
+    )
     trigger_share: float = Field(
         1.0, gt=0, description="use CPP when the best single-instance TTFT exceeds this share "
         "of the TTFT SLO (1.0: only prompts one instance cannot serve in time)",

@@ -81,6 +81,52 @@ def test_a_rescue_uses_idle_instances_only() -> None:
     assert pl.ttft_s == makespan(100_000, 3)
 
 
+def first_stage(n: int, size: int) -> float:
+    """Stage 0's first chunk in the planned pipeline: stage ``k`` first works ``k`` times
+    that long after the group starts."""
+    return plan(n, size).stage_s[0]
+
+
+def test_a_late_rescue_takes_a_member_free_before_its_stage_works() -> None:
+    """15 s SLO: the idle pair (17.46 s) misses it. Instance 2 is busy for 1.5 first-chunk
+    stage times of a group of three, so as stage 2 it is free before it first works: the
+    group of three starts at once and meets the SLO (12.37 s). Instance 3 (busy 100 s)
+    would delay a group of four."""
+    c = cluster(4)
+    queue(c.prefill[2], 1.5 * first_stage(100_000, 3))
+    queue(c.prefill[3], 100.0)
+    pl = policy("conductor", slo=SLOConfig(ttft_s=15.0)).choose(BIG, c, 0.0)
+    assert sorted(pl.cpp_group) == [0, 1, 2]
+    assert pl.queue_s == 0.0
+    assert pl.ttft_s == makespan(100_000, 3)
+
+
+def test_a_rescue_waits_for_no_member() -> None:
+    """As above, but instance 2 comes free only after 2.5 stage times: a group with it
+    would start late, so only the idle pair is left (late: no group meets the SLO); the
+    same with ``rescue_staggered`` off."""
+    for busy, staggered in ((2.5, True), (1.5, False)):
+        c = cluster(4)
+        queue(c.prefill[2], busy * first_stage(100_000, 3))
+        queue(c.prefill[3], 100.0)
+        pl = policy("conductor", slo=SLOConfig(ttft_s=15.0),
+                    cpp={"rescue_staggered": staggered}).choose(BIG, c, 0.0)
+        assert sorted(pl.cpp_group) == [0, 1], (busy, staggered)
+        assert pl.ttft_s == makespan(100_000, 2)
+
+
+def test_a_rescue_an_idle_group_serves_in_time_takes_no_busy_member() -> None:
+    """The default 30 s SLO: one instance misses it (30.56 s), the idle pair (17.46 s)
+    meets it, so instance 2, free in time for stage 2 of a faster group of three, is not
+    asked."""
+    c = cluster(4)
+    queue(c.prefill[2], 0.5 * first_stage(100_000, 3))
+    queue(c.prefill[3], 100.0)
+    pl = policy("conductor").choose(BIG, c, 0.0)
+    assert sorted(pl.cpp_group) == [0, 1]
+    assert pl.ttft_s == makespan(100_000, 2)
+
+
 def test_a_group_waits_for_its_busiest_member() -> None:
     """``rescue_idle_only`` off, every instance busy (1..4 s), no price on work (at
     kappa 2 the pair would score best): the group of all four starts when the last one

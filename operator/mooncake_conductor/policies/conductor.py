@@ -35,7 +35,11 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
    share idle cost the long prompts more than it saved the short ones once
    chunks are planned) of the pool can stay idle for what arrives next; when
    one instance would break ``cpp.trigger_share`` of the TTFT SLO, a faster
-   group serves the prompt instead of a rejection.
+   group serves the prompt instead of a rejection. When no group of idle instances
+   meets the SLO, a rescue may also take instances that are still busy but come free
+   before their pipeline stage first works (stage ``k`` starts ``k`` first-chunk stage
+   times after stage 0, :func:`..cpp.staggered_start`): the group still starts at
+   once and waits for nobody (``cpp.rescue_staggered``).
    A group also pays for the arrivals it shuts out (:mod:`..arrivals`): each option,
    one instance or a group, adds the wait of the requests expected (at the measured
    arrival rate) before the first instance is free again, so on a small pool or in a
@@ -77,7 +81,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..arrivals import ArrivalRate, shut_out_wait
-from ..cpp import CPPConfig, choose_chunk
+from ..cpp import CPPConfig, choose_chunk, plan_cpp, staggered_start
 from ..kernels import rank_fifo
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
 from .base import Placement, PolicyContext, PrefillPolicy, register
@@ -328,7 +332,10 @@ class ConductorPolicy(PrefillPolicy):
         at ``rate`` per second, and the same for ``single`` (the one-instance option).
         Group sizes compete on the score: TTFT, ``kappa`` per GPU second, and that wait;
         for a ``rescue`` (``single`` breaks the TTFT SLO) only the groups that meet it do,
-        and with none the fastest group is taken."""
+        and with none the fastest group is taken. A rescue no group of idle instances
+        serves in time also tries the least-loaded instances as they come free, each
+        group kept only if it can start at once and meets the SLO
+        (``cpp.rescue_staggered``)."""
         assert isinstance(self.params, ConductorParams)
         cfg = self.params.cpp
         n = req.input_tokens
@@ -349,7 +356,14 @@ class ConductorPolicy(PrefillPolicy):
             limit = cfg.max_group
         best: tuple[Placement, float] | None = None
         best_key = (True, math.inf)  # (misses the SLO in a rescue, score or TTFT)
-        for size in range(2, min(limit, len(by_wait)) + 1):
+        options = [(size, False) for size in range(2, min(limit, len(by_wait)) + 1)]
+        if rescue and cfg.rescue_idle_only and cfg.rescue_staggered:
+            # the groups of idle instances were priced above
+            options += [(size, True) for size in range(max(2, limit + 1),
+                                                       min(cfg.max_group, len(by_wait)) + 1)]
+        for size, staggered in options:
+            if staggered and not best_key[0]:
+                break  # a group of idle instances meets the SLO
             members = by_wait[:size]
             leader = max(members, key=lambda p: (stored[p.iid], -order[p.iid][1]))
             local = int(stored[leader.iid])
@@ -358,13 +372,23 @@ class ConductorPolicy(PrefillPolicy):
             transfer = self.ctx.cost.transfer_time(req.tokens_of(reuse) - req.tokens_of(local))
             chunk, makespan = choose_chunk(self.ctx.cost, n, req.tokens_of(reuse), size, cfg)
             prio = req.arrival + self.params.priority_weight * makespan
-            wait = max(p.wait_time(now, prio) for p in members)
+            if staggered:
+                # members take stages in the order they come free; the group must start now
+                first_stage = plan_cpp(self.ctx.cost, n, req.tokens_of(reuse), size,
+                                       chunk).stage_s[0]
+                if staggered_start([p.wait_time(now, prio) for p in members], first_stage) > 0:
+                    continue
+                wait = 0.0
+            else:
+                wait = max(p.wait_time(now, prio) for p in members)
             ttft = max(wait, transfer) + makespan
             # members free at the group's end, the others as they are
             shut_out = shut_out_wait(
                 chain([ttft] * size, (order[p.iid][0] for p in by_wait[size:])), rate)
             score = ttft + kappa * size * makespan + shut_out
             late = rescue and ttft > self.ctx.slo.ttft_s
+            if staggered and late:
+                continue
             key = (late, ttft if late else score)
             if key < best_key:
                 best_key = key
