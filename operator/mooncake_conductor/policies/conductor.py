@@ -54,8 +54,10 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
     also counts the requests placed on an instance whose prefill still runs).
 11. **Queue order is a knob, FIFO by default.** ``priority_weight`` > 0 orders
     queues shortest-job-first with aging (``arrival + weight * predicted
-    prefill``). Measured, it never beat FIFO and hurt beside CPP groups
-    (members idle while shorter jobs overtake the group), so the default is 0.
+    prefill``). It hurt beside CPP groups (members idle while shorter jobs overtake the
+    group) until overrunning prefills were re-estimated; now it is faster in the
+    simulator, but the default stays 0: the engines the gateway dispatches to serve
+    their queues FIFO (``docs/conductor.md``, item 5).
 12. **Overload sheds the costly first** (:mod:`..shedding`): once the chosen
     queue nears the TTFT SLO, a request costing more GPU seconds than the
     average offered one is rejected (``overload``); the paper's rule rejects
