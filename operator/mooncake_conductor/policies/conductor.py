@@ -56,8 +56,8 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
     queues shortest-job-first with aging (``arrival + weight * predicted
     prefill``). It hurt beside CPP groups (members idle while shorter jobs overtake the
     group) until overrunning prefills were re-estimated; now it is faster in the
-    simulator, but the default stays 0: the engines the gateway dispatches to serve
-    their queues FIFO (``docs/conductor.md``, item 5).
+    simulator, but the default stays 0: engines serve their queues FIFO, and the gateway
+    orders them only with late binding (``docs/conductor.md``, item 5).
 12. **Overload sheds the costly first** (:mod:`..shedding`): once the chosen
     queue nears the TTFT SLO, a request costing more GPU seconds than the
     average offered one is rejected (``overload``); the paper's rule rejects
