@@ -384,13 +384,13 @@ class ConductorPolicy(PrefillPolicy):
             else:
                 wait = max(p.wait_time(now, prio) for p in members)
             ttft = max(wait, transfer) + makespan
+            late = rescue and ttft > self.ctx.slo.ttft_s
+            if staggered and late:
+                continue  # a group with busy members only if it meets the SLO
             # members free at the group's end, the others as they are
             shut_out = shut_out_wait(
                 chain([ttft] * size, (order[p.iid][0] for p in by_wait[size:])), rate)
             score = ttft + kappa * size * makespan + shut_out
-            late = rescue and ttft > self.ctx.slo.ttft_s
-            if staggered and late:
-                continue
             key = (late, ttft if late else score)
             if key < best_key:
                 best_key = key
