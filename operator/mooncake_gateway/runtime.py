@@ -518,7 +518,9 @@ class ModelRuntime:
         """Retire ``now - last`` modelled seconds (over the instance's slowdown) of prefill
         work from each queue's front. With the Conductor's overrun re-estimation on, a
         prefill whose work ran out with no answer yet keeps the work it is now expected
-        to take (:mod:`mooncake_conductor.overrun`) instead of none."""
+        to take (:mod:`mooncake_conductor.overrun`) instead of none; the time past its
+        predicted end still drains the prefills behind it (a worker answers once its KV
+        is in the store, so the engine may have moved on: docs/gateway.md)."""
         elapsed = now - self._drained_at
         self._drained_at = now
         if elapsed <= 0:

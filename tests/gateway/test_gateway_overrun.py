@@ -74,3 +74,18 @@ def test_the_answer_retires_it_and_feeds_the_measured_error() -> None:
     est = rt.conductor.overrun
     assert est is not None and est.samples == 1
     assert est.mu == pytest.approx(np.log(2.0))
+
+
+def test_time_past_an_overdue_prefill_still_drains_the_queue_behind() -> None:
+    # the answer can come after the engine moved on (a worker answers a prefill once its
+    # KV is in the store): holding the queue behind until the answer did not measure
+    # better (docs/gateway.md)
+    rt = _runtime(prior_sigma=0.2)
+    t0 = rt.now()
+    rt.drain(t0)
+    _place(rt, 1)
+    _, work = _place(rt, 2)
+    rt.drain(t0 + 1.5 * work)
+    residual = expected_residual(work, 1.5 * work, 0.0, 0.2)
+    assert rt.cluster.prefill[0].queued_work_s == pytest.approx(residual + 0.5 * work,
+                                                                rel=1e-3)
