@@ -10,6 +10,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -49,10 +50,36 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -
         proc.wait()
 
 
-def free_port() -> int:
+#: ports handed out come from below Linux's default ephemeral range (32768-60999): a port
+#: the kernel picks (``bind(0)``) is free only until some outgoing connection takes it as
+#: its local port, which made a worker's bind fail in CI now and then
+PORT_RANGE = (20000, 32767)
+PORT_TRIES = 200
+BIND_RETRIES = 3
+ADDRESS_IN_USE = "Address already in use"
+_handed_out: set[int] = set()
+_port_rng = random.Random(os.getpid() ^ time.monotonic_ns())
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that binds now, outside the ephemeral range and never handed
+    out before by this process (so two calls never return the same port)."""
+    lo, hi = PORT_RANGE
+    for _ in range(PORT_TRIES):
+        port = _port_rng.randint(lo, hi)
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port in {lo}-{hi} after {PORT_TRIES} tries")
 
 
 def http_json(url: str, body: Any = None, timeout: float = 10.0) -> tuple[int, Any]:
@@ -141,16 +168,13 @@ class WorkerProc:
         return _read(self.log_path)
 
 
-@contextlib.contextmanager
-def run_worker(
-    *extra: str,
-    env: dict[str, str] | None = None,
-    ready_any: bool = False,
-    ports: tuple[int, int, int] | None = None,
-) -> Iterator[WorkerProc]:
-    """Start a worker; ready when ``/health`` answers 200 (any answer with ``ready_any``).
-    ``ports``: (HTTP, KV events, replay), free ones by default."""
-    port, kv_port, replay_port = ports or (free_port(), free_port(), free_port())
+class _PortTaken(RuntimeError):
+    """A started server exited because one of its ports was taken meanwhile."""
+
+
+def _start_worker(extra: tuple[str, ...], env: dict[str, str] | None, ready_any: bool,
+                  ports: tuple[int, int, int]) -> WorkerProc:
+    port, kv_port, replay_port = ports
     args = [
         *worker_command(),
         "--host", HOST, "--port", str(port),
@@ -165,24 +189,56 @@ def run_worker(
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"worker exited: {w.log()}")
+                log = w.log()
+                kind = _PortTaken if ADDRESS_IN_USE in log else RuntimeError
+                raise kind(f"worker exited: {log}")
             try:
                 with urllib.request.urlopen(w.url + "/health", timeout=1) as r:
                     if r.status == 200:
-                        break
+                        return w
             except urllib.error.HTTPError:
                 if ready_any:
-                    break
+                    return w
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker did not start: {w.log()}")
             time.sleep(POLL_S)
+    except BaseException:
+        _stop_worker(w)
+        raise
+
+
+def _stop_worker(w: WorkerProc) -> None:
+    stop_process(w.proc)
+    with contextlib.suppress(OSError):
+        os.unlink(w.log_path)
+
+
+@contextlib.contextmanager
+def run_worker(
+    *extra: str,
+    env: dict[str, str] | None = None,
+    ready_any: bool = False,
+    ports: tuple[int, int, int] | None = None,
+) -> Iterator[WorkerProc]:
+    """Start a worker; ready when ``/health`` answers 200 (any answer with ``ready_any``).
+    ``ports``: (HTTP, KV events, replay), free ones by default; with free ones, a worker
+    that exits because a port was taken meanwhile is started again on new ports."""
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            w = _start_worker(extra, env, ready_any,
+                              ports or (free_port(), free_port(), free_port()))
+            break
+        except _PortTaken:
+            if ports is not None or attempt >= BIND_RETRIES:
+                raise
+    try:
         yield w
     finally:
-        stop_process(proc)
-        with contextlib.suppress(OSError):
-            os.unlink(log_path)
+        _stop_worker(w)
 
 
 # -- Mooncake master (the real one, from the PyPI wheel) --------------------------------------

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 import openai
 import yaml
 from mooncake_localcluster.kubehttp import ApiError, KubeHttp
+from mooncake_testbed.procs import free_port
 
 from .manifests import EXAMPLES
 
@@ -29,12 +29,6 @@ GROUP_PATH = "/apis/mooncake.io/v1alpha1"
 #: one line per end-to-end scenario, printed in pytest's summary (tests/operator/conftest.py)
 REPORTS: list[str] = []
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
