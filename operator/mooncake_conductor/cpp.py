@@ -46,7 +46,8 @@ class CPPConfig(BaseModel):
         description="chunk sizes the planner chooses among (chunk_tokens 0)")
     max_group: int = Field(4, ge=1, description="largest group of prefill instances")
     min_new_tokens: int = Field(
-        8192, ge=0, description="consider CPP only when this many tokens must be computed"
+        2048, ge=0, description="consider CPP only when this many tokens must be computed "
+        "(2048: two of the smallest chunk; with one chunk a pipeline gains nothing)"
     )
     reserve_idle_share: float = Field(
         0.0, ge=0, le=1, description="when CPP is optional (no SLO at stake), use only idle "
@@ -61,6 +62,10 @@ class CPPConfig(BaseModel):
         "may also take instances still busy that come free before their pipeline stage "
         "first works, so the group still starts at once (rescue_idle_only only)",
     )
+    opportunistic_staggered: bool = Field(
+        True, description="groups for prompts one instance can serve in time may also take "
+        "instances still busy that come free before their pipeline stage first works, so "
+        "the group still starts at once")
     trigger_share: float = Field(
         1.0, gt=0, description="use CPP when the best single-instance TTFT exceeds this share "
         "of the TTFT SLO (1.0: only prompts one instance cannot serve in time)",

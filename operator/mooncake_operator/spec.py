@@ -370,7 +370,7 @@ class CPPSpec(_Model):
         "Needs an engine that runs one prefill across several instances; none of "
         "simulated, vllm and sglang does yet, so it cannot be enabled (the simulator models "
         "it)."))
-    min_new_tokens: int = Field(8192, ge=0, description=(
+    min_new_tokens: int = Field(2048, ge=0, description=(
         "Only prompts with at least this many uncached tokens would be split."))
 
 

@@ -151,14 +151,19 @@ def test_the_group_size_counts_the_wait_for_members() -> None:
 
 
 def test_cpp_needs_enough_new_tokens_not_a_long_prompt() -> None:
-    """20000 tokens of which instance 0 holds 12288: 7712 to compute, under
-    ``min_new_tokens`` (8192), so no group (one would be faster: 0.91 s against 1.30 s)."""
-    c = cluster(4)
+    """20000 tokens of which instance 0 holds 18432: 1568 to compute, under
+    ``min_new_tokens`` (2048, two of the smallest chunk), so no group; with the threshold
+    at 0 a group of four is faster (0.27 s against 0.33 s)."""
     keys = list(range(40))
-    c.index.store(0, keys[:24])
-    pl = policy("conductor").choose(request(keys, tokens=20_000), c, 0.0)
-    assert pl.cpp_group == [] and pl.prefill == 0 and pl.local_blocks == 24
-    assert pl.ttft_s == COST.prefill_time(20_000, 24 * BT)
+    for threshold, group in ((None, False), (0, True)):
+        c = cluster(4)
+        c.index.store(0, keys[:36])
+        cfg = {} if threshold is None else {"cpp": {"min_new_tokens": threshold}}
+        pl = policy("conductor", **cfg).choose(request(keys, tokens=20_000), c, 0.0)
+        assert pl.prefill == 0 and pl.local_blocks == 36
+        assert bool(pl.cpp_group) is group
+        if not group:
+            assert pl.ttft_s == COST.prefill_time(20_000, 36 * BT)
 
 
 def test_the_group_leader_is_the_member_holding_the_prefix() -> None:
@@ -184,3 +189,20 @@ def test_only_a_fetch_migrates() -> None:
     assert fetched.migrate is True
     kept = policy("conductor", migrate_on_fetch=False).choose(request(keys), c, 0.0)
     assert kept.fetch_blocks == 20 and kept.migrate is False
+
+
+def test_an_opportunistic_group_takes_a_member_free_before_its_stage_works() -> None:
+    """60k tokens, one instance meets the SLO (no rescue). Instance 2 is busy for 1.5
+    first-chunk stage times of a group of three: as stage 2 it is free before it first
+    works, so the group of three starts at once (5.63 s against 7.85 s for the idle pair);
+    busy for 2.5 it would delay the group, and with ``opportunistic_staggered`` off only
+    idle instances join."""
+    for busy, staggered, group in ((1.5, True, [0, 1, 2]), (2.5, True, [0, 1]),
+                                   (1.5, False, [0, 1])):
+        c = cluster(4)
+        queue(c.prefill[2], busy * first_stage(60_000, 3))
+        queue(c.prefill[3], 100.0)
+        pl = policy("conductor", cpp={"opportunistic_staggered": staggered}).choose(MID, c, 0.0)
+        assert sorted(pl.cpp_group) == group, (busy, staggered)
+        assert pl.queue_s == 0.0
+        assert pl.ttft_s == makespan(60_000, len(group))

@@ -24,12 +24,16 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
    waiting requests) / instances``: a GPU second spent delays about that many
    requests. An idle pool ranks by TTFT alone; a loaded one favours reuse and
    efficiency (no recomputing a prefix elsewhere to shave a queue, no CPP
-   bubbles that would cost others).
+   bubbles that would cost others). Times ``min(1, (1 + cv^2) / 2)``
+   (:mod:`..spread`, ``spread_price``): when prompts' prefill times are regular
+   (coefficient of variation ``cv`` under 1), a second of work delays the
+   requests behind it less (the Allen-Cunneen approximation).
 6. **Chunked pipeline prefill (CPP)** (paper §3.2, which leaves the when open):
-   prompts with at least ``cpp.min_new_tokens`` to compute are also priced as
-   groups of 2..``cpp.max_group`` instances (:mod:`mooncake_conductor.cpp`)
-   under the same score. Only idle instances join a group: a group that waits
-   for busy members idles the others, which costs more than it saves. Each
+   prompts with at least ``cpp.min_new_tokens`` (2048: two of the smallest chunk) to
+   compute are also priced as groups of 2..``cpp.max_group`` instances
+   (:mod:`mooncake_conductor.cpp`) under the same score. A group never waits for a
+   member: one that waits for busy members idles the others, which costs more than it
+   saves. Each
    group's chunk size is planned (:func:`..cpp.plan_cpp_for`). When no SLO is
    at stake, ``cpp.reserve_idle_share`` (0 by default: measured, keeping a
    share idle cost the long prompts more than it saved the short ones once
@@ -39,7 +43,8 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
    meets the SLO, a rescue may also take instances that are still busy but come free
    before their pipeline stage first works (stage ``k`` starts ``k`` first-chunk stage
    times after stage 0, :func:`..cpp.staggered_start`): the group still starts at
-   once and waits for nobody (``cpp.rescue_staggered``).
+   once and waits for nobody (``cpp.rescue_staggered``); so may a group for a prompt
+   one instance serves in time (``cpp.opportunistic_staggered``).
    A group also pays for the arrivals it shuts out (:mod:`..arrivals`): each option,
    one instance or a group, adds the wait of the requests expected (at the measured
    arrival rate) before the first instance is free again, so on a small pool or in a
@@ -85,6 +90,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..arrivals import ArrivalRate, shut_out_wait
 from ..cpp import CPPConfig, choose_chunk, plan_cpp, staggered_start
 from ..kernels import rank_fifo
+from ..spread import ServiceSpread
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
 from .base import Placement, PolicyContext, PrefillPolicy, register
 
@@ -115,6 +121,18 @@ class ConductorParams(BaseModel):
     )
     arrival_window: int = Field(
         32, ge=1, description="arrivals the measured arrival rate averages over (weighted)"
+    )
+    spread_price: bool = Field(
+        True, description="kappa times min(1, (1 + cv^2) / 2), cv the measured coefficient "
+        "of variation of the prompts' cold prefill times (work is cheaper when they are "
+        "regular: the Allen-Cunneen approximation)",
+    )
+    spread_window: int = Field(
+        1024, ge=1, description="requests the prefill-time spread averages over (weighted)"
+    )
+    spread_min_samples: int = Field(
+        64, ge=1, description="requests seen before the spread prices work (until then: "
+        "factor 1, the price of exponential service)",
     )
     explain: bool = Field(False, description="attach the top candidates to each placement")
     cpp: CPPConfig = CPPConfig()
@@ -149,6 +167,7 @@ class ConductorPolicy(PrefillPolicy):
         self._ties = np.empty(0, dtype=np.int64)
         assert isinstance(params, ConductorParams)
         self._arrivals = ArrivalRate(params.arrival_window)
+        self._spread = ServiceSpread(params.spread_window, params.spread_min_samples)
 
     def choose(self, req: RequestInfo, cluster: ClusterState, now: float) -> Placement:
         """FIFO queues without ``explain``: the live instances come from the pool's board
@@ -177,6 +196,10 @@ class ConductorPolicy(PrefillPolicy):
         prm = self.params
         cost = self.ctx.cost
         self._arrivals.observe(req.rid, req.arrival)
+        spread = 1.0
+        if prm.spread_price:
+            self._spread.observe(req.rid, cost.prefill_time(req.input_tokens, 0))
+            spread = self._spread.factor
         if cost.version != self._consts_version:  # the cost model was recalibrated
             self._consts = np.array(cost.prefill_constants())
             self._consts_version = cost.version
@@ -240,7 +263,7 @@ class ConductorPolicy(PrefillPolicy):
             # score = TTFT + kappa x GPU seconds. Work a choice adds delays the requests
             # that would have used that time: on average the busy share of the pool plus
             # the requests already waiting per instance (0 when idle: pure TTFT).
-            kappa = prm.work_weight * (busy + sum(queued)) / len(live)
+            kappa = prm.work_weight * spread * (busy + sum(queued)) / len(live)
             for pos, p in enumerate(live):
                 row = row_of(p)
                 rows.append((pos, row, row[0] + kappa * row[6]))
@@ -254,7 +277,8 @@ class ConductorPolicy(PrefillPolicy):
             # FIFO: the same ranking (kappa, scores, tie band, no-copy preference) over
             # every live instance in one compiled pass (:func:`..kernels.rank_fifo`)
             # over the pool's board (rows in pool order: live rows in live order)
-            count, kappa = self._rank(req, cluster.prefill, local_view, best_src, best_len, now)
+            count, kappa = self._rank(req, cluster.prefill, local_view, best_src, best_len, now,
+                                      spread)
             ties_at = self._ties
             chosen = cluster.prefill[int(ties_at[0] if count == 1
                                          else ties_at[self.ctx.rng.choice(range(count))])]
@@ -288,10 +312,11 @@ class ConductorPolicy(PrefillPolicy):
 
     def _rank(
         self, req: RequestInfo, pool: list[PrefillState], local_view: npt.NDArray[np.int64],
-        best_src: int | None, best_len: int, now: float,
+        best_src: int | None, best_len: int, now: float, spread: float,
     ) -> tuple[int, float]:
         """Score every live instance of ``pool`` at once (FIFO queues); the rows in the
-        tie band land in ``self._ties``. Returns their count and ``kappa``."""
+        tie band land in ``self._ties``. Returns their count and ``kappa`` (the work price
+        times ``spread``, :mod:`..spread`)."""
         assert isinstance(self.params, ConductorParams)
         prm = self.params
         board = board_of(pool)
@@ -301,7 +326,7 @@ class ConductorPolicy(PrefillPolicy):
             self._ties = np.empty(m, dtype=np.int64)
         return rank_fifo(
             self._consts, now, req.input_tokens, req.block_tokens, best_len,
-            -1 if best_src is None else board.row_of(best_src), prm.work_weight,
+            -1 if best_src is None else board.row_of(best_src), prm.work_weight * spread,
             prm.overlap_transfer, prm.tie_tolerance, prm.tie_tolerance_s, board["up"],
             board["busy_until"], board["queued_work_s"], board["queue_len"], board["iid"],
             local_view, self._score, self._fetch, self._ties,
@@ -349,22 +374,25 @@ class ConductorPolicy(PrefillPolicy):
         order = {p.iid: (p.wait_time(now), rng.random()) for p in live}  # random among equals
         by_wait = sorted(live, key=lambda p: order[p.iid])
         idle = sum(1 for p in by_wait if order[p.iid][0] <= 0.0)
+        largest = min(cfg.max_group, len(by_wait))
         if not rescue:
-            # opportunistic: only idle instances, and some stay idle for what arrives next
-            limit = min(cfg.max_group, idle - math.ceil(cfg.reserve_idle_share * len(live)))
+            # opportunistic: some of the pool stays out of it for what arrives next
+            largest = min(largest, len(live) - math.ceil(cfg.reserve_idle_share * len(live)))
+            limit = min(largest, idle - math.ceil(cfg.reserve_idle_share * len(live)))
         elif cfg.rescue_idle_only:
-            limit = min(cfg.max_group, idle)
+            limit = min(largest, idle)
         else:
-            limit = cfg.max_group
+            limit = largest
         best: tuple[Placement, float] | None = None
         best_key = (True, math.inf)  # (misses the SLO in a rescue, score or TTFT)
-        options = [(size, False) for size in range(2, min(limit, len(by_wait)) + 1)]
-        if rescue and cfg.rescue_idle_only and cfg.rescue_staggered:
-            # the groups of idle instances were priced above
-            options += [(size, True) for size in range(max(2, limit + 1),
-                                                       min(cfg.max_group, len(by_wait)) + 1)]
+        options = [(size, False) for size in range(2, limit + 1)]
+        if (cfg.rescue_idle_only and cfg.rescue_staggered) if rescue else \
+                cfg.opportunistic_staggered:
+            # the groups of idle instances were priced above; larger ones may take
+            # members still busy that come free before their stage first works
+            options += [(size, True) for size in range(max(2, limit + 1), largest + 1)]
         for size, staggered in options:
-            if staggered and not best_key[0]:
+            if staggered and rescue and not best_key[0]:
                 break  # a group of idle instances meets the SLO
             members = by_wait[:size]
             leader = max(members, key=lambda p: (stored[p.iid], -order[p.iid][1]))
