@@ -22,6 +22,10 @@ Sections (each can be skipped with ``--skip``):
   instances, as many decode) at the same loads, the strongest designs only, and
   ``conductor`` with ``cpp.max_group`` 2 beside its defaults: whether the 16-instance
   picture holds at a size a reader may run.
+- ``heldout``: workloads no default was chosen on (``shared-doc``, ``long-output``, and the
+  three synthetic shapes drawn from another seed) on 4, 8 and 16 prefill instances:
+  ``conductor`` against its earlier CPP defaults and against both readings of
+  ``mooncake-paper`` (CPP from 8,192 or 2,048 new tokens).
 - ``capacity``: effective request capacity on the conversation trace (``mooncake-operator
   capacity``), against the compute-bound limit.
 - ``calibration``: hardware 25% slower than the model, with and without online
@@ -75,8 +79,24 @@ POOL_POLICIES = ("dynamo-kv", "llm-d", "kvcache-centric", "mooncake-paper", "con
 POOL_VARIANTS: dict[str, dict[str, Any]] = {
     "conductor, max_group 2": {"conductor_params": {"cpp": {"max_group": 2}}},
 }
-SECTIONS = ("tables", "seeds", "pools", "capacity", "calibration", "hot", "long", "decode",
-            "ablation", "speed")
+SECTIONS = ("tables", "seeds", "pools", "heldout", "capacity", "calibration", "hot", "long",
+            "decode", "ablation", "speed")
+#: the heldout section: workloads no default was chosen on (two other shapes, and the
+#: tables' three shapes drawn from another seed), on the pools section's sizes and 16
+HELDOUT_SHAPES = ("shared-doc", "long-output", *PAPER_SHAPES)
+HELDOUT_SEED = 101
+HELDOUT_SIZES = (4, 8, 16)
+#: conductor with the CPP and work-price defaults it had before they were chosen on the
+#: tables' workloads, and mooncake-paper with the CPP threshold that serves it best there
+HELDOUT_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "conductor": ("conductor", {}),
+    "conductor, earlier CPP defaults": ("conductor", {"conductor_params": {
+        "spread_price": False,
+        "cpp": {"min_new_tokens": 8192, "opportunistic_staggered": False}}}),
+    "mooncake-paper": ("mooncake-paper", {}),
+    "mooncake-paper, cpp.min_new_tokens 2048": ("mooncake-paper", {"conductor_params": {
+        "cpp": {"min_new_tokens": 2048}}}),
+}
 #: the decode-bound setting: long answers on a quarter of the preset's decode pool
 DECODE_POOL = 4
 DECODE_POLICIES = ("dynamo-kv", "llm-d", "kvcache-centric", "mooncake-paper", "conductor")
@@ -89,6 +109,12 @@ ABLATION: dict[str, dict[str, Any]] = {
     "CPP groups do not pay for the arrivals they shut out": {"params": {"shut_out_price": False}},
     "SLO rescues take idle instances only (rescue_staggered false)":
         {"params": {"cpp": {"rescue_staggered": False}}},
+    "other CPP groups take idle instances only (opportunistic_staggered false)":
+        {"params": {"cpp": {"opportunistic_staggered": False}}},
+    "CPP from 8,192 new tokens (min_new_tokens 8192, the earlier default)":
+        {"params": {"cpp": {"min_new_tokens": 8192}}},
+    "work priced as if prefill times were exponential (spread_price false)":
+        {"params": {"spread_price": False}},
     "no in-flight prefixes (include_pending false)": {"params": {"include_pending": False}},
     "copy instead of migrate on fetch": {"params": {"migrate_on_fetch": False}},
     "transfer not overlapped": {"params": {"overlap_transfer": False}},
@@ -300,6 +326,42 @@ def pools(args: argparse.Namespace) -> dict[str, Any]:
                 runs.append(run)
     return {"sizes": list(POOL_SIZES), "policies": list(POOL_POLICIES),
             "variants": list(POOL_VARIANTS), "runs": runs}
+
+
+def heldout(args: argparse.Namespace) -> dict[str, Any]:
+    """conductor, its earlier CPP defaults and both readings of mooncake-paper on workloads
+    no default was chosen on; ratios per run and their geometric means."""
+    data = {f"synth-{n}@{HELDOUT_SEED}": generate(n, args.requests, seed=HELDOUT_SEED)
+            for n in HELDOUT_SHAPES}
+    jobs = []
+    for size in HELDOUT_SIZES:
+        for n, recs in data.items():
+            for load in args.loads:
+                speed = speed_for_utilization(recs, size, load)
+                for name, (pol, kw) in HELDOUT_VARIANTS.items():
+                    jobs.append((f"{size}|{n}|{load}|{name}", recs,
+                                 sim_config(pol, speed, prefill=size, decode=size, **kw)))
+    res = run_all("heldout", jobs, args.jobs)
+    keep = ("ttft_mean_charged_s", "slo_attainment", "rejected", "token_hit_ratio")
+    runs = []
+    for size in HELDOUT_SIZES:
+        for n in data:
+            for load in args.loads:
+                rows = {v: {k: res[f"{size}|{n}|{load}|{v}"][k] for k in keep}
+                        for v in HELDOUT_VARIANTS}
+                ttft = {v: r["ttft_mean_charged_s"] for v, r in rows.items()}
+                paper = min(ttft["mooncake-paper"], ttft["mooncake-paper, cpp.min_new_tokens 2048"])
+                runs.append({"prefill": size, "workload": n, "load": load, "results": rows,
+                             "vs_earlier": ttft["conductor, earlier CPP defaults"]
+                             / ttft["conductor"],
+                             "vs_paper": paper / ttft["conductor"]})
+    return {"seed": HELDOUT_SEED, "sizes": list(HELDOUT_SIZES), "runs": runs,
+            "geomean_vs_earlier": _geomean([r["vs_earlier"] for r in runs]),
+            "geomean_vs_paper": _geomean([r["vs_paper"] for r in runs])}
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else math.nan
 
 
 def _seed_row(run: dict[str, Any]) -> dict[str, Any]:
@@ -635,6 +697,31 @@ def markdown(doc: dict[str, Any]) -> str:
               f"**{r['ttft_ratio']:.3f}x**", f"{100 * r['slo_margin']:+.2f} points",
               *(f"{x['ttft_mean_charged_s']:.3f}, {x['ttft_ratio']:.3f}x"
                 for x in r["variants"].values())] for r in pl["runs"]], left=(0, 1))
+    ho = doc.get("heldout")
+    if ho:
+        lines += ["## Held-out workloads (full system)", "",
+                  "Workloads no default was chosen on: `shared-doc` and `long-output`, and the "
+                  f"tables' three synthetic shapes drawn with seed {ho['seed']} (the tables "
+                  f"use {SYNTH_SEED}), on {', '.join(f'{x}P+{x}D' for x in ho['sizes'])}. "
+                  "`earlier`: conductor with the CPP and work-price defaults it had before "
+                  "they were chosen on the tables' workloads (CPP from 8,192 new tokens, idle "
+                  "members only, no spread price); ratio: its charged TTFT / conductor's. "
+                  "`paper`: the better of mooncake-paper's two readings (CPP from 8,192 or "
+                  "2,048 new tokens) / conductor's.", ""]
+        lines += _table(
+            ["pool, workload, load", "conductor s", "earlier s", "ratio",
+             "mooncake-paper s", "mooncake-paper 2048 s", "paper ratio", "SLO", "rejected"],
+            [[f"{r['prefill']}P, {r['workload']}, {100 * r['load']:.0f}%",
+              *(f"{r['results'][v]['ttft_mean_charged_s']:.3f}"
+                for v in ("conductor", "conductor, earlier CPP defaults")),
+              f"{r['vs_earlier']:.3f}x",
+              *(f"{r['results'][v]['ttft_mean_charged_s']:.3f}"
+                for v in ("mooncake-paper", "mooncake-paper, cpp.min_new_tokens 2048")),
+              f"**{r['vs_paper']:.3f}x**",
+              _pct(r["results"]["conductor"]["slo_attainment"]),
+              str(r["results"]["conductor"]["rejected"])] for r in ho["runs"]])
+        lines += [f"Geometric mean: {ho['geomean_vs_earlier']:.3f}x against the earlier "
+                  f"defaults, {ho['geomean_vs_paper']:.3f}x against mooncake-paper.", ""]
     s = doc.get("speed")
     if s:
         lines += ["## Simulator speed", "",
@@ -698,6 +785,17 @@ def verdicts(doc: dict[str, Any]) -> list[str]:
                        f"{r['prefill']}P {r['workload']} at {100 * r['load']:.0f}% "
                        f"({r['ttft_ratio']:.3f}x vs {r['best_other']})" for r in lost)
                       if lost else ""))
+    ho = doc.get("heldout")
+    if ho:
+        runs = ho["runs"]
+        low = min(runs, key=lambda r: r["vs_paper"])
+        out.append(f"held-out workloads ({len(runs)} runs): {ho['geomean_vs_earlier']:.3f}x "
+                   "the earlier CPP defaults (geometric mean, "
+                   f"{sum(r['vs_earlier'] >= 1.0 for r in runs)}/{len(runs)} at least level); "
+                   f"against mooncake-paper's better reading ≥ {TTFT_MARGIN:.2f}x in "
+                   f"{sum(r['vs_paper'] >= TTFT_MARGIN for r in runs)}/{len(runs)}, lowest "
+                   f"{low['vs_paper']:.3f}x ({low['prefill']}P {low['workload']} at "
+                   f"{100 * low['load']:.0f}%)")
     c = doc.get("capacity")
     if c and "ratio_to_best" in c:
         ok = c["ratio_to_best"] >= CAPACITY_MARGIN and (c["of_limit"] or 0) >= CAPACITY_OF_LIMIT
@@ -808,7 +906,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for name, fn in (("tables", lambda: tables(args, policies)),
                      ("seeds", lambda: seeds(args, policies, doc.get("tables"))),
-                     ("pools", lambda: pools(args)), ("capacity",
+                     ("pools", lambda: pools(args)), ("heldout", lambda: heldout(args)),
+                     ("capacity",
                      lambda: capacity(args)), ("calibration", lambda: calibration(args)),
                      ("hot", lambda: hot(args)), ("long", lambda: long_prompts(args)),
                      ("decode", lambda: decode_bound(args)),
