@@ -82,7 +82,7 @@ POOL_VARIANTS: dict[str, dict[str, Any]] = {
 SECTIONS = ("tables", "seeds", "pools", "heldout", "capacity", "calibration", "hot", "long",
             "decode", "ablation", "speed")
 #: the heldout section: workloads no default was chosen on (two other shapes, and the
-#: tables' three shapes drawn from another seed), on the pools section's sizes and 16
+#: tables' three shapes drawn from another seed), on 4, 8 and 16 prefill instances
 HELDOUT_SHAPES = ("shared-doc", "long-output", *PAPER_SHAPES)
 HELDOUT_SEED = 101
 HELDOUT_SIZES = (4, 8, 16)
