@@ -56,17 +56,18 @@ class ArrivalRate:
         self._last_rid: int | None = None
         self._last_at = 0.0
 
-    def observe(self, rid: int, arrival: float) -> None:
+    def observe(self, rid: int, arrival: float) -> bool:
         """Request ``rid`` arrived at ``arrival``; ids grow with arrival order, so one seen
-        before (or an older one) is not counted again."""
+        before (or an older one) is not counted again. Returns whether it was new."""
         if self._last_rid is not None:
             if rid <= self._last_rid:
-                return
+                return False
             gap = max(0.0, arrival - self._last_at)
             self._gaps += 1
             # the plain mean until the window fills, then the weighted one
             self._gap += (gap - self._gap) / min(self._gaps, self.window)
         self._last_rid, self._last_at = rid, arrival
+        return True
 
     @property
     def per_s(self) -> float:

@@ -26,7 +26,9 @@ from __future__ import annotations
 class ServiceSpread:
     """Weighted moments of each new request's cold prefill time over about ``window``
     requests; :attr:`factor` is 1 (exponential service, the price unchanged) until
-    ``min_samples`` have been seen: one prompt has no spread to measure."""
+    ``min_samples`` have been seen: one prompt has no spread to measure. The caller
+    observes each request once (the conductor: when :class:`..arrivals.ArrivalRate`
+    counts it as a new arrival)."""
 
     def __init__(self, window: int, min_samples: int = 1) -> None:
         if window < 1 or min_samples < 1:
@@ -36,15 +38,9 @@ class ServiceSpread:
         self._count = 0
         self._m1 = 0.0
         self._m2 = 0.0
-        self._last_rid: int | None = None
 
-    def observe(self, rid: int, seconds: float) -> None:
-        """Request ``rid`` would take ``seconds`` on one idle instance with nothing cached;
-        ids grow with arrival order, so one seen before (or an older one) is not counted
-        again (a request scheduled again while held is not a new one)."""
-        if self._last_rid is not None and rid <= self._last_rid:
-            return
-        self._last_rid = rid
+    def observe(self, seconds: float) -> None:
+        """A new request would take ``seconds`` on one idle instance with nothing cached."""
         self._count += 1
         # the plain mean until the window fills, then the weighted one
         w = 1.0 / min(self._count, self.window)
@@ -57,10 +53,6 @@ class ServiceSpread:
         if self._m1 <= 0.0:
             return 0.0
         return max(0.0, self._m2 / (self._m1 * self._m1) - 1.0)
-
-    @property
-    def samples(self) -> int:
-        return self._count
 
     @property
     def factor(self) -> float:

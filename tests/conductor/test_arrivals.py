@@ -50,11 +50,10 @@ def test_a_burst_counts_its_zero_gaps() -> None:
 
 def test_a_request_seen_before_is_not_a_new_arrival() -> None:
     r = ArrivalRate(window=32)
-    r.observe(1, 0.0)
-    r.observe(2, 1.0)
-    r.observe(2, 1.0)  # scheduled again while held
-    r.observe(1, 0.0)  # an older one (a steal prices it again)
-    r.observe(3, 2.0)
+    assert r.observe(1, 0.0) and r.observe(2, 1.0)
+    assert not r.observe(2, 1.0)  # scheduled again while held
+    assert not r.observe(1, 0.0)  # an older one (a steal prices it again)
+    assert r.observe(3, 2.0)
     assert r.per_s == pytest.approx(1.0)
 
 

@@ -13,38 +13,41 @@ MID = 60_000  # tokens: one instance meets the SLO (13.31 s), a pair takes 7.85 
 def test_no_spread_before_enough_samples() -> None:
     s = ServiceSpread(window=8, min_samples=3)
     assert s.factor == 1.0 and s.cv2 == 0.0
-    s.observe(1, 2.0)
-    s.observe(2, 2.0)
+    s.observe(2.0)
+    s.observe(2.0)
     assert s.factor == 1.0  # two samples: not yet
-    s.observe(3, 2.0)
+    s.observe(2.0)
     assert s.cv2 == 0.0 and s.factor == 0.5  # regular service halves the price
 
 
 def test_cv2_of_the_plain_mean_then_the_weighted_one() -> None:
     s = ServiceSpread(window=2)
-    s.observe(1, 1.0)
-    s.observe(2, 3.0)  # m1 2, m2 5: cv2 = 5 / 4 - 1
+    s.observe(1.0)
+    s.observe(3.0)  # m1 2, m2 5: cv2 = 5 / 4 - 1
     assert s.cv2 == pytest.approx(0.25)
     assert s.factor == pytest.approx(0.625)
-    s.observe(3, 3.0)  # weight 1/2: m1 2.5, m2 7
+    s.observe(3.0)  # weight 1/2: m1 2.5, m2 7
     assert s.cv2 == pytest.approx(7 / 6.25 - 1)
 
 
 def test_heavy_tails_leave_the_price_as_it_is() -> None:
     s = ServiceSpread(window=64)
-    for rid, t in enumerate([0.1] * 9 + [10.0], start=1):
-        s.observe(rid, t)
+    for t in [0.1] * 9 + [10.0]:
+        s.observe(t)
     assert s.cv2 > 1.0
     assert s.factor == 1.0  # capped: kappa already counts the queues heavy tails build
 
 
 def test_a_request_seen_again_is_counted_once() -> None:
-    s = ServiceSpread(window=64)
-    s.observe(1, 1.0)
-    s.observe(2, 3.0)
-    s.observe(2, 3.0)  # scheduled again while held
-    s.observe(1, 1.0)  # an older one
-    assert s.cv2 == pytest.approx(0.25)
+    """The conductor observes a request's prefill time when the arrival rate counts it as
+    new: one scheduled again while held, or an older one, is not counted again."""
+    p = policy("conductor")
+    for rid, n in ((1, 1024), (2, 3 * 1024), (2, 3 * 1024), (2, 3 * 1024), (1, 1024)):
+        p.choose(request(list(range(n // 512)), tokens=n, rid=rid), cluster(2), 0.0)
+    spread = p._spread  # type: ignore[attr-defined]
+    t1, t2 = COST.prefill_time(1024), COST.prefill_time(3 * 1024)
+    m1, m2 = (t1 + t2) / 2, (t1 * t1 + t2 * t2) / 2
+    assert spread.cv2 == pytest.approx(m2 / (m1 * m1) - 1)
 
 
 def test_bad_window_is_refused() -> None:

@@ -195,10 +195,11 @@ class ConductorPolicy(PrefillPolicy):
         assert isinstance(self.params, ConductorParams)
         prm = self.params
         cost = self.ctx.cost
-        self._arrivals.observe(req.rid, req.arrival)
+        new = self._arrivals.observe(req.rid, req.arrival)
         spread = 1.0
         if prm.spread_price:
-            self._spread.observe(req.rid, cost.prefill_time(req.input_tokens, 0))
+            if new:  # a request scheduled again while held is not a new one
+                self._spread.observe(cost.prefill_time(req.input_tokens, 0))
             spread = self._spread.factor
         if cost.version != self._consts_version:  # the cost model was recalibrated
             self._consts = np.array(cost.prefill_constants())
@@ -377,8 +378,9 @@ class ConductorPolicy(PrefillPolicy):
         largest = min(cfg.max_group, len(by_wait))
         if not rescue:
             # opportunistic: some of the pool stays out of it for what arrives next
-            largest = min(largest, len(live) - math.ceil(cfg.reserve_idle_share * len(live)))
-            limit = min(largest, idle - math.ceil(cfg.reserve_idle_share * len(live)))
+            reserve = math.ceil(cfg.reserve_idle_share * len(live))
+            largest = min(largest, len(live) - reserve)
+            limit = min(largest, idle - reserve)
         elif cfg.rescue_idle_only:
             limit = min(largest, idle)
         else:
