@@ -112,34 +112,84 @@ def plan_cpp(cost: CostModel, n: int, cached: int, group_size: int, chunk_tokens
     return CPPPlan(group_size, tuple(chunks), tuple(stages), makespan, chunk_tokens)
 
 
-def cpp_makespan(cost: CostModel, n: int, cached: int, group_size: int,
-                 chunk_tokens: int) -> float:
-    """:func:`plan_cpp`'s makespan without building the chunks (equal up to rounding): the
-    full chunks' compute in one difference of FLOPs, the stages' maximum at the last full
-    chunk (a chunk costs more the more context it follows) or the shorter last one."""
-    cached = min(max(cached, 0), n)
-    new = n - cached
-    if new <= 0 or group_size < 1 or chunk_tokens < 1:
-        return plan_cpp(cost, n, cached, group_size, chunk_tokens).makespan_s
+def _handoff_per_token(cost: CostModel, group_size: int) -> float:
+    """Seconds per token of activations a stage hands to the next (none in a group of 1)."""
+    if group_size == 1:
+        return 0.0
     m = cost.config.model
     nic = cost.config.hardware.nic_bytes_per_s * cost.config.efficiency.transfer_efficiency
-    per_token = 0.0 if group_size == 1 else m.d_model * m.elem_bytes / nic
+    return m.d_model * m.elem_bytes / nic
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """What a plan's makespan needs of one prompt, cached prefix and chunk size, whatever
+    the group: the new tokens, the compute of every chunk summed (on one node), the
+    compute of the last full chunk and of the shorter last one (0 when absent)."""
+
+    chunk_tokens: int
+    new: int
+    full: int
+    rest: int
+    compute: float
+    last: float
+    tail: float
+
+    def makespan(self, group_size: int, per_token: float) -> float:
+        top = 0.0
+        if self.full:
+            top = self.last / group_size + self.chunk_tokens * per_token
+        if self.rest:
+            top = max(top, self.tail / group_size + self.rest * per_token)
+        return self.compute / group_size + self.new * per_token + (group_size - 1) * top
+
+
+def _span(cost: CostModel, n: int, cached: int, chunk_tokens: int) -> _Span:
+    """:class:`_Span` of ``n`` tokens, ``cached`` reused (``0 <= cached < n``): the full
+    chunks' compute in one difference of FLOPs, the stages' maximum at the last full chunk
+    (a chunk costs more the more context it follows) or the shorter last one."""
+    new = n - cached
     ovh = cost.prefill_overhead_s
     full, rest = divmod(new, chunk_tokens)
-    compute = 0.0
-    top = 0.0
+    compute = last = tail = 0.0
     if full:
         end = cached + full * chunk_tokens
         rate = cost.prefill_flops_rate(chunk_tokens)
         compute += full * ovh + (cost.flops(end) - cost.flops(cached)) / rate
         last = ovh + (cost.flops(end) - cost.flops(end - chunk_tokens)) / rate
-        top = last / group_size + chunk_tokens * per_token
     if rest:
         start = cached + full * chunk_tokens
         tail = ovh + (cost.flops(n) - cost.flops(start)) / cost.prefill_flops_rate(rest)
         compute += tail
-        top = max(top, tail / group_size + rest * per_token)
-    return compute / group_size + new * per_token + (group_size - 1) * top
+    return _Span(chunk_tokens, new, full, rest, compute, last, tail)
+
+
+def cpp_makespan(cost: CostModel, n: int, cached: int, group_size: int,
+                 chunk_tokens: int) -> float:
+    """:func:`plan_cpp`'s makespan without building the chunks (equal up to rounding)."""
+    cached = min(max(cached, 0), n)
+    if n - cached <= 0 or group_size < 1 or chunk_tokens < 1:
+        return plan_cpp(cost, n, cached, group_size, chunk_tokens).makespan_s
+    return _span(cost, n, cached, chunk_tokens).makespan(
+        group_size, _handoff_per_token(cost, group_size))
+
+
+def first_stage_s(cost: CostModel, n: int, cached: int, group_size: int,
+                  chunk_tokens: int) -> float:
+    """:func:`plan_cpp`'s ``stage_s[0]`` (the same arithmetic) without building the rest:
+    how long stage 0 works on the first chunk, the offset :func:`staggered_start` takes."""
+    if group_size < 1 or chunk_tokens < 1:
+        return plan_cpp(cost, n, cached, group_size, chunk_tokens).stage_s[0]
+    cached = min(max(cached, 0), n)
+    if cached >= n:
+        return cost.prefill_compute_time(n, n)
+    end = min(n, cached + chunk_tokens)
+    compute = cost.prefill_compute_time(end, cached) / group_size
+    if group_size == 1:
+        return compute + 0.0
+    m = cost.config.model
+    nic = cost.config.hardware.nic_bytes_per_s * cost.config.efficiency.transfer_efficiency
+    return compute + (end - cached) * m.d_model * m.elem_bytes / nic
 
 
 def staggered_start(ready: list[float], offset_s: float) -> float:
@@ -147,6 +197,40 @@ def staggered_start(ready: list[float], offset_s: float) -> float:
     chunk): the members take stages in the order they are free, and stage ``k`` is first
     needed ``k * offset_s`` after the start."""
     return max(t - k * offset_s for k, t in enumerate(sorted(ready)))
+
+
+class ChunkPricer:
+    """Chunk choice and makespan of every group size for one prompt and cached prefix:
+    what depends only on the prompt and the chunk size is computed once, so pricing
+    several group sizes costs little more than one (:func:`choose_chunk`, the same
+    numbers)."""
+
+    def __init__(self, cost: CostModel, n: int, cached: int, config: CPPConfig) -> None:
+        self.cost = cost
+        self.n = n
+        self.cached = cached
+        self.config = config
+        self._spans: list[_Span] | None = None
+
+    def _all(self) -> list[_Span]:
+        if self._spans is None:
+            cached = min(max(self.cached, 0), self.n)
+            self._spans = [_span(self.cost, self.n, cached, size)
+                           for size in sorted(self.config.chunk_choices)]
+        return self._spans
+
+    def choose(self, group_size: int) -> tuple[int, float]:
+        """``(chunk size, makespan)`` of the plan :func:`plan_cpp_for` would build."""
+        cfg, n, cached = self.config, self.n, self.cached
+        if cfg.chunk_tokens or n - min(max(cached, 0), n) <= 0 or group_size < 1:
+            return choose_chunk(self.cost, n, cached, group_size, cfg)
+        per_token = _handoff_per_token(self.cost, group_size)
+        best_size, best = 0, math.inf
+        for span in self._all():
+            value = span.makespan(group_size, per_token)
+            if value < best * (1.0 - 1e-9):
+                best_size, best = span.chunk_tokens, value
+        return best_size, best
 
 
 def choose_chunk(cost: CostModel, n: int, cached: int, group_size: int,

@@ -1,5 +1,5 @@
-"""Chunked pipeline parallelism: argument checks, the smallest legal chunk and the
-chunk-size planner."""
+"""Chunked pipeline parallelism: argument checks, the smallest legal chunk, the
+chunk-size planner and the shortcuts policies price groups with."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mooncake_conductor.cost import CostModel
-from mooncake_conductor.cpp import CPPConfig, cpp_makespan, plan_cpp, plan_cpp_for
+from mooncake_conductor.cpp import (
+    ChunkPricer,
+    CPPConfig,
+    choose_chunk,
+    cpp_makespan,
+    first_stage_s,
+    plan_cpp,
+    plan_cpp_for,
+)
 from pydantic import ValidationError
 
 
@@ -82,3 +90,29 @@ def test_the_closed_form_makespan_equals_the_plans(n: int, cached_share: float, 
         chunk = 64  # keep the reference loop short
     want = plan_cpp(cm, n, cached, group, chunk).makespan_s
     assert cpp_makespan(cm, n, cached, group, chunk) == pytest.approx(want, rel=1e-9)
+
+
+@settings(max_examples=300, deadline=None)
+@given(n=st.integers(0, 200_000), cached=st.integers(-10, 210_000), group=st.integers(1, 8),
+       chunk=st.sampled_from([1, 7, 512, 1000, 1024, 2048, 4096, 8192, 300_000]))
+def test_the_first_stage_is_the_plans_to_the_bit(n: int, cached: int, group: int,
+                                                 chunk: int) -> None:
+    cm = CostModel()
+    if chunk < 64 and n - max(cached, 0) > 5000:
+        chunk = 64  # keep the reference loop short
+    # exactly equal: the simulator starts staggered groups on the plan's stage 0
+    assert first_stage_s(cm, n, cached, group, chunk) == plan_cpp(
+        cm, n, cached, group, chunk).stage_s[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 200_000), cached=st.integers(-10, 210_000),
+       choices=st.lists(st.integers(1, 20_000), min_size=1, max_size=5, unique=True),
+       fixed=st.sampled_from([0, 0, 3000]))
+def test_a_pricer_gives_choose_chunks_numbers_for_every_group(
+        n: int, cached: int, choices: list[int], fixed: int) -> None:
+    cm = CostModel()
+    cfg = CPPConfig(chunk_choices=tuple(choices), chunk_tokens=fixed)
+    pricer = ChunkPricer(cm, n, cached, cfg)
+    for group in (4, 1, 2, 3, 2):  # any order, asked again: the cached spans serve them
+        assert pricer.choose(group) == choose_chunk(cm, n, cached, group, cfg)

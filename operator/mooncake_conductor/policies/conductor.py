@@ -88,7 +88,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..arrivals import ArrivalRate, shut_out_wait
-from ..cpp import CPPConfig, choose_chunk, plan_cpp, staggered_start
+from ..cpp import ChunkPricer, CPPConfig, first_stage_s, staggered_start
 from ..kernels import rank_fifo
 from ..spread import ServiceSpread
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
@@ -393,6 +393,7 @@ class ConductorPolicy(PrefillPolicy):
             # the groups of idle instances were priced above; larger ones may take
             # members still busy that come free before their stage first works
             options += [(size, True) for size in range(max(2, limit + 1), largest + 1)]
+        pricers: dict[int, ChunkPricer] = {}  # by reused blocks (the leader's may differ)
         for size, staggered in options:
             if staggered and rescue and not best_key[0]:
                 break  # a group of idle instances meets the SLO
@@ -402,12 +403,16 @@ class ConductorPolicy(PrefillPolicy):
             fetch = best_len - local if best_src is not None and best_len > local else 0
             reuse = local + fetch
             transfer = self.ctx.cost.transfer_time(req.tokens_of(reuse) - req.tokens_of(local))
-            chunk, makespan = choose_chunk(self.ctx.cost, n, req.tokens_of(reuse), size, cfg)
+            pricer = pricers.get(reuse)
+            if pricer is None:
+                pricer = pricers[reuse] = ChunkPricer(self.ctx.cost, n, req.tokens_of(reuse),
+                                                      cfg)
+            chunk, makespan = pricer.choose(size)
             prio = req.arrival + self.params.priority_weight * makespan
             if staggered:
                 # members take stages in the order they come free; the group must start now
-                first_stage = plan_cpp(self.ctx.cost, n, req.tokens_of(reuse), size,
-                                       chunk).stage_s[0]
+                first_stage = first_stage_s(self.ctx.cost, n, req.tokens_of(reuse), size,
+                                            chunk)
                 if staggered_start([p.wait_time(now, prio) for p in members], first_stage) > 0:
                     continue
                 wait = 0.0

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..cpp import CPPConfig, choose_chunk
+from ..cpp import ChunkPricer, CPPConfig
 from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, register
 from .kvcache_centric import KVCacheCentricParams, KVCacheCentricPolicy
@@ -69,13 +69,14 @@ class MooncakePaperPolicy(KVCacheCentricPolicy):
         # the leader holds the most of the prompt locally; the rest is fetched to it
         idle.sort(key=lambda p: -cluster.index.match(p.iid, req.keys))
         best = single
+        pricer = ChunkPricer(self.ctx.cost, n, req.tokens_of(reuse), cfg)
         for size in range(2, min(cfg.max_group, len(idle)) + 1):
             members = idle[:size]
             leader = members[0]
             local = min(cluster.index.match(leader.iid, req.keys), reuse)
             fetch = reuse - local  # 0 when the leader is the holder
             transfer = self.ctx.cost.transfer_time(req.tokens_of(reuse) - req.tokens_of(local))
-            chunk, makespan = choose_chunk(self.ctx.cost, n, req.tokens_of(reuse), size, cfg)
+            chunk, makespan = pricer.choose(size)
             if transfer + makespan < best.ttft_s:
                 best = Placement(
                     prefill=leader.iid, local_blocks=local, fetch_blocks=fetch,
