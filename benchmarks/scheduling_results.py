@@ -58,7 +58,6 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-from mooncake_conductor.engine import ConductorConfig
 from mooncake_conductor.policies import policy_names
 from mooncake_sim.capacity import compute_bound_speed
 from mooncake_sim.engine import SimConfig, simulate
@@ -194,16 +193,8 @@ def sim_config(policy: str, speed: float, *, routing_only: bool = False,
     cond = {k.removeprefix("conductor_"): v for k, v in overrides.items()
             if k.startswith("conductor_")}
     sim = {k: v for k, v in overrides.items() if not k.startswith("conductor_")}
-    return SimConfig(
-        prefill=sim.pop("prefill", PRESET.prefill), decode=sim.pop("decode", PRESET.decode),
-        speed=speed, prefill_cache_tokens=PRESET.prefill_cache_tokens,
-        prediction_error=sim.pop("prediction_error", PRESET.prediction_error),
-        model_bias=sim.pop("model_bias", PRESET.model_bias),
-        event_lag_ms=PRESET.event_lag_ms, nic_contention=PRESET.nic_contention,
-        conductor=ConductorConfig(
-            policy=policy, routing_only=routing_only,
-            slo={"ttft_s": PRESET.ttft_slo_s, "tbt_s": PRESET.tbt_slo_ms / 1000.0}, **cond),
-        **sim)
+    return PRESET.sim_config(policy, speed, conductor={"routing_only": routing_only, **cond},
+                             **sim)
 
 
 def workload(name: str, requests: int) -> list[TraceRecord]:

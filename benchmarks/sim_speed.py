@@ -17,8 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from mooncake_conductor.engine import ConductorConfig
-from mooncake_sim.engine import SimConfig, simulate
+from mooncake_sim.engine import simulate
 from mooncake_sim.presets import PRESETS, speed_for_utilization
 from mooncake_sim.trace import bundled_trace, load_trace
 
@@ -38,13 +37,7 @@ def main() -> None:
     best = dict.fromkeys(policies, float("inf"))
     for _ in range(args.repeat):
         for policy in policies:  # in turns: a slow spell of the host hits every policy
-            cfg = SimConfig(
-                prefill=preset.prefill, decode=preset.decode, speed=speed,
-                prefill_cache_tokens=preset.prefill_cache_tokens,
-                prediction_error=preset.prediction_error, model_bias=preset.model_bias,
-                event_lag_ms=preset.event_lag_ms, nic_contention=preset.nic_contention,
-                conductor=ConductorConfig(policy=policy, slo={
-                    "ttft_s": preset.ttft_slo_s, "tbt_s": preset.tbt_slo_ms / 1000.0}))
+            cfg = preset.sim_config(policy, speed)
             t = time.perf_counter()
             simulate(records, cfg)
             best[policy] = min(best[policy], time.perf_counter() - t)

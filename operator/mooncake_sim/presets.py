@@ -24,10 +24,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from mooncake_conductor.cost import CostModel, CostModelConfig
+from mooncake_conductor.engine import ConductorConfig
 from mooncake_conductor.policies.base import SLOConfig
 
+from .engine import SimConfig
 from .trace import TraceRecord
 
 
@@ -45,6 +48,22 @@ class Preset:
     model_bias: float = 0.0
     event_lag_ms: float = 100.0
     nic_contention: bool = True
+
+    def sim_config(self, policy: str, speed: float, *, conductor: dict[str, Any] | None = None,
+                   **overrides: Any) -> SimConfig:
+        """The simulation this preset names for ``policy`` at replay ``speed``: its pools,
+        caches, SLOs and realism; ``overrides`` replace SimConfig fields and ``conductor``
+        adds ConductorConfig fields."""
+        fields: dict[str, Any] = {
+            "prefill": self.prefill, "decode": self.decode, "speed": speed,
+            "prefill_cache_tokens": self.prefill_cache_tokens,
+            "prediction_error": self.prediction_error, "model_bias": self.model_bias,
+            "event_lag_ms": self.event_lag_ms, "nic_contention": self.nic_contention,
+            **overrides,
+        }
+        return SimConfig(**fields, conductor=ConductorConfig(
+            policy=policy, slo={"ttft_s": self.ttft_slo_s, "tbt_s": self.tbt_slo_ms / 1000.0},
+            **(conductor or {})))
 
 
 PRESETS: dict[str, Preset] = {

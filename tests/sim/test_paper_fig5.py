@@ -5,9 +5,8 @@ rejections charged the TTFT SLO).
 This replays all 12,031 requests once per policy (about 2-4 s each)."""
 
 import pytest
-from mooncake_conductor.engine import ConductorConfig
 from mooncake_sim.cli import DEFAULT_COMPARE
-from mooncake_sim.engine import SimConfig, simulate
+from mooncake_sim.engine import simulate
 from mooncake_sim.presets import PRESETS, speed_for_utilization
 from mooncake_sim.trace import bundled_trace, load_trace, reuse_ceiling
 
@@ -19,14 +18,7 @@ def results() -> dict[str, dict]:
     speed = speed_for_utilization(records, preset.prefill, preset.target_utilization)
     out = {}
     for policy in DEFAULT_COMPARE.split(","):
-        cfg = SimConfig(
-            prefill=preset.prefill, decode=preset.decode, speed=speed,
-            prefill_cache_tokens=preset.prefill_cache_tokens,
-            prediction_error=preset.prediction_error, model_bias=preset.model_bias,
-            event_lag_ms=preset.event_lag_ms, nic_contention=preset.nic_contention,
-            conductor=ConductorConfig(policy=policy, slo={
-                "ttft_s": preset.ttft_slo_s, "tbt_s": preset.tbt_slo_ms / 1000}),
-        )
+        cfg = preset.sim_config(policy, speed)
         out[policy] = simulate(records, cfg)
     out["_ceiling"] = {"tokens": reuse_ceiling(records)[0]}
     return out
