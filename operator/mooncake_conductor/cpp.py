@@ -202,8 +202,7 @@ def staggered_start(ready: list[float], offset_s: float) -> float:
 class ChunkPricer:
     """Chunk choice and makespan of every group size for one prompt and cached prefix:
     what depends only on the prompt and the chunk size is computed once, so pricing
-    several group sizes costs little more than one (:func:`choose_chunk`, the same
-    numbers)."""
+    several group sizes costs little more than one."""
 
     def __init__(self, cost: CostModel, n: int, cached: int, config: CPPConfig) -> None:
         self.cost = cost
@@ -220,32 +219,33 @@ class ChunkPricer:
         return self._spans
 
     def choose(self, group_size: int) -> tuple[int, float]:
-        """``(chunk size, makespan)`` of the plan :func:`plan_cpp_for` would build."""
+        """``(chunk size, makespan)`` of the plan :func:`plan_cpp_for` would build: the
+        configured chunk, or the choice with the shortest makespan (the smaller size on a
+        tie within 1e-9)."""
         cfg, n, cached = self.config, self.n, self.cached
-        if cfg.chunk_tokens or n - min(max(cached, 0), n) <= 0 or group_size < 1:
-            return choose_chunk(self.cost, n, cached, group_size, cfg)
-        per_token = _handoff_per_token(self.cost, group_size)
+        if cfg.chunk_tokens:
+            return cfg.chunk_tokens, cpp_makespan(self.cost, n, cached, group_size,
+                                                  cfg.chunk_tokens)
+        if n - min(max(cached, 0), n) <= 0 or group_size < 1:  # no spans: the plan's
+            spans = [(size, cpp_makespan(self.cost, n, cached, group_size, size))
+                     for size in sorted(cfg.chunk_choices)]
+        else:
+            per_token = _handoff_per_token(self.cost, group_size)
+            spans = [(span.chunk_tokens, span.makespan(group_size, per_token))
+                     for span in self._all()]
         best_size, best = 0, math.inf
-        for span in self._all():
-            value = span.makespan(group_size, per_token)
+        for size, value in spans:
             if value < best * (1.0 - 1e-9):
-                best_size, best = span.chunk_tokens, value
+                best_size, best = size, value
         return best_size, best
 
 
 def choose_chunk(cost: CostModel, n: int, cached: int, group_size: int,
                  config: CPPConfig) -> tuple[int, float]:
     """``(chunk size, makespan)`` of the plan :func:`plan_cpp_for` would build, without
-    building it (what a policy pricing groups needs)."""
-    if config.chunk_tokens:
-        return config.chunk_tokens, cpp_makespan(cost, n, cached, group_size,
-                                                 config.chunk_tokens)
-    best_size, best = 0, math.inf
-    for size in sorted(config.chunk_choices):
-        span = cpp_makespan(cost, n, cached, group_size, size)
-        if span < best * (1.0 - 1e-9):
-            best_size, best = size, span
-    return best_size, best
+    building it (what a policy pricing one group needs; :class:`ChunkPricer` for
+    several)."""
+    return ChunkPricer(cost, n, cached, config).choose(group_size)
 
 
 def plan_cpp_for(cost: CostModel, n: int, cached: int, group_size: int,

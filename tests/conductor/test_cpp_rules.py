@@ -3,6 +3,7 @@ chunk-size planner and the shortcuts policies price groups with."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -115,4 +116,11 @@ def test_a_pricer_gives_choose_chunks_numbers_for_every_group(
     cfg = CPPConfig(chunk_choices=tuple(choices), chunk_tokens=fixed)
     pricer = ChunkPricer(cm, n, cached, cfg)
     for group in (4, 1, 2, 3, 2):  # any order, asked again: the cached spans serve them
-        assert pricer.choose(group) == choose_chunk(cm, n, cached, group, cfg)
+        # the reference: each size's makespan on its own, the smaller size on a tie
+        want = (fixed, cpp_makespan(cm, n, cached, group, fixed)) if fixed else (0, math.inf)
+        for size in ([] if fixed else sorted(choices)):
+            span = cpp_makespan(cm, n, cached, group, size)
+            if span < want[1] * (1.0 - 1e-9):
+                want = (size, span)
+        assert pricer.choose(group) == want
+        assert choose_chunk(cm, n, cached, group, cfg) == want
