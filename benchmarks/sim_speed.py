@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from mooncake_conductor.policies import policy_names
 from mooncake_sim.engine import simulate
 from mooncake_sim.presets import PRESETS, speed_for_utilization
 from mooncake_sim.trace import bundled_trace, load_trace
@@ -27,13 +28,19 @@ def main() -> None:
     ap.add_argument("--policies", default="conductor,kvcache-centric,random")
     ap.add_argument("--repeat", type=int, default=1)
     args = ap.parse_args()
+    policies = args.policies.split(",")
+    unknown = [p for p in policies if p not in policy_names()]
+    if unknown:
+        ap.error(f"--policies: unknown policy {', '.join(unknown)}; "
+                 f"known: {', '.join(policy_names())}")
+    if args.repeat < 1:
+        ap.error(f"--repeat must be at least 1, not {args.repeat}")
     t0 = time.perf_counter()
     records = load_trace(bundled_trace())
     load_s = time.perf_counter() - t0
     preset = PRESETS["paper-fig5"]
     speed = speed_for_utilization(records, preset.prefill, preset.target_utilization)
     print(f"trace load + validation: {load_s:.2f} s for {len(records)} requests")
-    policies = args.policies.split(",")
     best = dict.fromkeys(policies, float("inf"))
     for _ in range(args.repeat):
         for policy in policies:  # in turns: a slow spell of the host hits every policy
