@@ -70,6 +70,13 @@ class ArrivalRate:
         return True
 
     @property
+    def settled(self) -> bool:
+        """Whether ``window`` gaps have been measured: before that the rate is a mean
+        of a few gaps, and two requests a millisecond apart read as a thousand a
+        second."""
+        return self._gaps >= self.window
+
+    @property
     def per_s(self) -> float:
         """The rate; 0 until two requests have arrived with time between them."""
         return 1.0 / self._gap if self._gap > 0.0 else 0.0

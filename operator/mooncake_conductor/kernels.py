@@ -460,7 +460,7 @@ def warm_up() -> None:
     walk_lengths(table.kernel_view(), table.kernel_view(), keys, 1, 1,
                  np.zeros(64, dtype=np.int64), np.zeros(64, dtype=np.int64))
     one_f, one_i = np.zeros(1), np.zeros(1, dtype=np.int64)
-    rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, True, 0.0, 0.0,
+    rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, 1.0, 1.0, 1.0, True, 0.0, 0.0,
               np.ones(1, dtype=np.bool_), one_f, one_f, one_i, one_i, one_i, np.zeros(1),
               np.zeros(1, dtype=np.bool_), one_i.copy())
     rank_decode(np.ones(len(DECODE_FIELDS)), 1, 1, 1.0, 0.0, 0.0, np.ones(1, dtype=np.bool_),
@@ -502,7 +502,8 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
     @njit(cache=True, nogil=True)
     def rank(
         c: Any, now: float, n: int, block: int, best_len: int, best_pos: int,
-        work_weight: float, overlap: bool, tol: float, tol_s: float,
+        work_weight: float, shut_rate: float, slo_s: float, open_s: float, overlap: bool,
+        tol: float, tol_s: float,
         up: Any, busy_until: Any, qwork: Any, qlen: Any, iid: Any, local: Any, score: Any,
         fetch: Any, ties: Any,
     ) -> tuple[int, float]:
@@ -511,19 +512,31 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
         busy = 0
         waiting = 0
         live = 0
+        first = np.inf  # the earliest free time, at row j1, and the earliest of the others
+        second = np.inf
+        j1 = -1
         for i in range(m):
             if not up[i]:
                 continue
             live += 1
             run = busy_until[i] > now
             fifo[i] = (busy_until[i] - now if run else 0.0) + qwork[i]
+            if fifo[i] < first:
+                second = first
+                first = fifo[i]
+                j1 = i
+            elif fifo[i] < second:
+                second = fifo[i]
             waiting += qlen[i]
             if qlen[i] > 0 or run:
                 busy += 1
         kappa = work_weight * float(busy + waiting) / float(max(live, 1))
+        if first > open_s:
+            shut_rate = 0.0  # the pool saturates: every arrival queues anyway
         best_tokens = min(best_len * block, n)
         fetch_prefill = _prefill_time(c, n, best_tokens)
-        best = np.inf
+        on_time = False  # some live row meets the TTFT SLO
+        late = np.zeros(m, dtype=np.bool_)  # rows that break it
         for i in range(m):
             fetch[i] = False
             if not up[i]:
@@ -545,7 +558,19 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
                     used = fetch_prefill
                     fetch[i] = True
             score[i] = ttft + kappa * used
-            if score[i] < best:
+            if shut_rate > 0.0:
+                free = min(second if i == j1 else first, ttft)
+                if free > 0.0:
+                    score[i] += shut_rate * free * free / 2.0
+                late[i] = ttft > slo_s
+                on_time = on_time or not late[i]
+        best = np.inf
+        for i in range(m):
+            if not up[i]:
+                continue
+            if on_time and late[i]:
+                score[i] = np.inf  # the price never costs a request its own SLO
+            elif score[i] < best:
                 best = score[i]
         band = best * (1.0 + tol) + tol_s
         count = 0
@@ -565,17 +590,21 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
 
 def rank_fifo(
     consts: npt.NDArray[np.float64], now: float, n: int, block: int, best_len: int,
-    best_pos: int, work_weight: float, overlap: bool, tol: float, tol_s: float,
-    up: npt.NDArray[np.bool_], busy_until: npt.NDArray[np.float64],
-    qwork: npt.NDArray[np.float64],
+    best_pos: int, work_weight: float, shut_rate: float, slo_s: float, open_s: float,
+    overlap: bool, tol: float, tol_s: float, up: npt.NDArray[np.bool_],
+    busy_until: npt.NDArray[np.float64], qwork: npt.NDArray[np.float64],
     qlen: npt.NDArray[np.int64], iid: npt.NDArray[np.int64], local: npt.NDArray[np.int64],
     score: npt.NDArray[np.float64], fetch: npt.NDArray[np.bool_], ties: npt.NDArray[np.int64],
 ) -> tuple[int, float]:
     """The conductor's FIFO ranking (:mod:`.policies.conductor`) over every live
     instance at once (the rows of a :class:`~mooncake_conductor.state.Board` that are
     ``up``): per row its queue (``busy_until`` past ``now`` plus ``qwork``; ``iid`` its
-    instance id, ``local`` the local prefix by id), recompute-or-fetch TTFT, score
-    ``TTFT + kappa * prefill`` into ``score`` (``fetch`` set where fetching wins), then
+    instance id, ``local`` the local prefix by id), recompute-or-fetch TTFT (``fetch``
+    set where fetching wins), score ``TTFT + kappa * prefill`` into ``score`` plus, with
+    ``shut_rate`` above 0, the shut-out price ``shut_rate * t**2 / 2`` where ``t`` is
+    when the first live row is free once this row holds the request to its TTFT, as long
+    as the first row frees within ``open_s`` (and while a row meets the TTFT SLO
+    ``slo_s``, the rows that break it score infinity), then
     the rows inside the tie band into ``ties`` (the ones that need no copy, if any do);
     returns their count and ``kappa``, the price of a GPU second. ``best_pos`` is the
     row of the longest prefix's holder (-1: none, or not a live instance), which cannot
@@ -583,9 +612,9 @@ def rank_fifo(
     global _rank
     if _rank is None:
         _rank = _compile_rank()
-    count, kappa = _rank(consts, now, n, block, best_len, best_pos, work_weight, overlap,
-                         tol, tol_s, up, busy_until, qwork, qlen, iid, local, score, fetch,
-                         ties)
+    count, kappa = _rank(consts, now, n, block, best_len, best_pos, work_weight, shut_rate,
+                         slo_s, open_s, overlap, tol, tol_s, up, busy_until, qwork, qlen,
+                         iid, local, score, fetch, ties)
     return int(count), float(kappa)
 
 

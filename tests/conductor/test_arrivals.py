@@ -99,3 +99,50 @@ def test_with_arrivals_far_apart_the_group_still_forms() -> None:
     queue(c.prefill[3], 1.0)
     pl = pol.choose(request(list(range(78)), tokens=40_000, rid=21, arrival=now), c, now)
     assert len(pl.cpp_group) == 2
+
+
+def _busy_pool_choice(tokens: int, **params: object) -> int:
+    """4 instances all busy (free in 0.2, 1.5, 3 and 3 s), ten arrivals a second, no CPP:
+    the instance ``tokens`` of new prompt goes to."""
+    params.setdefault("arrival_window", 16)  # the 20 gaps seen settle the rate
+    pol, now = _after_arrivals(0.1, cpp={"enabled": False}, **params)
+    c = cluster(4)
+    for inst, seconds in zip(c.prefill, (0.2, 1.5, 3.0, 3.0), strict=True):
+        queue(inst, seconds)
+    prompt = list(range(-(-tokens // 512)))
+    pl = pol.choose(request(prompt, tokens=tokens, rid=21, arrival=now), c, now)
+    assert pl.prefill is not None
+    return pl.prefill
+
+
+@pytest.mark.parametrize("explain", [False, True])  # the compiled ranking and the Python one
+def test_a_long_prompt_leaves_the_first_free_instance_to_the_arrivals(explain: bool) -> None:
+    """A 40k-token prompt on the instance free in 0.2 s keeps every instance busy for
+    1.5 s: 10 x 1.5**2 / 2 = 11.25 s of waiting for the arrivals, against 10 x 0.2**2 / 2
+    = 0.2 s when it waits 1.3 s longer for the next instance. Without the price it takes
+    the first."""
+    assert _busy_pool_choice(40_000, explain=explain) == 1
+    assert _busy_pool_choice(40_000, explain=explain, placement_shut_out=False) == 0
+
+
+@pytest.mark.parametrize("explain", [False, True])
+def test_a_short_prompt_still_takes_the_first_free_instance(explain: bool) -> None:
+    """A short prompt frees its instance soon after: it shuts out little and takes the
+    instance free first."""
+    assert COST.prefill_time(512) < 0.2
+    assert _busy_pool_choice(512, explain=explain) == 0
+
+
+def test_a_rate_from_fewer_gaps_than_the_window_prices_no_placement() -> None:
+    """The 20 arrivals before and the prompt itself are 20 gaps: a window of 21 (the
+    default is 32) is not filled yet, and the long prompt takes the instance free first."""
+    assert _busy_pool_choice(40_000, arrival_window=20) == 1
+    assert _busy_pool_choice(40_000, arrival_window=21) == 0
+
+
+def test_the_rate_settles_after_a_window_of_gaps() -> None:
+    rate = ArrivalRate(window=3)
+    for i in range(4):
+        assert not rate.settled
+        rate.observe(i, i * 0.5)
+    assert rate.settled and math.isclose(rate.per_s, 2.0)

@@ -11,22 +11,29 @@ from mooncake_conductor.kernels import rank_fifo
 from .helpers import COST
 
 
-def _reference(cost, now, n, block, best_len, best_pos, weight, overlap, tol, tol_s,
-               up, busy_until, qwork, qlen, local):  # type: ignore[no-untyped-def]
+def _reference(cost, now, n, block, best_len, best_pos, weight, shut_rate, slo_s, open_s,
+               overlap, tol, tol_s, up, busy_until, qwork, qlen,
+               local):  # type: ignore[no-untyped-def]
     """The conductor's FIFO ranking in plain Python over :class:`CostModel` (rows that
-    are not up score infinity and never tie)."""
+    are not up score infinity and never tie); a row's shut-out price counts the arrivals
+    that wait for the first live instance to free once that row holds the request, and
+    with the price on, a row over the TTFT SLO scores infinity while another meets it;
+    the price is off when the first live instance frees past ``open_s``."""
     m = len(busy_until)
     live = [i for i in range(m) if up[i]]
     fifo = [(b - now if b > now else 0.0) + w for b, w in zip(busy_until, qwork, strict=True)]
     busy = sum(1 for i in live if qlen[i] > 0 or busy_until[i] > now)
     kappa = weight * (busy + sum(qlen[i] for i in live)) / len(live)
+    if min(fifo[i] for i in live) > open_s:
+        shut_rate = 0.0
     best_tokens = min(best_len * block, n)
     fetch_prefill = cost.prefill_time(n, best_tokens)
-    scores, fetches = [], []
+    scores, fetches, ttfts = [], [], []
     for i in range(m):
         if not up[i]:
             scores.append(float("inf"))
             fetches.append(False)
+            ttfts.append(float("inf"))
             continue
         held_tokens = min(local[i] * block, n)
         recompute = cost.prefill_time(n, held_tokens)
@@ -37,8 +44,15 @@ def _reference(cost, now, n, block, best_len, best_pos, weight, overlap, tol, to
             f_ttft = fifo[i] + f_transfer + fetch_prefill
             if f_ttft < ttft:
                 ttft, used, fetch = f_ttft, fetch_prefill, True
-        scores.append(ttft + kappa * used)
+        others = [fifo[j] for j in live if j != i]
+        free = min([*others, ttft])
+        shut = shut_rate * free * free / 2.0 if shut_rate > 0.0 and free > 0.0 else 0.0
+        scores.append(ttft + kappa * used + shut if shut else ttft + kappa * used)
         fetches.append(fetch)
+        ttfts.append(ttft)
+    if shut_rate > 0.0 and any(ttfts[i] <= slo_s for i in live):
+        scores = [s if i not in live or ttfts[i] <= slo_s else float("inf")
+                  for i, s in enumerate(scores)]
     band = min(scores) * (1.0 + tol) + tol_s
     ties = [i for i in live if scores[i] <= band and not fetches[i]] or [
         i for i in live if scores[i] <= band]
@@ -63,7 +77,10 @@ def test_rank_fifo_equals_the_cost_model_bit_for_bit() -> None:
         up = [r.random() < 0.9 for _ in range(m)]
         up[r.randrange(m)] = True
         args = (now, n, block, best_len, best_pos, r.choice([0.0, 1.0, 2.5]),
-                r.random() < 0.8, r.choice([0.0, 0.02]), r.choice([0.0, 0.005]))
+                r.choice([0.0, 0.0, 0.5, 6.0]), r.choice([30.0, 4.0, 1.0]),
+                r.choice([15.0, 2.0, 0.5]), r.random() < 0.8,
+                r.choice([0.0, 0.02]),
+                r.choice([0.0, 0.005]))
         score, fetch = np.empty(m), np.empty(m, dtype=np.bool_)
         ties = np.empty(m, dtype=np.int64)
         ids = r.sample(range(m + 3), m)  # position -> instance id; local is kept by id

@@ -119,6 +119,16 @@ class ConductorParams(BaseModel):
         True, description="a CPP group and the one-instance option it competes with each "
         "pay the wait of the arrivals they shut out of the pool (measured arrival rate)",
     )
+    placement_shut_out: bool = Field(
+        True, description="every one-instance choice also pays the wait of the arrivals it "
+        "shuts out of the pool (measured arrival rate, times the spread factor): a long "
+        "prompt leaves the instance that frees first to the requests coming next",
+    )
+    shut_out_open_share: float = Field(
+        0.5, ge=0, description="the one-instance shut-out price acts only while the first "
+        "instance to free is free within this share of the TTFT SLO (past it the pool "
+        "saturates and every arrival queues anyway; overload shedding's from_share)",
+    )
     arrival_window: int = Field(
         32, ge=1, description="arrivals the measured arrival rate averages over (weighted)"
     )
@@ -204,6 +214,12 @@ class ConductorPolicy(PrefillPolicy):
         if cost.version != self._consts_version:  # the cost model was recalibrated
             self._consts = np.array(cost.prefill_constants())
             self._consts_version = cost.version
+        # the price of the arrivals a choice shuts out, per second squared (from a rate
+        # measured over a whole window: a burst at start-up is no stream of arrivals)
+        shut_rate = (self._arrivals.per_s * spread
+                     if prm.placement_shut_out and self._arrivals.settled else 0.0)
+        slo_s = self.ctx.slo.ttft_s
+        open_s = prm.shut_out_open_share * slo_s
         index = cluster.index
         search = live_mask
         if cluster.store_id is not None:
@@ -265,9 +281,23 @@ class ConductorPolicy(PrefillPolicy):
             # that would have used that time: on average the busy share of the pool plus
             # the requests already waiting per instance (0 when idle: pure TTFT).
             kappa = prm.work_weight * spread * (busy + sum(queued)) / len(live)
+            # when each instance is free (first: the earliest, at position j1; second:
+            # the earliest of the others): a choice frees its instance at its TTFT
+            ends = [p.wait_time(now) for p in live]
+            j1 = min(range(len(ends)), key=ends.__getitem__)
+            first, second = ends[j1], min(ends[:j1] + ends[j1 + 1:], default=math.inf)
+            priced = shut_rate > 0.0 and first <= open_s  # not once the pool saturates
             for pos, p in enumerate(live):
                 row = row_of(p)
-                rows.append((pos, row, row[0] + kappa * row[6]))
+                score = row[0] + kappa * row[6]
+                if priced:
+                    free = min(second if pos == j1 else first, row[0])
+                    if free > 0.0:
+                        score += shut_rate * free * free / 2.0
+                rows.append((pos, row, score))
+            if priced and any(r[1][0] <= slo_s for r in rows):
+                # the price never costs a request its own SLO
+                rows = [r if r[1][0] <= slo_s else (r[0], r[1], math.inf) for r in rows]
             best = min(r[2] for r in rows)
             band = best * (1.0 + prm.tie_tolerance) + prm.tie_tolerance_s
             ties = [r for r in rows if r[2] <= band]  # in live order
@@ -279,7 +309,7 @@ class ConductorPolicy(PrefillPolicy):
             # every live instance in one compiled pass (:func:`..kernels.rank_fifo`)
             # over the pool's board (rows in pool order: live rows in live order)
             count, kappa = self._rank(req, cluster.prefill, local_view, best_src, best_len, now,
-                                      spread)
+                                      spread, shut_rate, slo_s, open_s)
             ties_at = self._ties
             chosen = cluster.prefill[int(ties_at[0] if count == 1
                                          else ties_at[self.ctx.rng.choice(range(count))])]
@@ -313,11 +343,14 @@ class ConductorPolicy(PrefillPolicy):
 
     def _rank(
         self, req: RequestInfo, pool: list[PrefillState], local_view: npt.NDArray[np.int64],
-        best_src: int | None, best_len: int, now: float, spread: float,
+        best_src: int | None, best_len: int, now: float, spread: float, shut_rate: float,
+        slo_s: float, open_s: float,
     ) -> tuple[int, float]:
         """Score every live instance of ``pool`` at once (FIFO queues); the rows in the
         tie band land in ``self._ties``. Returns their count and ``kappa`` (the work price
-        times ``spread``, :mod:`..spread`)."""
+        times ``spread``, :mod:`..spread`); ``shut_rate`` prices the arrivals a choice
+        shuts out (0: none) while the first instance frees within ``open_s``, never
+        past a choice that meets the TTFT SLO ``slo_s``."""
         assert isinstance(self.params, ConductorParams)
         prm = self.params
         board = board_of(pool)
@@ -328,9 +361,9 @@ class ConductorPolicy(PrefillPolicy):
         return rank_fifo(
             self._consts, now, req.input_tokens, req.block_tokens, best_len,
             -1 if best_src is None else board.row_of(best_src), prm.work_weight * spread,
-            prm.overlap_transfer, prm.tie_tolerance, prm.tie_tolerance_s, board["up"],
-            board["busy_until"], board["queued_work_s"], board["queue_len"], board["iid"],
-            local_view, self._score, self._fetch, self._ties,
+            shut_rate, slo_s, open_s, prm.overlap_transfer, prm.tie_tolerance, prm.tie_tolerance_s,
+            board["up"], board["busy_until"], board["queued_work_s"], board["queue_len"],
+            board["iid"], local_view, self._score, self._fetch, self._ties,
         )
 
     def _placement(self, row: _Row, source: int | None) -> Placement:
