@@ -109,6 +109,8 @@ ABLATION: dict[str, dict[str, Any]] = {
     "no work price (work_weight 0)": {"params": {"work_weight": 0.0}},
     "no CPP": {"params": {"cpp": {"enabled": False}}},
     "CPP groups do not pay for the arrivals they shut out": {"params": {"shut_out_price": False}},
+    "one-instance choices do not pay for the arrivals they shut out (placement_shut_out false)":
+        {"params": {"placement_shut_out": False}},
     "SLO rescues take idle instances only (rescue_staggered false)":
         {"params": {"cpp": {"rescue_staggered": False}}},
     "other CPP groups take idle instances only (opportunistic_staggered false)":
