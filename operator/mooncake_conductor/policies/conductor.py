@@ -49,6 +49,13 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
    one instance or a group, adds the wait of the requests expected (at the measured
    arrival rate) before the first instance is free again, so on a small pool or in a
    burst a group that takes the last idle instances for long loses to one instance.
+   **So does every one-instance choice** (``placement_shut_out``): when every instance
+   is busy, taking the one that frees first keeps the pool shut until the next one
+   frees, so a long prompt queues behind another and leaves the first to the short
+   requests coming next (shortest-first, across instances). Never past the request's
+   own TTFT SLO, only with a rate measured over a full ``arrival_window``, and off
+   while even the first instance to free is ``shut_out_open_share`` of the SLO away
+   (the pool saturates; every arrival queues anyway).
 7. **Migrate, don't copy, on fetch.** The source's copy of fetched blocks goes
    to the cold end of its LRU: the newest copy stays hot, old ones age out
    unless reused, and duplicates stop crowding the pooled cache.
