@@ -88,3 +88,20 @@ def test_bundled_trace_matches_the_published_statistics() -> None:
     assert st.requests == 12_031
     assert st.avg_input == pytest.approx(12_035, abs=1)
     assert st.reuse_ceiling_tokens == pytest.approx(0.374, abs=0.001)
+
+
+def test_lines_off_the_fast_path_read_as_before(tmp_path: Path) -> None:
+    """Well-formed lines are read by a lean check, every other by the full one: a
+    length written as a whole float is still a length, a boolean is still no block id,
+    and both paths give equal records."""
+    plain = dict(GOOD[1])
+    floaty = {**plain, "timestamp": 11.5, "input_length": 1100.0, "output_length": 5.0}
+    recs = load_trace(write(tmp_path, [json.dumps(plain), json.dumps(floaty)]))
+    assert recs[0].input_length == recs[1].input_length == 1100
+    assert recs[0].hash_ids == recs[1].hash_ids == (1, 2, 3)
+    assert recs[1].timestamp_ms == 11.5
+    for bad, message in [({**plain, "hash_ids": [1, True, 3]}, "list of integers"),
+                         ({**plain, "output_length": True}, "must be a number"),
+                         ({**plain, "timestamp": float("nan")}, "'timestamp' must be")]:
+        with pytest.raises(TraceError, match=message):
+            load_trace(write(tmp_path, [json.dumps(plain), json.dumps(bad)]))
