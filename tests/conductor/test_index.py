@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mooncake_conductor import keytable
-from mooncake_conductor.index import DRAM, HBM, PrefixIndex
+from mooncake_conductor.index import DRAM, HBM, STORE, PrefixIndex
 
 
 def test_match_all_one_pass() -> None:
@@ -219,3 +219,97 @@ def test_engine_media_map_to_tiers() -> None:
     assert tier_of_medium("CPU_TIER1") == DRAM and tier_of_medium("CPU_TIER2") == DRAM
     assert {tier_of_medium(m) for m in ("STORAGE", "FS", "OBJ", "DISK")} == {STORE}
     assert tier_of_medium("SOMETHING_NEW") == STORE  # never priced as HBM
+
+
+class _OneKeyAtATime:
+    """The index's bookkeeping rules written one key at a time, plainly: the reference
+    the batched passes of :class:`PrefixIndex` must match step for step."""
+
+    def __init__(self, capacity: int, instances: int) -> None:
+        self.capacity = capacity
+        self.lru: list[dict[int, int]] = [{} for _ in range(instances)]
+        self.refs: list[dict[int, int]] = [{} for _ in range(instances)]
+        self.evictions = 0
+
+    def store(self, inst: int, keys: list[int], tier: int) -> list[int]:
+        table = self.lru[inst]
+        for key in reversed(keys):
+            held = table.pop(key, None)
+            table[key] = tier if held is None else min(held, tier)
+        evicted = []
+        while len(table) > self.capacity:
+            oldest = next(iter(table))
+            del table[oldest]
+            evicted.append(oldest)
+        self.evictions += len(evicted)
+        return evicted
+
+    def add_pending(self, inst: int, keys: list[int]) -> None:
+        for key in keys:
+            self.refs[inst][key] = self.refs[inst].get(key, 0) + 1
+
+    def remove_pending(self, inst: int, keys: list[int]) -> None:
+        for key in keys:
+            count = self.refs[inst].get(key, 0)
+            if count > 1:
+                self.refs[inst][key] = count - 1
+            elif count:
+                del self.refs[inst][key]
+
+    def clear(self, inst: int) -> None:
+        self.lru[inst] = {}
+        self.refs[inst] = {}
+
+    def holders(self) -> dict[int, int]:
+        return _masks(self.lru)
+
+    def pending(self) -> dict[int, int]:
+        return _masks(self.refs)
+
+
+def _masks(tables: list[dict[int, int]]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for inst, table in enumerate(tables):
+        for key in table:
+            out[key] = out.get(key, 0) | 1 << inst
+    return out
+
+
+bookkeeping = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "add_pending", "remove_pending", "clear"]),
+        st.integers(0, 2),
+        st.lists(st.integers(0, 12), max_size=8),  # small key range: repeats within a call
+        st.sampled_from([HBM, DRAM, STORE]),
+    ),
+    max_size=50,
+)
+
+
+@settings(max_examples=60 if MUTATING else 200, deadline=None)
+@given(ops=bookkeeping, capacity=st.integers(1, 10))
+def test_batched_bookkeeping_matches_one_key_at_a_time(
+    ops: list[tuple[str, int, list[int], int]], capacity: int
+) -> None:
+    """Storing (LRU order, tiers, evictions, holders) and pending references give, after
+    every step, what taking the keys one at a time gives, repeated keys included."""
+    ix = PrefixIndex(capacity, instances=3)
+    ref = _OneKeyAtATime(capacity, 3)
+    for op, inst, keys, tier in ops:
+        if op == "store":
+            assert ix.store(inst, keys, tier) == ref.store(inst, keys, tier)
+        elif op == "add_pending":
+            ix.add_pending(inst, keys)
+            ref.add_pending(inst, keys)
+        elif op == "remove_pending":
+            ix.remove_pending(inst, keys)
+            ref.remove_pending(inst, keys)
+        else:
+            ix.clear(inst)
+            ref.clear(inst)
+        for i in range(3):
+            table = ix._lru[i]
+            assert table is not None and list(table.items()) == list(ref.lru[i].items())
+        assert ix.holders == ref.holders()
+        assert ix._pending == ref.pending()
+        assert ix.evictions == ref.evictions
