@@ -25,7 +25,7 @@ efficiencies). Nothing here is fitted to a trace.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -332,3 +332,98 @@ def fit_prefill_predictor(
         max_abs_pct_error=100.0 * max(errs, default=0.0),
         samples=len(samples),
     )
+
+
+# -- calibrating the prefill formula against measurements -------------------------------------
+
+#: attention coefficients ``a`` the efficiency fit tries (4: the paper's count, attention
+#: over the whole square; 2: causal kernels skip the masked half)
+FIT_FLOPS_A: tuple[float, ...] = tuple(0.25 * i for i in range(1, 25))
+#: half-efficiency pass sizes (new tokens) the efficiency fit tries
+FIT_HALF_TOKENS: tuple[float, ...] = tuple(float(16 * i) for i in range(0, 129))
+
+
+class EfficiencyFit(BaseModel):
+    """The prefill formula's free terms fitted to measurements, and how well it then fits.
+    ``flops_a``, ``mfu_max``, ``mfu_half_tokens`` and ``prefill_overhead_s`` go into
+    :class:`ModelSpec` and :class:`EfficiencySpec` as they are."""
+
+    model_config = ConfigDict(frozen=True)
+
+    flops_a: float
+    mfu_max: float
+    mfu_half_tokens: float
+    prefill_overhead_s: float
+    mean_abs_pct_error: float
+    max_abs_pct_error: float
+    samples: int
+
+
+def prediction_errors(
+    predict: Callable[[int, int], float], samples: Sequence[tuple[int, int, float]]
+) -> tuple[float, float]:
+    """Mean and largest absolute error, in percent of the measured value, of ``predict(n,
+    p)`` over measured ``(n, p, seconds)`` samples."""
+    errs = [abs(predict(n, p) - t) / t for n, p, t in samples if t > 0]
+    if not errs:
+        raise ValueError("no sample with a positive time")
+    return 100.0 * sum(errs) / len(errs), 100.0 * max(errs)
+
+
+def fit_prefill_efficiency(
+    samples: Sequence[tuple[int, int, float]],
+    config: CostModelConfig,
+    flops_a: Sequence[float] = FIT_FLOPS_A,
+    half_tokens: Sequence[float] = FIT_HALF_TOKENS,
+) -> EfficiencyFit:
+    """Fit the cost model's prefill compute formula to measured ``(n, p, seconds)``
+    samples (``n`` prompt tokens, ``p`` of them cached), keeping the model's shape
+    (``l``, ``d``, ``b``) and peak ``G`` from ``config``.
+
+    The formula ``t = overhead + l*(a*(n^2 - p^2)*d + b*(n - p)*d^2) * (x + h) / (x*G*mfu_max)``
+    (``x = n - p``) is linear in ``overhead`` and ``1/mfu_max`` once ``a`` and ``h`` are
+    fixed, so each pair from the two grids is solved by least squares on the relative
+    error (every sample weighs the same whatever its length) and the pair with the
+    smallest mean relative error is kept."""
+    if len(samples) < 3:
+        raise ValueError(f"need at least 3 samples, got {len(samples)}")
+    for n, p, t in samples:
+        if n <= 0 or p < 0 or p >= n or not (t > 0 and math.isfinite(t)):
+            raise ValueError(f"bad sample (n={n}, p={p}, seconds={t}): need 0 <= p < n, t > 0")
+    m, g = config.model, config.hardware.peak_flops
+    d = float(m.d_model)
+    best: EfficiencyFit | None = None
+    for a in flops_a:
+        for h in half_tokens:
+            # rows divided by t: minimise sum ((c0 + c1*w)/t - 1)^2
+            s00 = s01 = s11 = r0 = r1 = 0.0
+            ws = []
+            for n, p, t in samples:
+                x = n - p
+                w = m.layers * (a * (n * n - p * p) * d + m.flops_b * x * d * d) * (x + h) / (x * g)
+                ws.append(w)
+                u, v = 1.0 / t, w / t
+                s00 += u * u
+                s01 += u * v
+                s11 += v * v
+                r0 += u
+                r1 += v
+            det = s00 * s11 - s01 * s01
+            if det <= 0:
+                continue
+            c0 = (r0 * s11 - r1 * s01) / det
+            c1 = (s00 * r1 - s01 * r0) / det
+            if c0 < 0:  # no negative overhead: refit through the origin
+                c0, c1 = 0.0, r1 / s11
+            if c1 <= 1.0:  # mfu_max would reach 1 or more
+                continue
+            errs = [abs(c0 + c1 * w - t) / t for w, (_, _, t) in zip(ws, samples, strict=True)]
+            mean = 100.0 * sum(errs) / len(errs)
+            if best is None or mean < best.mean_abs_pct_error:
+                best = EfficiencyFit(
+                    flops_a=a, mfu_max=1.0 / c1, mfu_half_tokens=h, prefill_overhead_s=c0,
+                    mean_abs_pct_error=mean, max_abs_pct_error=100.0 * max(errs),
+                    samples=len(samples))
+    if best is None:
+        raise ValueError("no efficiency in (0, 1] fits these samples at this peak")
+    return best

@@ -16,7 +16,9 @@ from mooncake_conductor.cost import (
     HardwareSpec,
     ModelSpec,
     PrefillPredictor,
+    fit_prefill_efficiency,
     fit_prefill_predictor,
+    prediction_errors,
 )
 
 KV = 80 * (2 * 8192 // 8) * 2  # bytes of KV per token: 327 680 (320 KiB)
@@ -197,3 +199,74 @@ def test_singular_fit_error_message() -> None:
     with pytest.raises(ValueError,
                        match=r"^singular system: samples do not determine the polynomial$"):
         fit_prefill_predictor([(1000.0, 0.0, 1.0)] * 6, ridge=0.0)
+
+
+# -- fitting the prefill formula's efficiency terms to measurements ---------------------------
+
+def _truth_model(a: float = 2.5, mfu_max: float = 0.6, half: float = 128.0,
+                 overhead: float = 0.02) -> CostModel:
+    return CostModel(CostModelConfig(
+        model=ModelSpec(flops_a=a),
+        efficiency=EfficiencySpec(mfu_max=mfu_max, mfu_half_tokens=half,
+                                  prefill_overhead_s=overhead)))
+
+
+def _measured(cm: CostModel) -> list[tuple[int, int, float]]:
+    return [(x + p, p, cm.prefill_compute_time(x + p, p))
+            for x in (64, 256, 1024, 4096, 16384, 65536) for p in (0, 4096, 32768)]
+
+
+def test_efficiency_fit_recovers_the_terms_that_made_the_samples() -> None:
+    samples = _measured(_truth_model())
+    fit = fit_prefill_efficiency(samples, CostModelConfig())
+    assert fit.flops_a == 2.5 and fit.mfu_half_tokens == 128.0  # both on the grids
+    assert fit.mfu_max == pytest.approx(0.6, rel=1e-9)
+    assert fit.prefill_overhead_s == pytest.approx(0.02, rel=1e-9)
+    assert fit.max_abs_pct_error < 1e-6 and fit.samples == len(samples)
+
+
+def test_efficiency_fit_keeps_a_held_coefficient_and_reports_what_it_costs() -> None:
+    """Samples from a = 2 fitted with a held at the paper's 4: the fit keeps 4 and its
+    error is what the wrong attention count leaves (long prompts weigh attention most)."""
+    samples = _measured(_truth_model(a=2.0))
+    held = fit_prefill_efficiency(samples, CostModelConfig(), flops_a=(4.0,))
+    assert held.flops_a == 4.0
+    assert held.max_abs_pct_error > 10.0
+    free = fit_prefill_efficiency(samples, CostModelConfig())
+    assert free.flops_a == 2.0 and free.mean_abs_pct_error < held.mean_abs_pct_error
+
+
+def test_efficiency_fit_errors_match_the_fitted_model() -> None:
+    """The reported errors are those of a cost model built from the fitted terms."""
+    samples = [(n, p, t * (1.1 if n % 2 else 0.95))  # noisy measurements
+               for n, p, t in _measured(_truth_model())]
+    fit = fit_prefill_efficiency(samples, CostModelConfig())
+    cm = _truth_model(fit.flops_a, fit.mfu_max, fit.mfu_half_tokens, fit.prefill_overhead_s)
+    mean, worst = prediction_errors(cm.prefill_compute_time, samples)
+    assert fit.mean_abs_pct_error == pytest.approx(mean, rel=1e-9)
+    assert fit.max_abs_pct_error == pytest.approx(worst, rel=1e-9)
+
+
+def test_prediction_errors_are_relative_to_the_measured_time() -> None:
+    mean, worst = prediction_errors(lambda n, p: 1.0, [(10, 0, 2.0), (10, 0, 0.5), (10, 0, 1.0)])
+    assert mean == pytest.approx(100 * (0.5 + 1.0 + 0.0) / 3)
+    assert worst == pytest.approx(100.0)
+    with pytest.raises(ValueError):
+        prediction_errors(lambda n, p: 1.0, [(10, 0, 0.0)])
+
+
+@pytest.mark.parametrize("bad", [(100, 100, 1.0), (100, -1, 1.0), (0, 0, 1.0), (100, 0, 0.0),
+                                 (100, 0, float("nan"))])
+def test_efficiency_fit_rejects_a_sample_it_cannot_use(bad: tuple[int, int, float]) -> None:
+    good = _measured(_truth_model())
+    with pytest.raises(ValueError, match="bad sample"):
+        fit_prefill_efficiency([*good, bad], CostModelConfig())
+
+
+def test_efficiency_fit_needs_three_samples_and_a_possible_efficiency() -> None:
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_prefill_efficiency(_measured(_truth_model())[:2], CostModelConfig())
+    # faster than the peak allows: no mfu_max in (0, 1] explains it
+    too_fast = [(n, p, t / 10.0) for n, p, t in _measured(_truth_model(mfu_max=0.5))]
+    with pytest.raises(ValueError, match="no efficiency"):
+        fit_prefill_efficiency(too_fast, CostModelConfig(), flops_a=(2.5,))
