@@ -73,6 +73,20 @@ def with_fit(cfg: CostModelConfig, a: float, mfu_max: float, half: float,
     )
 
 
+def cost_yaml(fitted: CostModelConfig) -> list[str]:
+    """``conductor.cost`` lines: every field of ``fitted`` that differs from the defaults,
+    two-space indented YAML."""
+    default = CostModelConfig().model_dump()
+    lines = ["cost:"]
+    for section, values in fitted.model_dump().items():
+        changed = {k: v for k, v in values.items() if v != default[section][k]}
+        if changed:
+            lines.append(f"  {section}:")
+            lines += [f"    {k}: {round(v, 4) if isinstance(v, float) else v}"
+                      for k, v in changed.items()]
+    return lines
+
+
 def report(args: argparse.Namespace) -> str:
     data = load(args.samples)
     samples = prefill_samples(data)
@@ -135,6 +149,15 @@ def report(args: argparse.Namespace) -> str:
     for n, p, t in samples:
         lines.append(f"| {n - p:,} | {p:,} | {t:.4f} | {default.prefill_compute_time(n, p):.4f} "
                      f"| {fitted.prefill_compute_time(n, p):.4f} |")
+    lines += [
+        "",
+        "The fitted terms as the gateway's `conductor.cost` for this node (a model's entry "
+        "in its `--config`; the shape and the rest as the defaults):",
+        "",
+        "```yaml",
+        *cost_yaml(fitted.config),
+        "```",
+    ]
     if data.get("decode_samples"):
         lines += [
             "",

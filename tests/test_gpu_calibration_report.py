@@ -9,6 +9,8 @@ import importlib.util
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 
@@ -30,3 +32,25 @@ def test_the_published_report_is_reproduced_from_the_shipped_samples() -> None:
     text = _script().report(args)
     assert text == (RESULTS / "gpu-calibration.md").read_text()
     assert "| efficiency and a fitted | 3.5 |" in text  # the row docs/cost-model.md quotes
+
+
+def test_the_published_cost_section_loads_as_the_fitted_model() -> None:
+    """The YAML the report prints for the gateway's ``conductor.cost`` validates, and a cost
+    model built from it predicts what the fitted formula does (to its 4-digit rounding)."""
+    import yaml
+    from mooncake_conductor.cost import CostModel, CostModelConfig, fit_prefill_efficiency
+
+    text = (RESULTS / "gpu-calibration.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    cfg = CostModelConfig.model_validate(yaml.safe_load(block)["cost"])
+    script = _script()
+    data = script.load(RESULTS / "gpu-calibration-h200.json")
+    samples = script.prefill_samples(data)
+    node = script.node_config(data, 989.0, 4800.0, 141.0)
+    fit = fit_prefill_efficiency(samples, node)
+    exact = CostModel(script.with_fit(node, fit.flops_a, fit.mfu_max, fit.mfu_half_tokens,
+                                      fit.prefill_overhead_s))
+    loaded = CostModel(cfg)
+    for n, p, _ in samples:
+        assert loaded.prefill_compute_time(n, p) == pytest.approx(
+            exact.prefill_compute_time(n, p), rel=2e-3)
