@@ -17,6 +17,7 @@ model, the efficiency assumptions of ``docs/cost-model.md``). Reported side by s
   held at the paper's 4;
 - the paper's own predictor (a quadratic in prompt and prefix length, fitted);
 - decode steps against ``decode_step_time``;
+- a long prompt prefilled chunk by chunk (what a CPP stage computes) against one pass;
 - with ``--eager``: what kernel launches add when passes are not replayed as CUDA graphs.
 """
 
@@ -82,7 +83,7 @@ def cost_yaml(fitted: CostModelConfig) -> list[str]:
         changed = {k: v for k, v in values.items() if v != default[section][k]}
         if changed:
             lines.append(f"  {section}:")
-            lines += [f"    {k}: {round(v, 4) if isinstance(v, float) else v}"
+            lines += [f"    {k}: {float(f'{v:.6g}') if isinstance(v, float) else v}"
                       for k, v in changed.items()]
     return lines
 
@@ -149,6 +150,29 @@ def report(args: argparse.Namespace) -> str:
     for n, p, t in samples:
         lines.append(f"| {n - p:,} | {p:,} | {t:.4f} | {default.prefill_compute_time(n, p):.4f} "
                      f"| {fitted.prefill_compute_time(n, p):.4f} |")
+    if data.get("chunked_samples"):
+        single = {s["new"]: s["compute_s"] for s in data["samples"] if s["prefix"] == 0}
+        lines += [
+            "",
+            "### One prompt, chunk by chunk",
+            "",
+            "What a chunked-pipeline (CPP) stage computes: the prompt in chunks, each a pass "
+            "over the chunks before it; summed here (a group of `X` stages takes `1/X` of "
+            "each and adds the pipeline's fill and drain). Against the same prompt in one "
+            "pass:",
+            "",
+            "| prompt | chunk | passes | measured s | / one pass | defaults s | / one pass "
+            "| fitted s | / one pass |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for c in data["chunked_samples"]:
+            n, ch = c["prompt"], c["chunk"]
+            row = [f"| {n:,} | {ch:,} | {c['passes']} | {c['compute_s']:.2f} | "
+                   + (f"{c['compute_s'] / single[n]:.2f}" if n in single else "")]
+            for cm in (default, fitted):
+                total = sum(cm.prefill_compute_time(min(s + ch, n), s) for s in range(0, n, ch))
+                row.append(f"{total:.2f} | {total / cm.prefill_compute_time(n):.2f}")
+            lines.append(" | ".join(row) + " |")
     lines += [
         "",
         "The fitted terms as the gateway's `conductor.cost` for this node (a model's entry "

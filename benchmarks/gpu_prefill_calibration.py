@@ -13,15 +13,18 @@ A pass over ``new`` tokens with ``prefix`` tokens already cached is timed with C
 events over ``--stack`` layer calls in a row, captured once as a CUDA graph and replayed
 (``--no-graphs``: launched eagerly, kernel by kernel), and the per-layer time times the
 model's layers is what the node spends computing (every rank does the same work at
-once). Decode steps (``--decode-grid``: a batch of sequences, one new token each over
-its cached context) are timed the same way.
+once). A long prompt prefilled chunk by chunk (``--chunked``: each chunk a pass over the
+chunks before it, what a chunked-pipeline stage computes) and decode steps
+(``--decode-grid``: a batch of sequences, one new token each over its cached context) are
+timed the same way.
 
 Not measured: the tensor-parallel all-reduces (two per layer; one GPU has no peer), the
 sampler and the engine's scheduling. ``benchmarks/gpu_calibration_report.py`` compares
 the samples with ``CostModel`` and fits its prefill efficiency terms.
 
 Writes ``{"hardware": {...}, "model": {...}, "method": "...", "samples": [{"new",
-"prefix", "layer_s", "compute_s", "cuda_graph"}, ...], "decode_samples": [{"batch",
+"prefix", "layer_s", "compute_s", "cuda_graph"}, ...], "chunked_samples": [{"prompt",
+"chunk", "passes", "compute_s", "cuda_graph"}, ...], "decode_samples": [{"batch",
 "context", "layer_s", "step_s", "cuda_graph"}, ...]}``, whole after every sample;
 prints a progress line per sample and a summary at the end.
 """
@@ -66,6 +69,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="'new:prefix,...' instead of the default sweep")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="time each pass as a replayed CUDA graph (no launch overhead)")
+    ap.add_argument("--chunked", default="131072:1024,2048,4096,8192",
+                    help="'prompt:chunk,...': the prompt prefilled chunk by chunk, each over "
+                    "the chunks before it, as a pipeline stage computes it ('' for none)")
     ap.add_argument("--decode-grid", default="1:1024,1:32768,16:4096,64:4096,64:16384,"
                     "128:4096,128:16384,256:4096",
                     help="'batch:context,...' decode steps to time ('' for none)")
@@ -290,6 +296,25 @@ def main(argv: list[str]) -> int:
                   f"layer {layer_s * 1e3:8.3f} ms  node {compute_s:8.3f} s", flush=True)
             with open(args.out, "w") as f:  # kept whole after every sample
                 json.dump(out, f, indent=1)
+        chunked: list[dict[str, Any]] = []
+        out["chunked_samples"] = chunked
+        if args.chunked:
+            prompt_s, _, sizes = args.chunked.partition(":")
+            prompt = int(prompt_s)
+            for chunk in (int(c) for c in sizes.split(",")):
+                passes = []
+                for start_tok in range(0, prompt, chunk):
+                    new = min(chunk, prompt - start_tok)
+                    layer_s, graphed = time_pass(layer, new, start_tok, args.d_model, 1,
+                                                 args.repeat, dev, args.graphs)
+                    passes.append(layer_s)
+                total = sum(passes) * args.layers
+                chunked.append({"prompt": prompt, "chunk": chunk, "passes": len(passes),
+                                "compute_s": total, "cuda_graph": graphed})
+                print(f"chunked prompt={prompt} chunk={chunk:>5}: {len(passes)} passes, "
+                      f"node {total:8.3f} s", flush=True)
+                with open(args.out, "w") as f:
+                    json.dump(out, f, indent=1)
         decode: list[dict[str, Any]] = []
         out["decode_samples"] = decode
         for item in filter(None, args.decode_grid.split(",")):
@@ -307,7 +332,7 @@ def main(argv: list[str]) -> int:
                   f"  step {layer_s * args.layers * 1e3:7.2f} ms", flush=True)
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
-    print(f"{len(samples)} prefill and {len(decode)} decode samples in "
+    print(f"{len(samples)} prefill, {len(chunked)} chunked and {len(decode)} decode samples in "
           f"{time.perf_counter() - began:.0f} s -> {args.out}")
     return 0 if samples else 1
 
