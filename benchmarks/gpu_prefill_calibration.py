@@ -52,6 +52,38 @@ DEFAULT_GRID: tuple[tuple[int, int], ...] = (
 )
 
 
+def pairs(text: str) -> tuple[tuple[int, int], ...]:
+    """``'a:b,c:d'`` as ``((a, b), (c, d))``, every number a whole one at least 0 (the
+    first at least 1); ``''``: none."""
+    out = []
+    for item in filter(None, text.split(",")):
+        first, sep, second = item.partition(":")
+        try:
+            a, b = int(first), int(second)
+        except ValueError:
+            a = b = -1
+        if not sep or a < 1 or b < 0:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not N:M with whole numbers N >= 1, M >= 0")
+        out.append((a, b))
+    return tuple(out)
+
+
+def chunked_spec(text: str) -> tuple[int, tuple[int, ...]]:
+    """``'prompt:chunk,chunk,...'``; ``''``: none (prompt 0)."""
+    if not text:
+        return 0, ()
+    prompt, sep, sizes = text.partition(":")
+    try:
+        n, chunks = int(prompt), tuple(int(c) for c in sizes.split(","))
+    except ValueError:
+        n, chunks = 0, ()
+    if not sep or n < 1 or not chunks or min(chunks) < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not PROMPT:CHUNK,CHUNK,... with whole numbers >= 1")
+    return n, chunks
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="JSON file for the samples")
@@ -65,14 +97,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=15, help="timed repetitions (median kept)")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="stop sweeping after this many seconds (the samples so far are kept)")
-    ap.add_argument("--grid", default=None,
+    ap.add_argument("--grid", type=pairs, default=DEFAULT_GRID,
                     help="'new:prefix,...' instead of the default sweep")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="time each pass as a replayed CUDA graph (no launch overhead)")
-    ap.add_argument("--chunked", default="131072:1024,2048,4096,8192",
+    ap.add_argument("--chunked", type=chunked_spec, default="131072:1024,2048,4096,8192",
                     help="'prompt:chunk,...': the prompt prefilled chunk by chunk, each over "
                     "the chunks before it, as a pipeline stage computes it ('' for none)")
-    ap.add_argument("--decode-grid", default="1:1024,1:32768,16:4096,64:4096,64:16384,"
+    ap.add_argument("--decode-grid", type=pairs, default="1:1024,1:32768,16:4096,64:4096,64:16384,"
                     "128:4096,128:16384,256:4096",
                     help="'batch:context,...' decode steps to time ('' for none)")
     return ap.parse_args(argv)
@@ -112,32 +144,61 @@ class RankLayer:
         a, b = t.chunk(2, dim=-1)
         return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
-    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                prefix: int, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
-        n = x.shape[0]
+    def project(self, x: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, QKV projection and rotary embedding of ``x`` (tokens x d): q, k and v as
+        (tokens, heads, head dim)."""
+        t = x.shape[0]
         h = F.rms_norm(x, (x.shape[1],), self.norm1)
-        qkv = h @ self.w_qkv
-        q, k, v = qkv.split([self.hq * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
-        q = self.rotate(q.view(n, self.hq, self.hd), cos, sin)
-        k = self.rotate(k.view(n, self.hkv, self.hd), cos, sin)
-        k_cache[:, prefix:prefix + n] = k.transpose(0, 1)
-        v_cache[:, prefix:prefix + n] = v.view(n, self.hkv, self.hd).transpose(0, 1)
-        kk = k_cache[None, :, :prefix + n]
-        vv = v_cache[None, :, :prefix + n]
-        qq = q.transpose(0, 1)[None]
+        q, k, v = (h @ self.w_qkv).split(
+            [self.hq * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
+        return (self.rotate(q.view(t, self.hq, self.hd), cos, sin),
+                self.rotate(k.view(t, self.hkv, self.hd), cos, sin),
+                v.view(t, self.hkv, self.hd))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               **sdpa: Any) -> torch.Tensor:
+        """Attention of (batch, query heads, tokens, head dim) queries over KV of
+        (batch, KV heads, tokens, head dim), grouped in the kernel or by copying KV heads."""
         if not self.native_gqa:  # each KV head copied for its query heads
-            kk = kk.repeat_interleave(self.hq // self.hkv, dim=1)
-            vv = vv.repeat_interleave(self.hq // self.hkv, dim=1)
-        kw: dict[str, Any] = {"enable_gqa": True} if self.native_gqa else {}
-        if mask is None:
-            o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, **kw)
+            k = k.repeat_interleave(self.hq // self.hkv, dim=1)
+            v = v.repeat_interleave(self.hq // self.hkv, dim=1)
         else:
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, **kw)
-        o = o[0].transpose(0, 1).reshape(n, self.hq * self.hd)
+            sdpa["enable_gqa"] = True
+        return F.scaled_dot_product_attention(q, k, v, **sdpa)
+
+    def finish(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Output projection of the attention ``o`` (tokens x heads*head dim), residual,
+        norm, SwiGLU MLP, residual."""
         x = x + o @ self.w_o
         h = F.rms_norm(x, (x.shape[1],), self.norm2)
         g, u = (h @ self.w_gu).chunk(2, dim=-1)
         return x + (F.silu(g) * u) @ self.w_down
+
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                prefix: int, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
+        """Prefill: ``x`` (new tokens x d) over ``prefix`` cached tokens of one sequence
+        (caches: KV heads x tokens x head dim); causal."""
+        n = x.shape[0]
+        q, k, v = self.project(x, cos, sin)
+        k_cache[:, prefix:prefix + n] = k.transpose(0, 1)
+        v_cache[:, prefix:prefix + n] = v.transpose(0, 1)
+        qq, kk, vv = q.transpose(0, 1)[None], k_cache[None, :, :prefix + n], \
+            v_cache[None, :, :prefix + n]
+        o = (self.attend(qq, kk, vv, is_causal=True) if mask is None
+             else self.attend(qq, kk, vv, attn_mask=mask))
+        return self.finish(x, o[0].transpose(0, 1).reshape(n, self.hq * self.hd))
+
+    def decode(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               context: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Decode step: ``x`` (sequences x d), one new token each at position ``context``
+        of its own cache (sequences x KV heads x tokens x head dim)."""
+        batch = x.shape[0]
+        q, k, v = self.project(x, cos, sin)
+        k_cache[:, :, context] = k
+        v_cache[:, :, context] = v
+        o = self.attend(q[:, :, None], k_cache, v_cache)
+        return self.finish(x, o.reshape(batch, self.hq * self.hd))
 
 
 def median_seconds(run: Callable[[], torch.Tensor], stack: int, repeat: int,
@@ -207,23 +268,7 @@ def time_decode(layer: RankLayer, batch: int, context: int, d: int, stack: int, 
     def run() -> torch.Tensor:
         y = x
         for _ in range(stack):
-            h = F.rms_norm(y, (d,), layer.norm1)
-            qkv = h @ layer.w_qkv
-            q, k, v = qkv.split([layer.hq * layer.hd, layer.hkv * layer.hd,
-                                 layer.hkv * layer.hd], dim=-1)
-            q = layer.rotate(q.view(batch, layer.hq, layer.hd), cos, sin)
-            k_cache[:, :, context] = layer.rotate(k.view(batch, layer.hkv, layer.hd), cos, sin)
-            v_cache[:, :, context] = v.view(batch, layer.hkv, layer.hd)
-            kk, vv = k_cache, v_cache
-            if not layer.native_gqa:
-                kk = kk.repeat_interleave(layer.hq // layer.hkv, dim=1)
-                vv = vv.repeat_interleave(layer.hq // layer.hkv, dim=1)
-            kw: dict[str, Any] = {"enable_gqa": True} if layer.native_gqa else {}
-            o = F.scaled_dot_product_attention(q[:, :, None], kk, vv, **kw)
-            y = y + o.reshape(batch, layer.hq * layer.hd) @ layer.w_o
-            h = F.rms_norm(y, (d,), layer.norm2)
-            g, u = (h @ layer.w_gu).chunk(2, dim=-1)
-            y = y + (F.silu(g) * u) @ layer.w_down
+            y = layer.decode(y, k_cache, v_cache, context, cos, sin)
         return y
 
     return median_seconds(run, stack, repeat, graphs)
@@ -249,8 +294,7 @@ def main(argv: list[str]) -> int:
         print("no CUDA GPU: this script measures a real one", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    grid = DEFAULT_GRID if args.grid is None else tuple(
-        (int(a), int(b)) for a, b in (item.split(":") for item in args.grid.split(",")))
+    grid = args.grid
     props = torch.cuda.get_device_properties(dev)
     peak = matmul_peak(dev)
     print(f"{props.name}: bf16 matmul {peak / 1e12:.0f} TFLOP/s; {len(grid)} passes, "
@@ -276,6 +320,11 @@ def main(argv: list[str]) -> int:
                   "all-reduces not measured",
         "samples": samples,
     }
+
+    def save() -> None:  # the file is whole after every sample
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
     with torch.inference_mode():
         for i, (new, prefix) in enumerate(grid, 1):
             if time.perf_counter() - began > args.budget_s:
@@ -294,31 +343,26 @@ def main(argv: list[str]) -> int:
                             "compute_s": compute_s, "cuda_graph": graphed})
             print(f"[{i}/{len(grid)}] new={new:>6} prefix={prefix:>6}  "
                   f"layer {layer_s * 1e3:8.3f} ms  node {compute_s:8.3f} s", flush=True)
-            with open(args.out, "w") as f:  # kept whole after every sample
-                json.dump(out, f, indent=1)
+            save()
         chunked: list[dict[str, Any]] = []
         out["chunked_samples"] = chunked
-        if args.chunked:
-            prompt_s, _, sizes = args.chunked.partition(":")
-            prompt = int(prompt_s)
-            for chunk in (int(c) for c in sizes.split(",")):
-                passes = []
-                for start_tok in range(0, prompt, chunk):
-                    new = min(chunk, prompt - start_tok)
-                    layer_s, graphed = time_pass(layer, new, start_tok, args.d_model, 1,
-                                                 args.repeat, dev, args.graphs)
-                    passes.append(layer_s)
-                total = sum(passes) * args.layers
-                chunked.append({"prompt": prompt, "chunk": chunk, "passes": len(passes),
-                                "compute_s": total, "cuda_graph": graphed})
-                print(f"chunked prompt={prompt} chunk={chunk:>5}: {len(passes)} passes, "
-                      f"node {total:8.3f} s", flush=True)
-                with open(args.out, "w") as f:
-                    json.dump(out, f, indent=1)
+        prompt, chunks = args.chunked
+        for chunk in chunks:
+            passes = []
+            for start_tok in range(0, prompt, chunk):
+                new = min(chunk, prompt - start_tok)
+                layer_s, graphed = time_pass(layer, new, start_tok, args.d_model, 1,
+                                             args.repeat, dev, args.graphs)
+                passes.append(layer_s)
+            total = sum(passes) * args.layers
+            chunked.append({"prompt": prompt, "chunk": chunk, "passes": len(passes),
+                            "compute_s": total, "cuda_graph": graphed})
+            print(f"chunked prompt={prompt} chunk={chunk:>5}: {len(passes)} passes, "
+                  f"node {total:8.3f} s", flush=True)
+            save()
         decode: list[dict[str, Any]] = []
         out["decode_samples"] = decode
-        for item in filter(None, args.decode_grid.split(",")):
-            batch, context = (int(v) for v in item.split(":"))
+        for batch, context in args.decode_grid:
             try:
                 layer_s, graphed = time_decode(layer, batch, context, args.d_model,
                                                args.stack, args.repeat, dev, args.graphs)
@@ -330,8 +374,7 @@ def main(argv: list[str]) -> int:
                            "step_s": layer_s * args.layers, "cuda_graph": graphed})
             print(f"decode batch={batch:>4} context={context:>6}  layer {layer_s * 1e3:7.3f} ms"
                   f"  step {layer_s * args.layers * 1e3:7.2f} ms", flush=True)
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+            save()
     print(f"{len(samples)} prefill, {len(chunked)} chunked and {len(decode)} decode samples in "
           f"{time.perf_counter() - began:.0f} s -> {args.out}")
     return 0 if samples else 1
