@@ -31,7 +31,6 @@ from typing import Any
 from mooncake_conductor.cost import (
     CostModel,
     CostModelConfig,
-    EfficiencySpec,
     HardwareSpec,
     ModelSpec,
     fit_prefill_efficiency,
@@ -55,22 +54,11 @@ def prefill_samples(data: dict[str, Any]) -> list[tuple[int, int, float]]:
 def node_config(data: dict[str, Any], tflops: float, hbm_gbps: float,
                 hbm_gb: float) -> CostModelConfig:
     m = data["model"]
-    d = CostModelConfig()
     return CostModelConfig(
-        model=d.model.model_copy(update={"layers": m["layers"], "d_model": m["d_model"],
-                                         "gqa": m["heads"] // m["kv_heads"]}),
+        model=ModelSpec(layers=m["layers"], d_model=m["d_model"],
+                        gqa=m["heads"] // m["kv_heads"]),
         hardware=HardwareSpec(gpus=data["hardware"]["tp"], tflops_per_gpu=tflops,
                               hbm_gbps_per_gpu=hbm_gbps, hbm_gb_per_gpu=hbm_gb),
-    )
-
-
-def with_fit(cfg: CostModelConfig, a: float, mfu_max: float, half: float,
-             overhead: float) -> CostModelConfig:
-    return CostModelConfig(
-        model=ModelSpec(**{**cfg.model.model_dump(), "flops_a": a}),
-        hardware=cfg.hardware,
-        efficiency=EfficiencySpec(**{**cfg.efficiency.model_dump(), "mfu_max": mfu_max,
-                                     "mfu_half_tokens": half, "prefill_overhead_s": overhead}),
     )
 
 
@@ -112,8 +100,7 @@ def report(args: argparse.Namespace) -> str:
     fit = fit_prefill_efficiency(samples, cfg)
     fit4 = fit_prefill_efficiency(samples, cfg, flops_a=(cfg.model.flops_a,))
     poly = fit_prefill_predictor(samples)
-    fitted = CostModel(with_fit(cfg, fit.flops_a, fit.mfu_max, fit.mfu_half_tokens,
-                                fit.prefill_overhead_s))
+    fitted = CostModel(fit.applied_to(cfg))
     e = cfg.efficiency
     # what online calibration learns: one factor on the whole compute time (least squares
     # on the relative error)
@@ -232,7 +219,12 @@ def main() -> None:
     ap.add_argument("--hbm-gb-per-gpu", type=float, default=141.0, help="H200: 141")
     ap.add_argument("--markdown", type=Path, default=None, help="also write the report here")
     args = ap.parse_args()
-    text = report(args)
+    try:
+        text = report(args)
+    except OSError as exc:
+        ap.error(f"cannot read the samples: {exc}")
+    except (ValueError, KeyError, TypeError) as exc:  # JSON, missing fields, bad samples
+        ap.error(f"not a sample file of gpu_prefill_calibration.py: {exc!r}")
     print(text, end="")
     if args.markdown is not None:
         args.markdown.write_text(text)

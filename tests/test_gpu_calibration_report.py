@@ -54,8 +54,7 @@ def test_the_published_cost_section_loads_as_the_fitted_model() -> None:
     samples = script.prefill_samples(data)
     node = script.node_config(data, 989.0, 4800.0, 141.0)
     fit = fit_prefill_efficiency(samples, node)
-    exact = CostModel(script.with_fit(node, fit.flops_a, fit.mfu_max, fit.mfu_half_tokens,
-                                      fit.prefill_overhead_s))
+    exact = CostModel(fit.applied_to(node))
     loaded = CostModel(cfg)
     for n, p, _ in samples:
         assert loaded.prefill_compute_time(n, p) == pytest.approx(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -255,6 +256,9 @@ class CostModel:
 
 # -- the paper's prefill-time predictor -------------------------------------------------------
 
+#: token counts as a sample gives them (whole tokens, or floats for the regression)
+_Length = TypeVar("_Length", int, float)
+
 FEATURE_NAMES: tuple[str, ...] = ("1", "n", "p", "n^2", "p^2", "n*p")
 
 
@@ -297,6 +301,17 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return [m[i][size] / m[i][i] for i in range(size)]
 
 
+def prediction_errors(
+    predict: Callable[[_Length, _Length], float], samples: Sequence[tuple[_Length, _Length, float]]
+) -> tuple[float, float]:
+    """Mean and largest absolute error, in percent of the measured value, of ``predict(n,
+    p)`` over measured ``(n, p, seconds)`` samples."""
+    errs = [abs(predict(n, p) - t) / t for n, p, t in samples if t > 0]
+    if not errs:
+        raise ValueError("no sample with a positive time")
+    return 100.0 * sum(errs) / len(errs), 100.0 * max(errs)
+
+
 def fit_prefill_predictor(
     samples: Sequence[tuple[float, float, float]], ridge: float = 1e-9
 ) -> PrefillPredictor:
@@ -324,12 +339,13 @@ def fit_prefill_predictor(
         ata[i][i] += ridge
     coef = _solve(ata, atb)
     pred = PrefillPredictor(coefficients=tuple(coef), scale=scale)
-    errs = [abs(pred.predict(n, p) - t) / t for n, p, t in samples if t > 0]
+    mean, worst = (prediction_errors(pred.predict, samples) if any(t > 0 for _, _, t in samples)
+                   else (0.0, 0.0))
     return PrefillPredictor(
         coefficients=tuple(coef),
         scale=scale,
-        mean_abs_pct_error=100.0 * sum(errs) / max(1, len(errs)),
-        max_abs_pct_error=100.0 * max(errs, default=0.0),
+        mean_abs_pct_error=mean,
+        max_abs_pct_error=worst,
         samples=len(samples),
     )
 
@@ -358,16 +374,14 @@ class EfficiencyFit(BaseModel):
     max_abs_pct_error: float
     samples: int
 
-
-def prediction_errors(
-    predict: Callable[[int, int], float], samples: Sequence[tuple[int, int, float]]
-) -> tuple[float, float]:
-    """Mean and largest absolute error, in percent of the measured value, of ``predict(n,
-    p)`` over measured ``(n, p, seconds)`` samples."""
-    errs = [abs(predict(n, p) - t) / t for n, p, t in samples if t > 0]
-    if not errs:
-        raise ValueError("no sample with a positive time")
-    return 100.0 * sum(errs) / len(errs), 100.0 * max(errs)
+    def applied_to(self, config: CostModelConfig) -> CostModelConfig:
+        """``config`` with the fitted terms in place of its own."""
+        return config.model_copy(update={
+            "model": config.model.model_copy(update={"flops_a": self.flops_a}),
+            "efficiency": config.efficiency.model_copy(update={
+                "mfu_max": self.mfu_max, "mfu_half_tokens": self.mfu_half_tokens,
+                "prefill_overhead_s": self.prefill_overhead_s}),
+        })
 
 
 def fit_prefill_efficiency(

@@ -241,7 +241,9 @@ def test_efficiency_fit_errors_match_the_fitted_model() -> None:
     samples = [(n, p, t * (1.1 if n % 2 else 0.95))  # noisy measurements
                for n, p, t in _measured(_truth_model())]
     fit = fit_prefill_efficiency(samples, CostModelConfig())
-    cm = _truth_model(fit.flops_a, fit.mfu_max, fit.mfu_half_tokens, fit.prefill_overhead_s)
+    cm = CostModel(fit.applied_to(CostModelConfig()))
+    assert cm.config == _truth_model(fit.flops_a, fit.mfu_max, fit.mfu_half_tokens,
+                                     fit.prefill_overhead_s).config
     mean, worst = prediction_errors(cm.prefill_compute_time, samples)
     assert fit.mean_abs_pct_error == pytest.approx(mean, rel=1e-9)
     assert fit.max_abs_pct_error == pytest.approx(worst, rel=1e-9)
