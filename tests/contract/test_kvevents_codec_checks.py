@@ -67,6 +67,9 @@ def test_opt_lets_none_through_and_checks_the_rest() -> None:
     ("block_hashes", [1, None], "list"),
     ("block_hashes", 7, "int"),
     ("lookahead_token_ids", [1, "a"], "list"),
+    ("lookahead_token_ids", [4, 5], "list"),  # one list per block, not a flat list
+    ("lookahead_token_ids", [[4], ["a"]], "list"),
+    ("lookahead_token_ids", [[4], None], "list"),
     ("lookahead_token_ids", 3, "int"),
 ])
 def test_wrongly_typed_lists_are_refused_with_the_field_named(
@@ -80,9 +83,10 @@ def test_optional_lists_may_be_nil_or_well_typed() -> None:
     ev = decode_event(stored(lookahead_token_ids=None))
     assert isinstance(ev, codec.BlockStored)
     assert ev.lookahead_token_ids is None
-    ev = decode_event(stored(lookahead_token_ids=[4, 5]))
+    # vLLM 0.33: list[list[int]], the tokens past each block that went into its hash
+    ev = decode_event(stored(lookahead_token_ids=[[4, 5], [], [6]]))
     assert isinstance(ev, codec.BlockStored)
-    assert ev.lookahead_token_ids == [4, 5]
+    assert ev.lookahead_token_ids == [[4, 5], [], [6]]
     ev = decode_event(stored(block_hashes=[b"\x00" * 8, 9]))
     assert isinstance(ev, codec.BlockStored)
     assert ev.block_hashes == [b"\x00" * 8, 9]

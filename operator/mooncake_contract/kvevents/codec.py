@@ -41,6 +41,10 @@ import msgpack
 
 BlockHash = int | bytes
 
+#: The tier of a positional event too old to carry ``medium`` (vLLM before PR #19737 sent
+#: only GPU-cache events). A map-shaped event without it means "not stated": engines leave
+#: out a ``medium`` equal to its default ``None`` (SGLang 0.5.23).
+PRE_MEDIUM = "GPU"
 #: Sequence number of the replay end marker.
 END_SEQ = -1
 
@@ -57,7 +61,7 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
-    medium: str | None = "GPU"
+    medium: str | None = None
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
@@ -66,7 +70,8 @@ class BlockStored:
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[int] | None = None
+    #: vLLM: the tokens past each block that went into its hash, one list per block
+    lookahead_token_ids: list[list[int]] | None = None
     #: SGLang's cache namespace (its salted block hashes are seeded with it); vLLM sends
     #: its salt inside ``extra_keys`` instead
     cache_salt: str | None = None
@@ -80,7 +85,7 @@ class BlockRemoved:
     REQUIRED: ClassVar[int] = 2
 
     block_hashes: list[BlockHash]
-    medium: str | None = "GPU"
+    medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
@@ -215,6 +220,12 @@ def _list_of(*types: type) -> _Check:
     return lambda v: type(v) is list and set(map(type, v)) <= allowed
 
 
+def _lists_of(*types: type) -> _Check:
+    """An array of arrays, each as :func:`_list_of` ``types`` checks it."""
+    inner = _list_of(*types)
+    return lambda v: type(v) is list and all(map(inner, v))
+
+
 #: the type each field must have on the wire (msgpack arrays decode as lists)
 _TYPES: dict[str, _Check] = {
     "block_hashes": _list_of(int, bytes),
@@ -231,7 +242,7 @@ _TYPES: dict[str, _Check] = {
     "locality": _opt(_is_str),
     "ownership": _opt(_is_str),
     "session_id": _opt(_is_str),
-    "lookahead_token_ids": _opt(_list_of(int)),
+    "lookahead_token_ids": _opt(_lists_of(int)),
     "cache_salt": _opt(_is_str),
 }
 
@@ -321,6 +332,8 @@ def _build(tag: str, obj: dict[Any, Any] | list[Any]) -> KVEvent:
             meta = _metadata(tag, values[_SGLANG_METADATA_AT])
             values = values[:_SGLANG_METADATA_AT]
         kwargs = {**dict(zip(layout, values, strict=False)), **meta}
+        if "medium" in layout and "medium" not in kwargs:
+            kwargs["medium"] = PRE_MEDIUM  # sent before engines named the tier
     return cls(**_checked(tag, kwargs))
 
 
