@@ -48,11 +48,13 @@ HBM = 0
 DRAM = 1
 STORE = 2
 TIER_NAMES = {HBM: "GPU", DRAM: "CPU", STORE: "STORAGE"}
-#: engines' ``medium`` names (docs/kv-events.md): SGLang's host tiers are DRAM, vLLM's file
-#: and object offload tiers are storage
+#: engines' ``medium`` names (docs/kv-events.md): SGLang's host tiers are DRAM (0.5.23:
+#: ``CPU_PINNED``), vLLM's file and object offload tiers and SGLang's disk and external
+#: pool (Mooncake) are storage; ``tests/conformance`` holds every name the engines define
 TIER_BY_MEDIUM = {
     **{v: k for k, v in TIER_NAMES.items()},
-    "CPU_TIER1": DRAM, "CPU_TIER2": DRAM, "FS": STORE, "OBJ": STORE, "DISK": STORE,
+    "CPU_TIER1": DRAM, "CPU_TIER2": DRAM, "CPU_PINNED": DRAM,
+    "FS": STORE, "OBJ": STORE, "DISK": STORE, "EXTERNAL": STORE,
 }
 
 
