@@ -52,6 +52,7 @@ from prometheus_client import Gauge
 
 from .discovery import EndpointSource, source_for
 from .events import EngineSubscriber
+from .handshake import handshake
 from .hottokens import HotPrefixTokens
 from .kvindex import IndexFeeder
 from .metrics import GatewayMetrics, ModelMetrics
@@ -566,8 +567,10 @@ class ModelRuntime:
     @property
     def late_binding(self) -> bool:
         """Whether prefills wait in the gateway for their turn (work stealing on and a
-        dispatch depth set)."""
-        return self.gw.prefill_dispatch_depth > 0 and self.conductor.stealing is not None
+        dispatch depth set). Never with a handshake that sends both halves at once: the
+        decode engine is already waiting for the prefill engine it was told of."""
+        return (self.gw.prefill_dispatch_depth > 0 and self.conductor.stealing is not None
+                and not handshake(self.cfg.handshake).concurrent)
 
     def prefill_started(self, inst: Instance, req: RequestInfo, work_s: float,
                         priority: float, placement: Placement | None = None) -> None:

@@ -16,7 +16,6 @@ import gc
 import json
 import logging
 import math
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,11 +30,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import fastjson
 from .catalog import Catalog, ConfigMapWatch, Conflict, ModelDocument, resolve
+from .enginemetrics import parse_engine_metrics
 from .errors import ApiError, error_body
 from .front import FrontServer
+from .handshake import Handshake, Transfer, handshake
 from .metrics import GatewayMetrics, RequestCounter
 from .openapi import openapi_spec
-from .runtime import EngineStats, Instance, ModelRuntime
+from .runtime import Instance, ModelRuntime
 from .settings import GatewaySettings, ModelSettings, Role, TokenizerMode
 from .tokens import PromptTokenizer, Tokens
 from .upstream import UpstreamCallError, UpstreamPool
@@ -562,24 +563,24 @@ class Gateway:
                 rt.m.prompt_computed.inc(len(tokens))
             headers = {DECISION_HEADER: json.dumps(_header_view(record), separators=(",", ":"))} \
                 if explain else {}
-            kvp: dict[str, Any] | None = None
+            fields: dict[str, Any] = {}
             group: int | None = None  # the engine group both halves of a P/D request share
-            if not direct:
+            if direct:  # the decode engine prefills itself: in its batch from now on
+                rt.conductor.decoding(req, decision)
+            else:
                 assert dec is not None
                 group = rt.cluster.decode[dec].group
-                # the request is the decode instance's from the decision on: counted in flight
-                # while its prefill runs, so a draining decode pod is not retired under it
-                chosen = rt.decode[dec]
-                chosen.inflight += 1
-                try:
-                    kvp = await self._prefill(rt, req, decision, data, p, record, group)
-                finally:
-                    chosen.inflight -= 1
-                    rt.conductor.prefilled(req, decision)
-            else:  # the decode engine prefills itself: in its batch from now on
-                rt.conductor.decoding(req, decision)
-            return await self._decode(request, rt, req, decision, data, p, kvp, record, headers,
-                                      arrived, explain, group)
+                hs = handshake(cfg.handshake)
+                transfer = Transfer.new(rt.prefill[pl.prefill].endpoint, cfg.bootstrap_port)
+                if hs.concurrent:
+                    return await self._prefill_with_decode(
+                        request, rt, req, decision, data, p, record, headers, arrived,
+                        explain, group, hs, transfer)
+                transfer = await self._prefill_tracked(rt, req, decision, data, p, record,
+                                                       group, hs, transfer)
+                fields = hs.decode_fields(transfer)
+            return await self._decode(request, rt, req, decision, data, p, fields, record,
+                                      headers, arrived, explain, group)
         finally:
             rt.conductor.finished(req, decision)
 
@@ -658,24 +659,68 @@ class Gateway:
         return out[: self.settings.explain_top]
 
     # -- prefill ---------------------------------------------------------------------------
+    async def _prefill_tracked(self, rt: ModelRuntime, req: RequestInfo, decision: Decision,
+                               data: dict[str, Any], p: Parsed, record: dict[str, Any],
+                               group: int, hs: Handshake, transfer: Transfer,
+                               attempts: int | None = None) -> Transfer:
+        """:meth:`_prefill`, with the request counted in flight on its decode instance
+        meanwhile (a draining decode pod is not retired under it), and the policy told
+        when it ends."""
+        dec = decision.decode.decode
+        assert dec is not None  # a disaggregated decision names its decode instance
+        chosen = rt.decode[dec]
+        chosen.inflight += 1
+        try:
+            return await self._prefill(rt, req, decision, data, p, record, group, hs,
+                                       transfer, attempts)
+        finally:
+            chosen.inflight -= 1
+            rt.conductor.prefilled(req, decision)
+
+    async def _prefill_with_decode(self, request: web.Request | None, rt: ModelRuntime,
+                                   req: RequestInfo, decision: Decision, data: dict[str, Any],
+                                   p: Parsed, record: dict[str, Any], headers: dict[str, str],
+                                   arrived: float, explain: bool, group: int, hs: Handshake,
+                                   transfer: Transfer) -> web.StreamResponse:
+        """Both halves at once (the prefill engine waits for the decode engine to connect):
+        one attempt each, since the decode engine is told which prefill engine to meet. A
+        failed prefill cancels the decode and answers with the prefill's error."""
+        prefill = asyncio.create_task(self._prefill_tracked(
+            rt, req, decision, data, p, record, group, hs, transfer, attempts=1))
+        decode = asyncio.create_task(self._decode(
+            request, rt, req, decision, data, p, hs.decode_fields(transfer), record, headers,
+            arrived, explain, group, attempts=1))
+        try:
+            done, _ = await asyncio.wait({prefill, decode},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if prefill in done and prefill.exception() is not None:
+                decode.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await decode
+                prefill.result()  # raises the prefill's error
+            return await decode
+        finally:
+            for task in (prefill, decode):
+                if not task.done():
+                    task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
     async def _prefill(self, rt: ModelRuntime, req: RequestInfo, decision: Decision,
                        data: dict[str, Any], p: Parsed, record: dict[str, Any],
-                       group: int) -> dict[str, Any]:
+                       group: int, hs: Handshake, transfer: Transfer,
+                       attempts: int | None = None) -> Transfer:
         """Prefill on the chosen instance, then on the next best of ``group`` (the decode
-        instance's) while attempts are left; the decode's ``kv_transfer_params``."""
-        overrides: dict[str, Any] = {
-            "stream": False, "stream_options": None, "max_tokens": 1,
-            "kv_transfer_params": {
-                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+        instance's) while attempts are left; the transfer as the instance that served it
+        made it."""
+        overrides: dict[str, Any] = {"stream": False, "stream_options": None, "max_tokens": 1}
         if p.chat:
             overrides["max_completion_tokens"] = None
-        body = splice_json(p.raw, data, overrides)
         path = "/v1/chat/completions" if p.chat else "/v1/completions"
         tried: set[int] = set()
         pl = decision.placement
         last = "no prefill instance"
-        for attempt in range(self.settings.prefill_attempts):
+        for attempt in range(attempts or self.settings.prefill_attempts):
             if attempt:
                 rt.m.retries_prefill.inc()
                 pl = self._replace_prefill(rt, req, tried, group)
@@ -701,6 +746,8 @@ class Gateway:
                     decision.placement = pl  # the policy's books moved with it
                     record["prefill"] = inst.name
                     started = time.perf_counter()  # predicted from the move on
+                transfer = transfer.with_prefill(inst.endpoint)
+                body = splice_json(p.raw, data, {**overrides, **hs.prefill_fields(transfer)})
                 status, resp = await self._post_json(inst, path, body)
             except UpstreamError as exc:
                 last = f"{inst.name}: {exc}"
@@ -721,8 +768,7 @@ class Gateway:
                 rt.m.engine_cached_tokens.inc(int(cached))
                 rt.m.engine_prompt_tokens.inc(int(prompt))
                 record["engine_cached_tokens"] = int(cached)
-                kvp = resp.get("kv_transfer_params")
-                return kvp if isinstance(kvp, dict) else {}
+                return transfer
             if status in UPSTREAM_RETRY_STATUSES:
                 last = f"{inst.name}: HTTP {status}"
                 continue
@@ -777,16 +823,18 @@ class Gateway:
     # -- decode ----------------------------------------------------------------------------
     async def _decode(self, request: web.Request | None, rt: ModelRuntime, req: RequestInfo,
                       decision: Decision, data: dict[str, Any], p: Parsed,
-                      kvp: dict[str, Any] | None, record: dict[str, Any],
+                      fields: dict[str, Any], record: dict[str, Any],
                       headers: dict[str, str], arrived: float,
-                      explain: bool, group: int | None) -> web.StreamResponse:
+                      explain: bool, group: int | None,
+                      attempts: int = DECODE_ATTEMPTS) -> web.StreamResponse:
+        """The decode half, with the handshake's ``fields`` spliced into the body."""
         assert self.session is not None
-        body = p.raw if kvp is None else splice_json(p.raw, data, {"kv_transfer_params": kvp})
+        body = splice_json(p.raw, data, fields) if fields else p.raw
         path = "/v1/chat/completions" if p.chat else "/v1/completions"
         iid = decision.decode.decode
         tried: set[int] = set()
         last = "no decode instance"
-        for attempt in range(DECODE_ATTEMPTS):
+        for attempt in range(attempts):
             if attempt:
                 rt.m.retries_decode.inc()
                 iid = self._replace_decode(rt, tried, group)
@@ -980,54 +1028,6 @@ def _int_query(request: web.Request, name: str, default: int) -> int:
     if v < 0:
         raise ApiError(400, f"'{name}' must not be negative", name)
     return v
-
-
-#: the vLLM series the gateway reads from an engine's ``/metrics``
-_SUMMED = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-           "vllm:prefix_cache_hits_total": "prefix_hits",
-           "vllm:prefix_cache_queries_total": "prefix_queries"}
-_KV_USAGE = "vllm:kv_cache_usage_perc"
-_CACHE_INFO = "vllm:cache_config_info"
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_engine_metrics(text: str) -> EngineStats:
-    """The vLLM metrics the gateway uses, summed over label sets.
-
-    Reads only the lines of those series (Prometheus text format: ``name{labels} value
-    [timestamp]``), which is ~40x cheaper than parsing every family of the page: a scrape
-    runs on the event loop, and a full parse of vLLM's page held it for over a millisecond.
-    A malformed line is skipped."""
-    st = EngineStats(scraped_at=time.monotonic())
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        brace = line.find("{")
-        if brace >= 0:
-            name = line[:brace]
-            close = line.rfind("}")
-            labels, rest = line[brace + 1 : close], line[close + 1 :].split()
-        else:
-            name, _, tail = line.partition(" ")
-            labels, rest = "", tail.split()
-        if not rest:
-            continue
-        try:
-            value = float(rest[0])
-        except ValueError:
-            continue
-        field = _SUMMED.get(name)
-        if field is not None:
-            setattr(st, field, getattr(st, field) + value)
-        elif name == _KV_USAGE:
-            st.kv_usage = max(st.kv_usage, value)
-        elif name == _CACHE_INFO:
-            found = dict(_LABEL.findall(labels))
-            with contextlib.suppress(KeyError, ValueError):
-                st.block_size = int(found["block_size"])
-            with contextlib.suppress(KeyError, ValueError):
-                st.num_gpu_blocks = int(found["num_gpu_blocks"])
-    return st
 
 
 def loop_factory(settings: GatewaySettings) -> Callable[[], asyncio.AbstractEventLoop] | None:

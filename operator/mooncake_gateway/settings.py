@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from mooncake_conductor.engine import ConductorConfig
@@ -110,6 +110,10 @@ class DirectRule(BaseModel):
     )
 
 
+#: the handshakes :mod:`mooncake_gateway.handshake` implements (a test holds them equal)
+HandshakeName = Literal["kv-transfer-params", "store", "bootstrap"]
+
+
 class ModelSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -132,6 +136,13 @@ class ModelSettings(BaseModel):
         "(their --time-scale; default: the gateway's time_scale): the model's Conductor runs "
         "its clock at wall / time_scale")
     direct: DirectRule = DirectRule()
+    handshake: HandshakeName = Field(
+        "kv-transfer-params", description="how the prefill's KV cache reaches the decode "
+        "engine (mooncake_gateway.handshake): kv-transfer-params (vLLM's MooncakeConnector, "
+        "the simulated engine), store (vLLM's MooncakeStoreConnector), bootstrap (SGLang)")
+    bootstrap_port: int | None = Field(
+        None, gt=0, le=65535, description="the prefill engines' Mooncake bootstrap port "
+        "(default: the worker's HTTP port, where the simulated engine answers)")
     index_capacity_blocks: int = Field(
         1 << 20, gt=0, description="index capacity per instance until its metrics tell"
     )

@@ -2,9 +2,10 @@
 127.0.0.1 and on the test's event loop.
 
 - :class:`ScriptedEngine`: an aiohttp server standing in for a vLLM engine. It records
-  every completion request it gets and answers as the test says: a prefill answer with
-  its own ``kv_transfer_params``, a decode answer (JSON or SSE), an error status, or
-  nothing until :attr:`ScriptedEngine.hold` is released.
+  every completion request it gets and answers as the test says: a prefill answer (with
+  ``kv_transfer_params: null``, as vLLM's MooncakeConnector answers), a decode answer
+  (JSON or SSE), an error status, or nothing until :attr:`ScriptedEngine.hold` is
+  released.
 - :class:`ScriptedPublisher`: a KV-event publisher on real ZeroMQ sockets (PUB + replay
   ROUTER, the worker's and vLLM's protocol, the shared codec) whose sequence numbers,
   replay buffer and losses the test decides.
@@ -76,11 +77,8 @@ class ScriptedEngine:
         self.status = 200
         #: when set, completion answers wait until it is
         self.hold: asyncio.Event | None = None
-        #: what a prefill answer carries
-        self.kv_transfer_params: dict[str, Any] = {
-            "do_remote_decode": False, "do_remote_prefill": True,
-            "remote_engine_id": f"engine-{name}", "remote_block_ids": [7, 1, len(name)],
-            "remote_host": HOST, "remote_port": 40000 + len(name), "tp_size": 1}
+        #: what a prefill answer carries (vLLM's MooncakeConnector: nothing of its own)
+        self.kv_transfer_params: dict[str, Any] | None = None
         #: replaces the scripted answers when set
         self.answer: Answer | None = None
         self.arrived = asyncio.Event()  # set on every completion request

@@ -69,10 +69,35 @@ def test_metrics_cache_config_with_missing_or_bad_fields() -> None:
     st = parse_engine_metrics('vllm:cache_config_info{num_gpu_blocks="8",block_size="z"} 1\n'
                               'vllm:num_requests_running 2')
     assert (st.block_size, st.num_gpu_blocks, st.running) == (None, 8, 2.0)
-    # only vLLM's own series: a look-alike name or another prefix is not read
-    st = parse_engine_metrics("vllm:num_requests_running_total 9\nsglang:num_running_reqs 9\n"
-                              " vllm:num_requests_running 9")
+    # only the engines' own series: a look-alike name or another prefix is not read
+    st = parse_engine_metrics("vllm:num_requests_running_total 9\nsgl:num_running_reqs 9\n"
+                              " vllm:num_requests_running 9\nsglang:num_running_reqs_total 9")
     assert st.running == 0.0
+
+
+def test_sglang_series_repeated_per_tensor_parallel_rank_count_once() -> None:
+    """SGLang's scheduler gauges carry a ``tp_rank`` label: the largest counts (summed they
+    would count one batch once per rank); its counters sum; its page size and token
+    capacity give the block size and the number of blocks."""
+    lines = []
+    for rank in (0, 1):
+        labels = f'engine_type="prefill",model_name="m",tp_rank="{rank}"'
+        lines += [f"sglang:num_running_reqs{{{labels}}} {3 + rank}",
+                  f"sglang:num_queue_reqs{{{labels}}} 2",
+                  f"sglang:token_usage{{{labels}}} {0.25 * (rank + 1)}",
+                  f"sglang:page_size{{{labels}}} 64",
+                  f"sglang:max_total_num_tokens{{{labels}}} 640000"]
+    lines += ['sglang:cached_tokens_total{cache_source="device",model_name="m"} 30',
+              'sglang:cached_tokens_total{cache_source="host",model_name="m"} 10',
+              'sglang:prompt_tokens_total{is_streaming="false",model_name="m"} 100']
+    st = parse_engine_metrics("\n".join(lines))
+    assert (st.running, st.waiting, st.kv_usage) == (4.0, 2.0, 0.5)
+    assert (st.prefix_hits, st.prefix_queries) == (40.0, 100.0)
+    assert (st.block_size, st.num_gpu_blocks) == (64, 10_000)
+    # a page size but no capacity: the block size alone; neither: nothing
+    st = parse_engine_metrics("sglang:page_size 16")
+    assert (st.block_size, st.num_gpu_blocks) == (16, None)
+    assert parse_engine_metrics("sglang:max_total_num_tokens 99").num_gpu_blocks is None
 
 
 def test_loop_factory_follows_the_uvloop_setting() -> None:

@@ -1,10 +1,13 @@
 """Prefill → decode wiring of one request, against scripted engines over real HTTP.
 
 What goes to the prefill engine (the client's body with ``max_tokens=1``, no stream and
-``kv_transfer_params.do_remote_decode``), what goes to the decode engine (the client's
-body intact plus exactly the ``kv_transfer_params`` the prefill answered), what comes
-back to the client (the decode answer as it came), a client's own
-``kv_transfer_params`` refused, and a failed prefill or decode retried elsewhere."""
+the handshake's ``kv_transfer_params``: ``do_remote_decode`` and a transfer id), what
+goes to the decode engine (the client's body intact plus the parameters that name the
+prefill engine that served it and the same transfer id: vLLM's MooncakeConnector shape,
+``mooncake_gateway.handshake``; checked against vLLM's own connector in
+``tests/conformance``), what comes back to the client (the decode answer as it came), a
+client's own ``kv_transfer_params`` refused, and a failed prefill or decode retried
+elsewhere."""
 
 from __future__ import annotations
 
@@ -27,8 +30,21 @@ from .scripted import (
     running_gateway,
 )
 
-PREFILL_KVP = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-               "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+def prefill_kvp(call: Call) -> dict[str, Any]:
+    """What the prefill half must carry: the handshake's fields, with the transfer id the
+    gateway chose (a fresh one per request)."""
+    tid = call.body["kv_transfer_params"]["transfer_id"]
+    assert isinstance(tid, str) and tid.startswith("xfer-") and len(tid) == 5 + 32
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
+
+
+def decode_kvp(prefill: Call, served_by: ScriptedEngine) -> dict[str, Any]:
+    """What the decode half must carry: where to pull the prefill's transfer from."""
+    return {"do_remote_decode": False, "do_remote_prefill": True,
+            "remote_engine_id": served_by.name,
+            "remote_bootstrap_addr": served_by.url,  # no bootstrap port: the engine's own
+            "transfer_id": prefill.body["kv_transfer_params"]["transfer_id"]}
 EXPLAIN = {"x-conductor-explain": "1"}
 
 
@@ -70,7 +86,7 @@ def test_decode_gets_the_client_body_and_exactly_the_prefill_kv_transfer_params(
     async def main() -> None:
         async with engines("p0", "p1", "d0") as (p0, p1, d0), \
                 running_gateway([model([p0, p1], [d0])]) as gw:
-            p1.kv_transfer_params = {**p1.kv_transfer_params, "remote_block_ids": [9, 9]}
+            p1.kv_transfer_params = {"remote_block_ids": [9, 9]}  # what no engine says
             body = _body(chat, stream)
             sent = json.dumps(body, indent=1).encode() + b"\n"  # as no encoder of ours would
             status, headers, raw = await gw.post(_path(chat), sent,
@@ -82,13 +98,13 @@ def test_decode_gets_the_client_body_and_exactly_the_prefill_kv_transfer_params(
             assert d0.decodes == [decode]
             # the prefill: the client's request, one token, not streamed, remote decode
             want_prefill = {**body, "stream": False, "stream_options": None, "max_tokens": 1,
-                            "kv_transfer_params": PREFILL_KVP}
+                            "kv_transfer_params": prefill_kvp(prefill)}
             if chat:
                 want_prefill["max_completion_tokens"] = None
             assert prefill.path == decode.path == _path(chat)
             assert prefill.body == want_prefill
-            # the decode: the client's request intact, plus the prefill's answer
-            assert decode.body == {**body, "kv_transfer_params": served_by.kv_transfer_params}
+            # the decode: the client's request intact, plus where to pull the prefill's KV
+            assert decode.body == {**body, "kv_transfer_params": decode_kvp(prefill, served_by)}
             # both spliced onto the client's bytes, not re-encoded
             assert prefill.raw.startswith(sent.rstrip()[:-1])
             assert decode.raw.startswith(sent.rstrip()[:-1])
@@ -136,12 +152,13 @@ def test_a_client_kv_transfer_params_is_refused_before_any_engine_call(
             assert err["type"] == "invalid_request_error"
             assert "kv_transfer_params" in err["message"]
             assert p0.calls == [] and d0.calls == []
-            # null is "not set": served, and the decode gets the prefill's
+            # null is "not set": served, with the gateway's own handshake
             ok = {**_body(chat, stream), "kv_transfer_params": None}
             status, _h, raw = await gw.post(_path(chat), ok, EXPLAIN if explain else None)
             assert status == 200, raw
-            assert d0.decodes[0].body["kv_transfer_params"] == p0.kv_transfer_params
-            assert p0.prefills[0].body["kv_transfer_params"] == PREFILL_KVP
+            prefill = p0.prefills[0]
+            assert prefill.body["kv_transfer_params"] == prefill_kvp(prefill)
+            assert d0.decodes[0].body["kv_transfer_params"] == decode_kvp(prefill, p0)
 
     run(main())
 
@@ -176,7 +193,8 @@ def test_a_refused_decode_is_retried_on_the_other_decode_instance(stream: bool, 
                 status, _h, raw = await gw.post("/v1/completions", body)
                 assert status == 200, raw
                 served = good.decodes[-1]
-                assert served.body == {**body, "kv_transfer_params": p0.kv_transfer_params}
+                assert served.body == {**body, "kv_transfer_params":
+                                       decode_kvp(p0.prefills[-1], p0)}
                 if stream:
                     assert raw == good.sse(served)
                 else:
@@ -242,7 +260,13 @@ def test_a_refused_prefill_is_retried_and_decode_gets_the_retry_kv_transfer_para
             assert len(good.prefills) == 1
             if how == "503":
                 assert len(bad.prefills) == 1
-            assert d0.decodes[0].body == {**body, "kv_transfer_params": good.kv_transfer_params}
+            # the retry's own transfer: the decode pulls from the engine that served it
+            retried = good.prefills[0]
+            assert d0.decodes[0].body == {**body, "kv_transfer_params":
+                                          decode_kvp(retried, good)}
+            if how == "503":
+                assert bad.prefills[0].body["kv_transfer_params"]["transfer_id"] == \
+                    retried.body["kv_transfer_params"]["transfer_id"]
             d = (await gw.get(f"/conductor/decisions?model={MODEL}"))[0]
             assert [a.get("prefill") for a in d["attempts"]] == ["p-bad", "p-good"]
             assert d["attempts"][-1]["status"] == 200

@@ -108,9 +108,12 @@ def test_the_engine_usage_is_counted_with_its_defaults(usage: Any, cached: int,
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("kvp", [None, [1, 2], "params"], ids=["missing", "list", "string"])
-def test_a_prefill_answer_without_usable_transfer_params_gives_decode_empty_ones(
-        kvp: Any) -> None:
+@pytest.mark.parametrize("kvp", [None, [1, 2], "params", {"remote_host": "10.0.0.9"}],
+                         ids=["missing", "list", "string", "another-connector"])
+def test_whatever_the_prefill_answers_the_decode_gets_the_handshake(kvp: Any) -> None:
+    """vLLM's MooncakeConnector answers no parameters: the decode half's come from the
+    handshake (the prefill engine that served it, the transfer id it was sent), never from
+    the prefill's answer."""
     async def main() -> None:
         async with engines("p0", "d0") as (p0, d0), \
                 running_gateway([model([p0], [d0])]) as gw:
@@ -120,7 +123,11 @@ def test_a_prefill_answer_without_usable_transfer_params_gives_decode_empty_ones
             for first, stream in ((3, False), (4, True)):
                 status, _h, raw = await gw.post(CMPL, _body(first, stream))
                 assert status == 200, raw
-                assert d0.decodes[-1].body["kv_transfer_params"] == {}
+                sent = p0.prefills[-1].body["kv_transfer_params"]
+                assert d0.decodes[-1].body["kv_transfer_params"] == {
+                    "do_remote_decode": False, "do_remote_prefill": True,
+                    "remote_engine_id": "p0", "remote_bootstrap_addr": p0.url,
+                    "transfer_id": sent["transfer_id"]}
 
     asyncio.run(main())
 
