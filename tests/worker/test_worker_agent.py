@@ -89,11 +89,12 @@ def test_agent_warms_from_store_by_keys(tmp_path: Path, mooncake_master: Master)
     tokens = list(range(2000, 2000 + 96))  # 6 blocks
     keys = block_keys(tokens, 16, SEED)
     with run_worker("--time-scale", "0", *store) as src:
-        # a prefill on the source worker puts the blocks in the store
+        # a prefill half on the source worker puts the blocks in the store
         code, body = src.post("/v1/completions", {
-            "prompt": tokens, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True},
+            "prompt": tokens, "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "x-1"},
         })
-        assert code == 200 and body["kv_transfer_params"]["stored_blocks"] == 6
+        assert code == 200 and body["kv_transfer_params"] is None
         ann = tmp_path / "annotations"
         write_annotations(ann, [{"prefix": "doc-1", "keys": keys}])
         with run_worker("--time-scale", "0", "--annotations-file", str(ann),

@@ -1,4 +1,6 @@
-"""vLLM's P/D handshake between two worker processes, with and without Mooncake Store."""
+"""The P/D handshake between two worker processes, with and without Mooncake Store: the
+gateway's own fields (:mod:`mooncake_gateway.handshake`, vLLM's MooncakeConnector shape),
+answered as vLLM answers them."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import openai
 import pytest
 from mooncake_conductor.blockkeys import block_keys, namespace_seed
 from mooncake_contract.tokenizer import Tokenizer
+from mooncake_gateway.handshake import KVTransferParams, Transfer
+from mooncake_gateway.settings import Endpoint
 from worker_fixtures import Master, WorkerProc, run_worker
 
 MODEL = "llama3-70b-sim"
@@ -20,22 +24,22 @@ def client(w: WorkerProc) -> openai.OpenAI:
     return openai.OpenAI(base_url=w.base_url, api_key="x", max_retries=0, timeout=30)
 
 
-def kv_params(resp: Any) -> dict[str, Any]:
-    extra = resp.model_extra or {}
-    kvp = extra.get("kv_transfer_params")
-    assert isinstance(kvp, dict), extra
-    return kvp
+def transfer_of(prefill: WorkerProc) -> Transfer:
+    return Transfer.new(Endpoint(url=f"http://127.0.0.1:{prefill.port}", name="p",
+                                 pod="serving/prefill-0"), None)
 
 
-def handshake(prefill: WorkerProc, decode: WorkerProc, stream: bool = False) -> tuple[str, str, Any, dict[str, Any]]:  # noqa: E501
-    """The proxy's two calls: prefill with max_tokens=1, then decode with its params."""
+def handshake(prefill: WorkerProc, decode: WorkerProc, stream: bool = False,
+              ) -> tuple[str, str, Any, dict[str, Any]]:
+    """The gateway's two calls: the prefill with ``max_tokens=1`` and a transfer id, then
+    the decode told which engine to pull that transfer from."""
+    hs, t = KVTransferParams(), transfer_of(prefill)
     p = client(prefill).completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=1, stream=False,
-        extra_body={"kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                           "remote_engine_id": None, "remote_block_ids": None,
-                                           "remote_host": None, "remote_port": None}},
-    )
-    kvp = kv_params(p)
+        extra_body=hs.prefill_fields(t))
+    # like vLLM's MooncakeConnector, the prefill engine answers with no parameters
+    assert (p.model_extra or {}).get("kv_transfer_params", "absent") is None
+    kvp = hs.decode_fields(t)["kv_transfer_params"]
     if stream:
         chunks = list(client(decode).completions.create(
             model=MODEL, prompt=PROMPT, max_tokens=MAX_TOKENS, stream=True,
@@ -65,10 +69,8 @@ def test_pd_without_store_recomputes(reference: str) -> None:
             run_worker("--time-scale", "0", "--role", "decode") as dw:
         first, text, usage, kvp = handshake(pw, dw)
         assert kvp["do_remote_prefill"] is True and kvp["do_remote_decode"] is False
-        assert kvp["remote_port"] == pw.port and kvp["remote_host"] == "127.0.0.1"
-        tokens = Tokenizer().encode(PROMPT)
-        assert kvp["remote_block_keys"] == block_keys(tokens, 16, namespace_seed(MODEL, 16))
-        assert kvp["kv_store"] is None
+        assert kvp["remote_bootstrap_addr"] == f"http://127.0.0.1:{pw.port}"
+        assert kvp["remote_engine_id"] == "prefill-0"
         assert len(first.split()) == 1
         assert text == reference and text.startswith(first)
         assert usage.prompt_tokens_details.cached_tokens == 0  # no store: decode recomputed
@@ -81,15 +83,15 @@ def test_pd_through_mooncake_store(mooncake_master: Master, reference: str) -> N
     store = ("--store", mooncake_master.rpc, "--store-metadata", mooncake_master.metadata)
     with run_worker("--time-scale", "0", "--role", "prefill", *store) as pw, \
             run_worker("--time-scale", "0", "--role", "decode", *store) as dw:
-        first, text, usage, kvp = handshake(pw, dw)
-        nfull = len(Tokenizer().encode(PROMPT)) // 16
-        assert kvp["kv_store"] == "mooncake" and kvp["stored_blocks"] == nfull
+        first, text, usage, _ = handshake(pw, dw)
+        tokens = Tokenizer().encode(PROMPT)
+        nfull = len(tokens) // 16
         # the decode worker never saw this prompt: its cached tokens came from the store
         assert usage.prompt_tokens_details.cached_tokens == nfull * 16
         assert text == reference and text.startswith(first)
         # and its KV events announce the transferred blocks
         held = set(dw.get("/kv/blocks")["keys"])
-        assert set(kvp["remote_block_keys"]) <= held
+        assert set(block_keys(tokens, 16, namespace_seed(MODEL, 16))) <= held
         _, streamed, usage2, _ = handshake(pw, dw, stream=True)
         assert streamed == reference
         assert usage2.prompt_tokens_details.cached_tokens == nfull * 16
@@ -103,14 +105,12 @@ def test_store_handoff_charges_transfer_time(mooncake_master: Master) -> None:
     store = ("--store", mooncake_master.rpc, "--store-metadata", mooncake_master.metadata)
     with run_worker("--time-scale", "0", *store) as pw, \
             run_worker("--time-scale", "20", *store) as dw:
-        p = client(pw).completions.create(
-            model=MODEL, prompt=PROMPT + " transfer", max_tokens=1,
-            extra_body={"kv_transfer_params": {"do_remote_decode": True}},
-        )
-        kvp = kv_params(p)
+        hs, t = KVTransferParams(), transfer_of(pw)
+        client(pw).completions.create(model=MODEL, prompt=PROMPT + " transfer", max_tokens=1,
+                                      extra_body=hs.prefill_fields(t))
         t0 = time.monotonic()
         client(dw).completions.create(model=MODEL, prompt=PROMPT + " transfer", max_tokens=1,
-                                      extra_body={"kv_transfer_params": kvp})
+                                      extra_body=hs.decode_fields(t))
         elapsed = time.monotonic() - t0
         from mooncake_conductor.cost import CostModel
 

@@ -1,7 +1,9 @@
-"""The store half of the P/D handshake in-process, against a real ``mooncake_master``: the
-prefill's handoff puts the prompt's blocks in the store, the decode side loads them
-(block by block, checking every block's tokens), skips what it has cached, refuses keys
-of another namespace, counts the transferred blocks and sleeps the modelled transfer.
+"""The store half of the P/D handshake in-process, against a real ``mooncake_master``: a
+prefill half with a transfer id puts the prompt's blocks in the store (without one, as
+vLLM's MooncakeConnector, it holds nothing), the decode half told where to pull loads
+them (block by block, checking every block's tokens, under its own block keys: an engine
+of another namespace finds none), skips what it has cached, counts the transferred blocks
+and sleeps the modelled transfer.
 
 One store client is connected per module and shared by the workers (a connect and close
 take about two seconds); each test uses its own token range, so the blocks one test put
@@ -49,6 +51,13 @@ def blocks_of(tokens: list[int], n: int, start: int = 0) -> list[list[int]]:
     return [tokens[i * BS:(i + 1) * BS] for i in range(start, start + n)]
 
 
+#: the gateway's two halves (mooncake_gateway.handshake: vLLM's MooncakeConnector shape)
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "x-1"}
+REMOTE_PREFILL = {"do_remote_decode": False, "do_remote_prefill": True,
+                  "remote_engine_id": "prefill-0", "remote_bootstrap_addr": "http://p:8998",
+                  "transfer_id": "x-1"}
+
+
 def decode_worker(**kw: Any) -> Worker:
     """A decode-side worker that publishes its KV events (read back from its buffer); serve
     it (its clean-up closes the publisher)."""
@@ -59,24 +68,38 @@ def test_handoff_puts_the_prompt_blocks_in_the_store(store: BlockStore) -> None:
     tokens = prompt(20_000, 4 * BS + 9)
     keys = keys_for(tokens)
 
-    async def main() -> tuple[dict[str, Any], dict[str, Any], list[Any]]:
+    async def main() -> tuple[list[Any], list[Any], int]:
         w = Worker(settings())
         async with serving(w, store) as c:
-            kvps = []
+            answers = []
             for _ in range(2):
                 status, body, _ = await post(c, "/v1/completions", {
-                    "prompt": tokens, "max_tokens": 4,
-                    "kv_transfer_params": {"do_remote_decode": True}})
+                    "prompt": tokens, "max_tokens": 4, "kv_transfer_params": REMOTE_DECODE})
                 assert status == 200
-                kvps.append(body["kv_transfer_params"])
-        return kvps[0], kvps[1], await store.get_blocks(keys)
+                answers.append(body["kv_transfer_params"])
+        again = await store.put_blocks(keys, blocks_of(tokens, 4))
+        return answers, await store.get_blocks(keys), again
 
-    first, again, got = asyncio.run(main())
-    assert first["kv_store"] == "mooncake" and first["stored_blocks"] == 4
-    assert first["remote_block_keys"] == keys
-    assert again["stored_blocks"] == 0  # already in the store: nothing written twice
-    assert again["kv_store"] == "mooncake"
+    answers, got, again = asyncio.run(main())
+    assert answers == [None, None]  # no parameters of its own, as vLLM answers
     assert got == [(k, b) for k, b in zip(keys, blocks_of(tokens, 4), strict=True)]
+    assert again == 0  # already in the store: nothing to write
+
+
+def test_a_prefill_half_without_a_transfer_id_holds_nothing(store: BlockStore) -> None:
+    """vLLM's MooncakeConnector sends nothing for a request without ``transfer_id``
+    ("Missing transfer_id in kv_transfer_params from router!"): neither does ours."""
+    tokens = prompt(20_500, 3 * BS + 1)
+
+    async def main() -> list[Any]:
+        async with serving(Worker(settings()), store) as c:
+            status, _, _ = await post(c, "/v1/completions", {
+                "prompt": tokens, "max_tokens": 4,
+                "kv_transfer_params": {"do_remote_decode": True}})
+            assert status == 200
+        return await store.get_blocks(keys_for(tokens))
+
+    assert asyncio.run(main()) == [None, None, None]
 
 
 def test_decode_loads_the_prefill_blocks_and_announces_them(store: BlockStore) -> None:
@@ -87,17 +110,15 @@ def test_decode_loads_the_prefill_blocks_and_announces_them(store: BlockStore) -
         p, d, ref = Worker(settings()), decode_worker(), Worker(settings())
         async with serving(p, store) as pc:
             _, pbody, _ = await post(pc, "/v1/completions", {
-                "prompt": tokens, "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True}})
+                "prompt": tokens, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE})
         async with serving(ref) as rc:
             _, rbody, _ = await post(rc, "/v1/completions", {"prompt": tokens, "max_tokens": 5})
         async with serving(d, store) as dc:
             status, dbody, _ = await post(dc, "/v1/completions", {
-                "prompt": tokens, "max_tokens": 5,
-                "kv_transfer_params": pbody["kv_transfer_params"]})
+                "prompt": tokens, "max_tokens": 5, "kv_transfer_params": REMOTE_PREFILL})
             assert status == 200
             held = (await (await dc.get("/kv/blocks")).json())["keys"]
-            again = await d._load_remote_kv(tokens, keys, pbody["kv_transfer_params"])
+            again = await d._load_remote_kv(tokens, keys)
         return pbody, dbody, rbody["choices"][0]["text"], d, held, again
 
     pbody, dbody, reference, d, held, again = asyncio.run(main())
@@ -124,8 +145,8 @@ def test_load_stops_at_a_missing_block_or_one_whose_tokens_differ(store: BlockSt
         await store.put_blocks([*kg[:2], *kg[3:]], [*blocks_of(gap, 2), *blocks_of(gap, 2, 3)])
         d = Worker(settings())
         d.store = store
-        a = await d._load_remote_kv(wrong, kw, {"remote_block_keys": kw})
-        b = await d._load_remote_kv(gap, kg, {"remote_block_keys": kg})
+        a = await d._load_remote_kv(wrong, kw)
+        b = await d._load_remote_kv(gap, kg)
         return a, b, d
 
     a, b, d = asyncio.run(main())
@@ -134,41 +155,52 @@ def test_load_stops_at_a_missing_block_or_one_whose_tokens_differ(store: BlockSt
     assert d.engine.cache.held_keys() == {*kw[:2], *kg[:2]}
 
 
-def test_keys_of_another_namespace_recompute(store: BlockStore) -> None:
+def test_an_engine_of_another_namespace_finds_nothing_and_recomputes(
+        store: BlockStore) -> None:
     tokens = prompt(24_000, 4 * BS + 2)
     keys = keys_for(tokens)
 
     async def main() -> list[tuple[int, int]]:
         await store.put_blocks(keys, blocks_of(tokens, 4))
         out = []
-        kvps: list[dict[str, Any]] = [
-            {"remote_block_keys": keys_for(tokens, salt="other")},  # foreign: refuse
-            {"remote_block_keys": [*keys, 12345]},  # longer than ours: not our prompt
-            {"remote_block_keys": keys[:2]},  # a shorter prompt's keys: a prefix
-            {"remote_block_keys": []},
-            {}]
-        for kvp in kvps:
-            d = Worker(settings())
+        for salt in ("other", ""):  # the prefill's blocks are under the unsalted keys
+            d = Worker(settings(cache_salt=salt))
             d.store = store
-            n = await d._load_remote_kv(tokens, keys, kvp)
+            n = await d._load_remote_kv(tokens, keys_for(tokens, salt=salt))
             out.append((n, d.transferred_blocks))
         return out
 
-    assert asyncio.run(main()) == [(0, 0), (0, 0), (4, 4), (4, 4), (4, 4)]
+    assert asyncio.run(main()) == [(0, 0), (4, 4)]
 
 
-def test_decode_over_http_with_foreign_keys_computes_everything(store: BlockStore) -> None:
-    tokens = prompt(25_000, 3 * BS + 2)
-    keys = keys_for(tokens)
+@pytest.mark.parametrize("missing", ["remote_engine_id", "remote_bootstrap_addr",
+                                     "transfer_id"])
+def test_a_decode_half_without_a_pull_parameter_recomputes(store: BlockStore,
+                                                           missing: str) -> None:
+    """vLLM's MooncakeConnector ignores ``do_remote_prefill`` without all three ("Got
+    invalid KVTransferParams"): so does ours."""
+    tokens = prompt(24_500 + len(missing), 3 * BS + 2)
 
     async def main() -> dict[str, Any]:
-        await store.put_blocks(keys, blocks_of(tokens, 3))
+        await store.put_blocks(keys_for(tokens), blocks_of(tokens, 3))
+        params = {k: v for k, v in REMOTE_PREFILL.items() if k != missing}
+        async with serving(decode_worker(), store) as dc:
+            _, body, _ = await post(dc, "/v1/completions", {
+                "prompt": tokens, "max_tokens": 2, "kv_transfer_params": params})
+        return body
+
+    assert asyncio.run(main())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_decode_over_http_of_another_model_computes_everything(store: BlockStore) -> None:
+    tokens = prompt(25_000, 3 * BS + 2)
+
+    async def main() -> dict[str, Any]:
+        await store.put_blocks(keys_for(tokens, model="m2"), blocks_of(tokens, 3))
         d = decode_worker()
         async with serving(d, store) as dc:
             _, body, _ = await post(dc, "/v1/completions", {
-                "prompt": tokens, "max_tokens": 2,
-                "kv_transfer_params": {"do_remote_prefill": True,
-                                       "remote_block_keys": keys_for(tokens, model="m2")}})
+                "prompt": tokens, "max_tokens": 2, "kv_transfer_params": REMOTE_PREFILL})
         return body
 
     assert asyncio.run(main())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -186,7 +218,7 @@ def test_cached_prefix_is_skipped_and_the_rest_loaded(store: BlockStore) -> None
             _, body, _ = await post(dc, "/v1/completions",
                                     {"prompt": tokens[:2 * BS + 1], "max_tokens": 1})
             assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-            n = await d._load_remote_kv(tokens, keys, {"remote_block_keys": keys})
+            n = await d._load_remote_kv(tokens, keys)
         return n, d
 
     n, d = asyncio.run(main())
@@ -206,15 +238,14 @@ def test_both_flags_make_a_prefill_half_that_loads_nothing(store: BlockStore) ->
         async with serving(d, store) as dc:
             _, body, _ = await post(dc, "/v1/completions", {
                 "prompt": tokens, "max_tokens": 4,
-                "kv_transfer_params": {"do_remote_prefill": True, "do_remote_decode": True,
-                                       "remote_block_keys": keys}})
+                "kv_transfer_params": {**REMOTE_PREFILL, "do_remote_decode": True}})
         return body, d
 
     body, d = asyncio.run(main())
     assert d.transferred_blocks == 0
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert body["usage"]["completion_tokens"] == 1
-    assert body["kv_transfer_params"]["stored_blocks"] == 0  # the blocks were there already
+    assert body["kv_transfer_params"] is None
 
 
 def test_transfer_sleeps_the_modelled_time_scaled(store: BlockStore) -> None:
@@ -227,7 +258,7 @@ def test_transfer_sleeps_the_modelled_time_scaled(store: BlockStore) -> None:
         d = Worker(settings(time_scale=scale))
         d.store = store
         t0 = time.monotonic()
-        n = await d._load_remote_kv(tokens, keys, {"remote_block_keys": keys})
+        n = await d._load_remote_kv(tokens, keys)
         return n, time.monotonic() - t0
 
     n, took = asyncio.run(main())
@@ -243,8 +274,8 @@ def test_nothing_to_load_is_zero_blocks(store: BlockStore) -> None:
     async def main() -> tuple[int, int, Worker]:
         d = Worker(settings())
         d.store = store
-        a = await d._load_remote_kv(short, [], {})
-        b = await d._load_remote_kv(unseen, keys_for(unseen), {"remote_block_keys": []})
+        a = await d._load_remote_kv(short, [])
+        b = await d._load_remote_kv(unseen, keys_for(unseen))
         return a, b, d
 
     a, b, d = asyncio.run(main())

@@ -1,11 +1,11 @@
 """The P/D handshake and the generation endpoint in-process: a :class:`Worker` served over
 real HTTP on 127.0.0.1 (no store here; the store half is ``test_worker_pd_store_unit.py``).
 
-What is pinned: the prefill half's answer (one token, one JSON body, every
-``kv_transfer_params`` field), when a request counts as the prefill or the decode half, the
-shapes of the non-streamed answers, the 429 of a full queue, the 400 of a request the cache
-can never hold, the 503 of a cache that cannot hold it now, and the abort of a request
-whose client went away."""
+What is pinned: the prefill half's answer (one token, one JSON body, and no
+``kv_transfer_params`` of its own, as vLLM's MooncakeConnector answers), when a request
+counts as the prefill or the decode half, the shapes of the non-streamed answers, the
+429 of a full queue, the 400 of a request the cache can never hold, the 503 of a cache
+that cannot hold it now, and the abort of a request whose client went away."""
 
 from __future__ import annotations
 
@@ -17,12 +17,10 @@ from typing import Any
 
 import aiohttp
 from mooncake_contract.kvevents.codec import KVEvent
-from mooncake_contract.tokenizer import Tokenizer
 from mooncake_worker.engine import Engine, EngineObserver
 from mooncake_worker.server import Worker
 from worker_inproc import (
     BS,
-    HOST,
     MODEL,
     keys_for,
     post,
@@ -32,8 +30,12 @@ from worker_inproc import (
     stored_event,
 )
 
-REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+#: the gateway's prefill half (mooncake_gateway.handshake, vLLM's MooncakeConnector shape)
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "xfer-1"}
+#: and its decode half
+REMOTE_PREFILL = {"do_remote_decode": False, "do_remote_prefill": True,
+                  "remote_engine_id": "prefill-0", "remote_bootstrap_addr": "http://p:8998",
+                  "transfer_id": "xfer-1"}
 
 
 def test_prefill_half_answers_one_token_and_the_handoff() -> None:
@@ -53,29 +55,15 @@ def test_prefill_half_answers_one_token_and_the_handoff() -> None:
     assert body["usage"]["completion_tokens"] == 1
     assert body["usage"]["prompt_tokens"] == len(tokens)
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["kv_transfer_params"] == {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_engine_id": "127.0.0.1:8123",  # default engine id: host:port
-        "remote_request_id": body["id"],
-        "remote_block_ids": [0, 1, 2, 3, 4],
-        "remote_block_keys": keys_for(tokens),
-        "remote_host": HOST,
-        "remote_port": 8123,
-        "num_tokens": len(tokens),
-        "block_size": BS,
-        "tp_size": 1,
-        "kv_store": None,
-        "stored_blocks": 0,
-    }
+    # vLLM's MooncakeConnector answers the prefill half with no parameters of its own
+    assert "kv_transfer_params" in body and body["kv_transfer_params"] is None
 
 
-def test_prefill_half_of_a_chat_with_its_own_engine_id_and_block_size() -> None:
+def test_prefill_half_of_a_chat_answers_one_token_without_parameters() -> None:
     messages = [{"role": "user", "content": " ".join(f"word{i}" for i in range(40))}]
-    tokens = Tokenizer().encode_chat(messages)
 
     async def main() -> dict[str, Any]:
-        w = Worker(settings(block_size=8, engine_id="prefill-0", port=9001))
+        w = Worker(settings(block_size=8, port=9001))
         async with serving(w) as c:
             status, body, _ = await post(c, "/v1/chat/completions", {
                 "messages": messages, "max_completion_tokens": 5,
@@ -86,13 +74,7 @@ def test_prefill_half_of_a_chat_with_its_own_engine_id_and_block_size() -> None:
     body = asyncio.run(main())
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
     assert body["usage"]["completion_tokens"] == 1
-    kvp = body["kv_transfer_params"]
-    nfull = len(tokens) // 8
-    assert kvp["remote_engine_id"] == "prefill-0" and kvp["remote_port"] == 9001
-    assert kvp["remote_request_id"] == body["id"]
-    assert kvp["block_size"] == 8 and kvp["num_tokens"] == len(tokens)
-    assert kvp["remote_block_keys"] == keys_for(tokens, bs=8)
-    assert kvp["remote_block_ids"] == list(range(nfull))
+    assert body["kv_transfer_params"] is None
 
 
 def test_only_a_literal_true_makes_a_half() -> None:
@@ -203,10 +185,9 @@ def test_decode_half_without_a_store_recomputes() -> None:
         w = Worker(settings())
         async with serving(w) as c:
             status, body, _ = await post(c, "/v1/completions", {
-                "prompt": tokens, "max_tokens": 3,
-                "kv_transfer_params": {"do_remote_prefill": True, "remote_block_keys": keys}})
+                "prompt": tokens, "max_tokens": 3, "kv_transfer_params": REMOTE_PREFILL})
             assert status == 200
-            loaded = await w._load_remote_kv(tokens, keys, {"remote_block_keys": keys})
+            loaded = await w._load_remote_kv(tokens, keys)
         return body, loaded, w
 
     body, loaded, w = asyncio.run(main())

@@ -97,10 +97,17 @@ def test_relay_proxies_api_events_and_metrics(tmp_path: Path) -> None:
         assert set(keys) <= set(engine.get("/kv/blocks")["keys"])
 
 
-def test_relay_engine_down_is_502() -> None:
+def test_relay_engine_down_is_502_but_the_relay_itself_is_alive() -> None:
+    """``/health`` is the engine's (the pod's readiness: not ready while the engine is
+    down or loading); ``/livez`` is the relay's own (its liveness: the kubelet must not
+    restart the relay for an engine that takes minutes to load)."""
+    from worker_fixtures import http_json
+
     with run_worker("--engine-url", "http://127.0.0.1:9", ready_any=True) as relay:
         code, body = relay.post("/v1/completions", {"prompt": "x"})
         assert code == 502 and body["error"]["code"] == "engine_unavailable"
+        assert http_json(relay.url + "/health")[0] == 502
+        assert http_json(relay.url + "/livez")[0] == 200
 
 
 def test_relay_announces_engine_restart() -> None:
@@ -138,3 +145,14 @@ def test_relay_announces_engine_restart() -> None:
     cleared = [b for b in got if any(isinstance(e, AllBlocksCleared) for e in b.events)]
     assert len(cleared) == 1
     assert sub.lost == 0 and sub.restarts == 0  # the relay's own sequence never went back
+
+
+def test_a_warm_up_is_a_one_token_completion_sglang_with_its_stand_in_bootstrap() -> None:
+    """A disaggregated SGLang engine refuses a request without a bootstrap room; SGLang's
+    stand-in host makes it keep the KV and send it nowhere (held to SGLang's own constant
+    in tests/conformance/test_pd.py)."""
+    from mooncake_worker.relay import warm_body
+
+    assert warm_body("vllm", "m", [1, 2]) == {"model": "m", "prompt": [1, 2], "max_tokens": 1}
+    assert warm_body("sglang", "m", [3]) == {"model": "m", "prompt": [3], "max_tokens": 1,
+                                             "bootstrap_host": "2.2.2.2", "bootstrap_room": 0}

@@ -25,7 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default=d["host"].default)
     p.add_argument("--port", type=int, default=d["port"].default, help="0: pick a free port")
     p.add_argument("--model", default=d["model"].default)
-    p.add_argument("--engine-id", default="")
     p.add_argument("--kv-events-port", type=int, default=None, help="ZMQ PUB port for KV events")
     p.add_argument("--kv-replay-port", type=int, default=None, help="ZMQ ROUTER replay port")
     p.add_argument("--kv-events-host", default=d["kv_events_host"].default)
@@ -67,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="relay mode: the engine's KV-event endpoint, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--engine-kv-replay", default=None,
                    help="relay mode: the engine's KV-event replay endpoint")
+    p.add_argument("--engine-kind", choices=["vllm", "sglang"],
+                   default=d["engine_kind"].default,
+                   help="relay mode: the engine it fronts (how warm-ups are sent)")
     p.add_argument("--agent-rewarm", dest="agent_rewarm_s", type=float,
                    default=d["agent_rewarm_s"].default)
     p.add_argument("--log-level", default="WARNING")

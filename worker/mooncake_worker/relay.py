@@ -1,10 +1,12 @@
-"""Relay mode: the worker in front of a real engine (vLLM) instead of its simulated one.
+"""Relay mode: the worker in front of a real engine (vLLM, SGLang) instead of its simulated one.
 
 ``--engine-url URL --engine-kv-events tcp://... [--engine-kv-replay tcp://...]``:
 
-- HTTP: every route except ``/metrics`` and ``/agent/state`` is reverse-proxied to the
-  engine unchanged (bodies, status codes, headers such as ``Retry-After``, SSE streams
-  chunk by chunk). An unreachable engine gives an OpenAI-style 502.
+- HTTP: every route except ``/metrics``, ``/agent/state`` and ``/livez`` (the relay's own
+  liveness: the kubelet restarts a relay that hangs, not one whose engine still loads) is
+  reverse-proxied to the engine unchanged (bodies, status codes, headers such as
+  ``Retry-After``, SSE streams chunk by chunk). An unreachable engine gives an
+  OpenAI-style 502.
 - KV events: a :class:`KVEventSubscriber` reads the engine's stream (recovering gaps
   through its replay socket) and every payload is re-published *unchanged* on the pod's
   own PUB socket, renumbered into the relay's sequence (with its own replay buffer), so
@@ -45,12 +47,26 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from .agent import AgentBase, Replica
 from .kvevents.publisher import KVEventPublisher
-from .server import ApiError
+from .server import LIVENESS_PATH, ApiError
 from .settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive",
         "upgrade", "proxy-connection", "te", "trailer"}
+
+
+#: SGLang's own stand-in bootstrap host: a disaggregated SGLang engine refuses a request
+#: without a bootstrap room, and sends this one's KV nowhere (its health check does the
+#: same). SGLang 0.5.23 ``disaggregation/utils.py``; held to it by ``tests/conformance``.
+SGLANG_FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+
+
+def warm_body(engine_kind: str, model: str, tokens: list[int]) -> dict[str, Any]:
+    """A one-token completion of ``tokens``, which leaves their KV in the engine's cache."""
+    body: dict[str, Any] = {"model": model, "prompt": tokens, "max_tokens": 1}
+    if engine_kind == "sglang":
+        body.update(bootstrap_host=SGLANG_FAKE_BOOTSTRAP_HOST, bootstrap_room=0)
+    return body
 
 
 class CacheView:
@@ -208,6 +224,7 @@ class EngineRelay:
         app = web.Application(client_max_size=self.settings.max_body_bytes)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/agent/state", self.agent_state)
+        app.router.add_get(LIVENESS_PATH, self.live)
         app.router.add_route("*", "/{tail:.*}", self.proxy)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -240,7 +257,7 @@ class EngineRelay:
 
     async def warm(self, tokens: list[int]) -> None:
         assert self._session is not None
-        body = {"model": self.settings.model, "prompt": tokens, "max_tokens": 1}
+        body = warm_body(self.settings.engine_kind, self.settings.model, tokens)
         async with self._session.post(self.engine_url + "/v1/completions", json=body) as r:
             await r.read()
             if r.status != 200:
@@ -261,6 +278,10 @@ class EngineRelay:
         sep = b"" if not engine_text or engine_text.endswith(b"\n") else b"\n"
         return web.Response(body=engine_text + sep + own,
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def live(self, _r: web.Request) -> web.Response:
+        """The relay itself answers (``/health`` is relayed: the engine's readiness)."""
+        return web.Response(status=200)
 
     async def agent_state(self, _r: web.Request) -> web.Response:
         if self.agent is None:

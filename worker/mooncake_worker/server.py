@@ -75,7 +75,12 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-_FOREIGN_KEYS = "remote block keys differ from ours (namespace mismatch); recomputing"
+#: the kubelet's liveness check: this process answers, whatever its engine is doing (in
+#: relay mode ``/health`` is the engine's, which may load weights for minutes)
+LIVENESS_PATH = "/livez"
+#: what the decode half must carry to pull the prefill's KV (vLLM 0.33's MooncakeConnector
+#: ignores ``do_remote_prefill`` without all three: "Got invalid KVTransferParams")
+PULL_PARAMS = ("remote_engine_id", "remote_bootstrap_addr", "transfer_id")
 _NUMERIC_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed")
 
 
@@ -117,7 +122,6 @@ class Worker:
             else None
         )
         self.agent: PodAgent | None = None
-        self.engine_id = settings.engine_id or f"{settings.host}:{settings.port}"
         self.created = int(time.time())
         self.transferred_blocks = 0
         self.app = self._build_app()
@@ -133,6 +137,7 @@ class Worker:
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/tokenize", self.tokenize)
         r.add_get("/health", self.health)
+        r.add_get(LIVENESS_PATH, self.health)
         r.add_get("/metrics", self.metrics_handler)
         r.add_get("/agent/state", self.agent_state)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
@@ -368,7 +373,11 @@ class Worker:
         engine = self.engine
         keys = engine.keys_of(tokens)
         if remote_prefill and not remote_decode:
-            await self._load_remote_kv(tokens, keys, kvp or {})
+            if all(k in (kvp or {}) for k in PULL_PARAMS):
+                await self._load_remote_kv(tokens, keys)
+            else:  # as vLLM does: no transfer, the prompt is computed here
+                log.warning("kv_transfer_params without %s: recomputing",  # pragma: no mutate
+                            ", ".join(PULL_PARAMS))  # pragma: no mutate
         try:
             seq = engine.submit(tokens, max_tokens, stream=stream, keys=keys)
         except QueueFull as exc:
@@ -409,7 +418,14 @@ class Worker:
             "usage": self._usage(seq),
         }
         if remote_decode:
-            body["kv_transfer_params"] = await self._handoff(seq, keys, rid)
+            # vLLM's MooncakeConnector holds the blocks for a transfer id and answers with
+            # no parameters of its own (the gateway tells the decode engine where to pull)
+            if (kvp or {}).get("transfer_id"):
+                await self._hold_for_transfer(seq, keys)
+            else:
+                log.warning("kv_transfer_params without transfer_id: "  # pragma: no mutate
+                            "nothing held for a decode engine")  # pragma: no mutate
+            body["kv_transfer_params"] = None
         return web.Response(text=_dumps(body), content_type="application/json")
 
     @staticmethod
@@ -483,39 +499,21 @@ class Worker:
         return resp
 
     # -- P/D handshake --------------------------------------------------------------------
-    async def _handoff(self, seq: EngineSeq, keys: list[int], rid: str) -> dict[str, Any]:
-        """Prefill side: publish where the KV lives (and put it in the store)."""
-        bs = self.engine.block_size
-        stored = 0
-        if self.store is not None:
-            prompt = seq.prompt
-            stored = await self.store.put_blocks(
-                keys, [prompt[i * bs : (i + 1) * bs] for i in range(len(keys))]
-            )
-        return {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": rid,
-            "remote_block_ids": list(range(len(keys))),
-            "remote_block_keys": keys,
-            "remote_host": self.settings.host,
-            "remote_port": self.settings.port,
-            "num_tokens": len(seq.prompt),
-            "block_size": bs,
-            "tp_size": 1,
-            "kv_store": "mooncake" if self.store is not None else None,
-            "stored_blocks": stored,
-        }
-
-    async def _load_remote_kv(self, tokens: list[int], keys: list[int], kvp: dict[str, Any]) -> int:
-        """Decode side: bring the prefill's blocks in from the store (else recompute)."""
-        if self.store is None or not keys:
+    async def _hold_for_transfer(self, seq: EngineSeq, keys: list[int]) -> int:
+        """Prefill side: make the prompt's blocks available to the decode engine (in the
+        store); the number newly stored."""
+        if self.store is None:
             return 0
-        remote = kvp.get("remote_block_keys")
-        if isinstance(remote, list) and remote and remote != keys[: len(remote)]:
-            # logging only: mutating the message changes nothing a caller can observe
-            log.warning(_FOREIGN_KEYS)  # pragma: no mutate
+        bs = self.engine.block_size
+        prompt = seq.prompt
+        return await self.store.put_blocks(
+            keys, [prompt[i * bs : (i + 1) * bs] for i in range(len(keys))])
+
+    async def _load_remote_kv(self, tokens: list[int], keys: list[int]) -> int:
+        """Decode side: bring the prefill's blocks in from the store, looked up by this
+        engine's own block keys (an engine of another namespace finds none and
+        recomputes)."""
+        if self.store is None or not keys:
             return 0
         engine = self.engine
         bs = engine.block_size

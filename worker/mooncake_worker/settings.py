@@ -7,6 +7,7 @@ the CLI (:mod:`mooncake_worker.cli`) only maps flags onto these fields.
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from mooncake_conductor.cost import CostModelConfig
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -21,6 +22,10 @@ class Role(StrEnum):
     BOTH = "both"
 
 
+#: the real engines a relay fronts
+EngineKind = Literal["vllm", "sglang"]
+
+
 class WorkerSettings(BaseModel):
     """Settings of one worker process (simulated engine + pod agent)."""
 
@@ -31,7 +36,6 @@ class WorkerSettings(BaseModel):
     host: str = Field("127.0.0.1", description="HTTP bind address")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0: pick a free one)")
     model: str = Field("llama3-70b-sim", min_length=1, description="served model name")
-    engine_id: str = Field("", description="engine id in kv_transfer_params (default host:port)")
     max_model_len: int = Field(32768, gt=0, description="context window in tokens")
     default_max_tokens: int = Field(16, gt=0, description="max_tokens when a request omits it")
     max_running: int = Field(256, gt=0, description="sequences in the running batch at most")
@@ -87,6 +91,8 @@ class WorkerSettings(BaseModel):
     engine_url: str | None = Field(None, description="real engine's HTTP base URL: relay mode")
     engine_kv_events: str | None = Field(None, description="real engine's KV-event PUB endpoint")
     engine_kv_replay: str | None = Field(None, description="real engine's replay endpoint")
+    engine_kind: EngineKind = Field("vllm", description=(
+        "relay mode: which engine it fronts (how a warm-up request is made)"))
 
     # -- pod agent -------------------------------------------------------------------------
     annotations_file: str | None = Field(None, description="downward-API annotations file")
