@@ -34,6 +34,8 @@ from .spec import EngineKind, MooncakeClusterSpec, Toleration
 JsonDict = dict[str, Any]
 #: Annotation on non-pod children: hash of the desired manifest, to patch only on change.
 SPEC_HASH_ANNOTATION = f"{c.DOMAIN}/spec-hash"
+#: Annotation on engine pods: hash of the Mooncake settings file they mount.
+STORE_CONFIG_ANNOTATION = f"{c.DOMAIN}/store-config-hash"
 POOL_ROLES = (c.ROLE_PREFILL, c.ROLE_DECODE)
 TERMINATION_GRACE_S = 30
 STORE_READINESS_PERIOD_S = 2
@@ -88,7 +90,17 @@ def _tolerations(extra: list[Toleration], settings: OperatorSettings) -> list[Js
 
 
 def store_address(ref: ClusterRef, spec: MooncakeClusterSpec) -> engines.StoreAddress | None:
-    return engines.StoreAddress(names.store_service(ref.name)) if spec.store.enabled else None
+    if not spec.store.enabled:
+        return None
+    return engines.StoreAddress(names.store_service(ref.name), ref.namespace,
+                                spec.store.master.rpc_port)
+
+
+def store_configmap_name(ref: ClusterRef, spec: MooncakeClusterSpec) -> str | None:
+    """The cluster's ConfigMap of Mooncake settings, where its engines read them from a
+    file (vLLM with a store); None otherwise."""
+    data = engines.store_config_data(spec, store_address(ref, spec))
+    return None if data is None else names.store_configmap(ref.name)
 
 
 def pod_template(ref: ClusterRef, spec: MooncakeClusterSpec, settings: OperatorSettings,
@@ -102,14 +114,17 @@ def pod_template(ref: ClusterRef, spec: MooncakeClusterSpec, settings: OperatorS
         c.ANNOTATION_KV_EVENTS_PORT: str(p.kv_events),
         c.ANNOTATION_KV_REPLAY_PORT: str(p.kv_replay),
     }
+    store_data = engines.store_config_data(spec, store_address(ref, spec))
+    if store_data is not None:  # a change of the file rolls the pods that read it
+        annotations[STORE_CONFIG_ANNOTATION] = digest(store_data)
     pod_spec: JsonDict = {
         "containers": engines.engine_containers(spec, role, settings,
-                                                store_address(ref, spec), ref.namespace),
+                                                store_address(ref, spec)),
         "volumes": [{"name": engines.PODINFO_VOLUME, "downwardAPI": {"items": [
             {"path": engines.ANNOTATIONS_FILE,
              "fieldRef": {"fieldPath": "metadata.annotations"}},
             {"path": engines.LABELS_FILE, "fieldRef": {"fieldPath": "metadata.labels"}},
-        ]}}, *engines.engine_volumes(spec)],
+        ]}}, *engines.engine_volumes(spec, store_configmap_name(ref, spec))],
         "securityContext": engines.pod_security_context(),
         "automountServiceAccountToken": bool(pool.pod_overrides.service_account_name),
         "tolerations": _tolerations(pool.tolerations, settings),
@@ -231,7 +246,8 @@ def store_master_deployment(ref: ClusterRef, spec: MooncakeClusterSpec,
 def store_daemonset(ref: ClusterRef, spec: MooncakeClusterSpec,
                     settings: OperatorSettings) -> JsonDict:
     st = spec.store
-    addr = engines.StoreAddress(names.store_service(ref.name))
+    addr = store_address(ref, spec)
+    assert addr is not None
     memory = st.memory_limit
     container: JsonDict = {
         "name": "store-node",
@@ -306,6 +322,9 @@ def gateway_model(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
         "max_model_len": spec.model.max_model_len,
         "default_max_tokens": spec.gateway.default_max_tokens,
         "direct": {"uncached_tokens_below": spec.gateway.direct_below_tokens},
+        # how the prefill's KV reaches the decode engine: the engine release's connector
+        "handshake": engines.handshake(spec).value,
+        "bootstrap_port": engines.bootstrap_port(spec),
         # the Conductor's clock runs at the engines' pace (real engines: real time)
         "time_scale": (spec.engine.simulated.time_scale
                        if spec.engine.kind is EngineKind.SIMULATED else 1.0),
@@ -328,6 +347,16 @@ def gateway_configmap(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
                    "data": {c.GATEWAY_MODEL_KEY: doc}})
 
 
+def store_configmap(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict | None:
+    """Mooncake's client settings as the file the engines read (vLLM with a store)."""
+    data = engines.store_config_data(spec, store_address(ref, spec))
+    if data is None:
+        return None
+    return _stamp({"apiVersion": "v1", "kind": "ConfigMap",
+                   "metadata": _meta(ref, names.store_configmap(ref.name), c.ROLE_STORE_MASTER),
+                   "data": data})
+
+
 def _stamp(obj: JsonDict) -> JsonDict:
     """Record the manifest's hash on it: a later reconcile patches only when it changed."""
     body = {k: v for k, v in obj.items() if k != "metadata"}
@@ -344,6 +373,9 @@ def children(ref: ClusterRef, spec: MooncakeClusterSpec,
     if spec.store.enabled:
         out += [store_service(ref, spec), store_master_deployment(ref, spec, settings),
                 store_daemonset(ref, spec, settings)]
+        config = store_configmap(ref, spec)
+        if config is not None:  # before the pods that mount it
+            out.append(config)
     if spec.gateway.enabled:
         out.append(gateway_configmap(ref, spec))
     return out

@@ -59,6 +59,11 @@ def store_nodes(cluster: str) -> str:
     return f"{cluster}-store-node"
 
 
+def store_configmap(cluster: str) -> str:
+    """Mooncake's client settings as a file, for engines that read them from one."""
+    return f"{cluster}-mooncake-config"
+
+
 def gateway_configmap(cluster: str) -> str:
     return f"{cluster}-gateway"
 

@@ -5,9 +5,10 @@ one step toward the spec, whatever happened before; create, resume, spec change,
 event and periodic resync all run the same function. A reconcile with nothing to change
 writes nothing (the write counter in :class:`~.kube.Kube` proves it in a test).
 
-A spec the API server accepted but the operator cannot honour (unknown policy parameters)
-ends here as ``Degraded``/``InvalidSpec`` with an Event; the children are left as they
-are, so a bad edit never takes a serving cluster down.
+A spec the API server accepted but the operator cannot honour (unknown policy parameters;
+an engine release or combination it does not support) ends here as ``Degraded`` with the
+reason ``InvalidSpec`` or ``UnsupportedEngine`` and an Event; the children are left as
+they are, so a bad edit never takes a serving cluster down.
 """
 
 from __future__ import annotations
@@ -23,19 +24,21 @@ from mooncake_conductor.engine import ConductorConfig
 from mooncake_contract import conventions as c
 from pydantic import ValidationError
 
-from . import builders, names, observe, rollout, status
+from . import builders, engines, names, observe, rollout, status
 from .gatewayclient import GatewayClient
 from .kube import Kube
 from .metrics import ERRORS, READY_PODS, RECONCILE_SECONDS, RECONCILES
 from .names import ClusterRef
 from .settings import OperatorSettings
-from .spec import HotPrefixStatus, MooncakeClusterSpec, MooncakeClusterStatus
+from .spec import EngineKind, HotPrefixStatus, MooncakeClusterSpec, MooncakeClusterStatus
 
 log = logging.getLogger(__name__)
 JsonDict = dict[str, Any]
 #: emit(type "Normal"|"Warning", reason, message): a Kubernetes Event on the cluster
 Emit = Callable[[str, str, str], None]
 CHILD_KINDS = ("Service", "Deployment", "DaemonSet", "ConfigMap")
+#: Degraded reason: a real engine release or combination the builders do not make pods for
+UNSUPPORTED_ENGINE = "UnsupportedEngine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +67,11 @@ def parse_spec(body: JsonDict) -> tuple[MooncakeClusterSpec | None, status.Probl
         spec = MooncakeClusterSpec.model_validate(body.get("spec") or {})
     except ValidationError as exc:
         return None, status.Problem("InvalidSpec", _first_error(exc))
+    if spec.engine.kind is not EngineKind.SIMULATED:
+        try:
+            engines.release_of(spec)
+        except engines.UnsupportedEngine as exc:
+            return None, status.Problem(UNSUPPORTED_ENGINE, str(exc))
     try:
         conductor_config(spec)
     except ValidationError as exc:
@@ -276,7 +284,7 @@ class Reconciler:
         for cond in status.transitions(before, after):
             bad = (cond.type == status.DEGRADED and cond.status.value == "True") or (
                 cond.type == status.READY and cond.status.value == "False"
-                and cond.reason in ("InvalidSpec", "InsufficientGPUCapacity",
+                and cond.reason in ("InvalidSpec", UNSUPPORTED_ENGINE, "InsufficientGPUCapacity",
                                     "NoMatchingNodes", "Unschedulable", "EngineCrashLooping",
                                     "StoreDegraded", "Forbidden"))
             emit("Warning" if bad else "Normal", cond.reason,

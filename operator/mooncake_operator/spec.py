@@ -39,6 +39,8 @@ OWNED_FLAGS = ("--host", "--port", "--model", "--model-path", "--served-model-na
                "--store-metadata", "--engine-url", "--tensor-parallel-size", "--tp",
                "--disaggregation-mode")
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+#: An engine release: ``0.33.0``, ``0.5.23``, ``0.6.0rc1``, ``0.9.2.post1``.
+ENGINE_VERSION_PATTERN = r"^[0-9]+\.[0-9]+\.[0-9]+((\.post|rc|\.dev)[0-9]+)?$"
 
 
 def _cel(rule: str, message: str, field_path: str | None = None,
@@ -145,10 +147,6 @@ class EnginePorts(_Model):
     engine_http: int = Field(8100, ge=1, le=65535, description=(
         "vllm/sglang only: the engine's own HTTP port inside the pod, behind the worker's "
         "relay."))
-    engine_kv_events: int = Field(5567, ge=1, le=65535, description=(
-        "vllm/sglang only: the engine's own KV-event port inside the pod."))
-    engine_kv_replay: int = Field(5568, ge=1, le=65535, description=(
-        "vllm only: the engine's own KV-event replay port inside the pod."))
 
 
 class SimulatedEngine(_Model):
@@ -185,6 +183,12 @@ class EngineSpec(_Model):
         "Engine container image. Defaults to the worker image the operator is configured "
         "with (ghcr.io/mooncake-operator/worker) for simulated; required for vllm and "
         "sglang."))
+    version: str | None = Field(None, pattern=ENGINE_VERSION_PATTERN, max_length=32,
+                                description=(
+        "vllm/sglang only: the engine release the image holds; the pods' flags, files and "
+        "handshake follow it. Defaults to the version in the image tag "
+        "(vllm/vllm-openai:v0.33.0). Supported: vllm 0.33.0, sglang 0.5.23 "
+        "(docs/real-cluster.md); any other leaves the cluster Degraded (UnsupportedEngine)."))
     image_pull_policy: str | None = Field(None, pattern=r"^(Always|IfNotPresent|Never)$",
                                           description="Image pull policy of the engine.")
     extra_args: list[Annotated[str, Field(max_length=4096)]] = Field(

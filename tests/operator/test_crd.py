@@ -60,8 +60,7 @@ def test_nested_defaults_are_whole_objects() -> None:
     spec = _schema()["properties"]["spec"]["properties"]
     engine = spec["engine"]["default"]
     assert engine["ports"] == {"http": 8000, "kvEvents": 5557, "kvReplay": 5558,
-                               "engineHttp": 8100, "engineKvEvents": 5567,
-                               "engineKvReplay": 5568}
+                               "engineHttp": 8100}
     assert spec["store"]["default"]["segmentSize"] == "4Gi"
     # and they parse back into the model
     MooncakeClusterSpec.model_validate({"model": {"name": "m"}, **{

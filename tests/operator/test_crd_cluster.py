@@ -78,6 +78,11 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
                                        ("spec.prefill.gpusPerReplica", 0)),
      "spec.prefill.gpusPerReplica", "at least one GPU"),
     ("unknown field", _with("spec.modle", {"name": "typo"}), "spec.modle", "unknown field"),
+    ("engine version not a release", _many(("spec.engine", {"kind": "vllm", "image": "i",
+                                                            "version": "latest"}),
+                                           ("spec.prefill.gpusPerReplica", 1),
+                                           ("spec.decode.gpusPerReplica", 1)),
+     "spec.engine.version", "should match"),
 ]
 
 

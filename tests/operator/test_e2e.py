@@ -284,6 +284,11 @@ def test_unhonourable_specs_degrade_without_restarting_the_operator(
         "bad-params": (_example(conductor__params={"no_such_weight": 3}, store__enabled=False,
                                 prefill__gpusPerReplica=1, decode__gpusPerReplica=1),
                        "InvalidSpec"),
+        # a real engine of a release the builders do not generate pods for
+        "old-vllm": (_example(engine__kind="vllm", engine__image="vllm/vllm-openai:v0.32.1",
+                              store__enabled=False, prefill__gpusPerReplica=1,
+                              decode__gpusPerReplica=1),
+                     "UnsupportedEngine"),
         # the same served name as the e2e cluster's, which claimed it first
         "same-name": (_example(prefill__replicas=1, decode__replicas=1, store__enabled=False,
                                prefill__gpusPerReplica=1, decode__gpusPerReplica=1),
