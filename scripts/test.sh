@@ -23,11 +23,15 @@ fi
 echo "== local Kubernetes control plane (built once, then cached by version)"
 mooncake-operator local-cluster build
 
+echo "== real engines (vLLM, SGLang) for the conformance tests (installed once, then cached)"
+mooncake-operator conformance install
+
 echo "== lint, types, layering"
 ruff check .
 mypy operator/mooncake_conductor operator/mooncake_contract operator/mooncake_sim \
   operator/mooncake_operator operator/mooncake_gateway operator/mooncake_localcluster \
-  operator/mooncake_cli operator/mooncake_testbed worker/mooncake_worker
+  operator/mooncake_cli operator/mooncake_testbed operator/mooncake_conformance \
+  worker/mooncake_worker
 lint-imports
 
 echo "== tests"

@@ -23,6 +23,7 @@ KNOWN = {
     "helm": "the helm binary built by local-cluster build",
     "mountns": "mount namespaces (unshare --mount)",
     "port443": "binding port 443 (root, or a low ip_unprivileged_port_start)",
+    "engines": "vLLM and SGLang from PyPI (mooncake-operator conformance install)",
 }
 
 

@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, tuple[str, ...]] = {
     "mooncake_gateway.cli": ("gateway", "replay"),
     "mooncake_operator.cli": ("operator",),
     "mooncake_cli.demo": ("demo",),
+    "mooncake_conformance.cli": ("conformance",),
 }
 SUBCOMMAND_MODULES: tuple[str, ...] = tuple(SUBCOMMANDS)
 
