@@ -26,7 +26,7 @@ from mooncake_operator import names
 from mooncake_operator.engines.pod import TMP_MOUNT
 
 from .conftest import case_ids, case_of, cli_results
-from .matrix import Built
+from .matrix import Built, Case, cases
 
 
 def _result(case_id: str) -> tuple[Built, dict[str, Any]]:
@@ -139,3 +139,22 @@ def test_sglang_pod(case_id: str) -> None:
     else:
         assert not got["enable_hierarchical_cache"]
     _assert_probes_reachable(built, got["host"])
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_the_golden_examples_are_among_the_cases(kind: str) -> None:
+    """``tests/operator/golden`` pins the pods of ``examples/clusters/<kind>.yaml``: their
+    combination is one this suite checks, so a golden changes only with pods the
+    engine's own code accepted."""
+    from mooncake_operator.engines import release_of
+
+    from ..operator.manifests import example
+
+    _, spec = example(kind)
+    release = release_of(spec)
+    combo = (spec.store.enabled, spec.store.protocol.value, spec.model.block_size,
+             spec.prefill.gpus_per_replica)
+    assert spec.decode.gpus_per_replica == spec.prefill.gpus_per_replica
+    ids = {c.id for c in cases(release)}
+    for role in ("prefill", "decode"):
+        assert Case(release, *combo, role).id in ids

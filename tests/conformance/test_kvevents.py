@@ -29,7 +29,7 @@ from .matrix import Case
 
 #: batches published before the subscriber joins (it must replay them)
 EARLY = 2
-JOIN_S = 0.5
+JOIN_S = 1.0  # ample for IPC on a loaded host (propagation is milliseconds)
 WAIT_S = 20.0
 
 
