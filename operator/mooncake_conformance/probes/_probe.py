@@ -12,7 +12,6 @@ corrupt the answer. The last line is the result; a failure is ``{"ok": false, "s
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 import sys
@@ -68,10 +67,6 @@ def plain(v: Any) -> Any:
     if isinstance(v, dict):
         return {str(k): plain(x) for k, x in v.items()}
     return v
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
 
 
 def stage(name: str, fn: Callable[[], Any]) -> Any:

@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import names
 from ..settings import OperatorSettings
-from ..spec import EngineKind, MooncakeClusterSpec, StoreProtocol, quantity_bytes
+from ..spec import MooncakeClusterSpec, StoreProtocol, quantity_bytes
 
 JsonDict = dict[str, Any]
 #: Where the downward-API annotations file appears inside the mount.
@@ -92,15 +92,6 @@ def tmp_mount() -> JsonDict:
 
 def numba_env() -> JsonDict:
     return {"name": "NUMBA_CACHE_DIR", "value": NUMBA_CACHE_DIR}
-
-
-def engine_volumes(spec: MooncakeClusterSpec) -> list[JsonDict]:
-    """The emptyDirs of an engine pod (besides its downward-API volume)."""
-    out = [tmp_volume()]
-    if spec.engine.kind is not EngineKind.SIMULATED:
-        out += [{"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
-                {"name": HOME_VOLUME, "emptyDir": {}}]
-    return out
 
 
 @dataclass(frozen=True, slots=True)
