@@ -91,3 +91,18 @@ def test_policy_enum_is_the_registry() -> None:
 
 def test_render_is_yaml_of_the_object() -> None:
     assert yaml.safe_load(crd.render()) == crd.crd()
+
+
+def test_the_owned_flags_regex_matches_each_flag_and_nothing_else() -> None:
+    import re
+
+    from mooncake_operator.spec import OWNED_FLAGS, owned_flags_regex
+
+    rx = re.compile(owned_flags_regex(OWNED_FLAGS))
+    for flag in OWNED_FLAGS:
+        assert rx.match(flag) and rx.match(flag + "=1"), flag
+        assert not rx.match(flag + "x") and not rx.match(flag + "-x"), flag
+        assert not rx.match(" " + flag) and not rx.match(flag.removeprefix("-")), flag
+    for other in ("--model-name", "--hostname", "--tp-size", "--kv-cache-dtype", "--store-x",
+                  "--disaggregation-ib-device", "--gpu-memory-utilization=0.9", "-p", ""):
+        assert not rx.match(other), other
