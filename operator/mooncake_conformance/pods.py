@@ -71,11 +71,4 @@ def stage(pod: JsonDict, children: list[JsonDict], root: Path, container: str = 
     entrypoint = None if c.get("command") else WORKER_ENTRYPOINT
     spec = process_spec(pod, c, implicit, rewrites, configmaps, entrypoint)
     n = len(c.get("command") or WORKER_ENTRYPOINT)
-
-    def ipc(text: str) -> str:  # ZeroMQ IPC endpoints name paths in a mount too
-        for path, local in mounts.items():
-            text = text.replace(f"ipc://{path}/", f"ipc://{local}/")
-        return text
-
-    return Staged(command=spec.argv[:n], args=[ipc(a) for a in spec.argv[n:]],
-                  env={k: ipc(v) for k, v in spec.env.items()}, mounts=mounts)
+    return Staged(command=spec.argv[:n], args=spec.argv[n:], env=spec.env, mounts=mounts)

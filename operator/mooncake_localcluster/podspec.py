@@ -133,7 +133,8 @@ def rewrite_paths(text: str, rewrites: list[MountRewrite]) -> str:
     """Each mount path in ``text`` -> its local directory, in one pass.
 
     A mount path counts where it is a whole path: not preceded by a path character (so
-    ``/var/tmp`` is no ``/tmp``) and followed by ``/``, the end or a separator. The
+    ``/var/tmp`` is no ``/tmp``), or right after ``ipc://`` (a ZeroMQ IPC endpoint names a
+    path: ``ipc:///tmp/x``), and followed by ``/``, the end or a separator. The
     longest mount path wins, and replaced text is never scanned again, so a local
     directory that itself starts with a mount path (``/tmp/...`` with a ``/tmp`` mount)
     stays as it is.
@@ -143,7 +144,7 @@ def rewrite_paths(text: str, rewrites: list[MountRewrite]) -> str:
     if not by_path:
         return text
     alternatives = "|".join(re.escape(p) for p in sorted(by_path, key=len, reverse=True))
-    pattern = r"(?<![\w.~/-])(" + alternatives + r")(?=/|$|[\s:;,=\"'])"
+    pattern = r"(?:(?<=ipc://)|(?<![\w.~/-]))(" + alternatives + r")(?=/|$|[\s:;,=\"'])"
     return re.sub(pattern, lambda m: by_path[m.group(1)], text)
 
 

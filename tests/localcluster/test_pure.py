@@ -200,6 +200,12 @@ def test_rewrite_paths_respects_boundaries() -> None:
     assert podspec.rewrite_paths("/etc/cfg/deep/b", rewrites) == "/L/deep/b"
     assert podspec.rewrite_paths("/etc/cfgx", rewrites) == "/etc/cfgx"
     assert podspec.rewrite_paths("--config=/etc/cfg", rewrites) == "--config=/L/cfg"
+    # a ZeroMQ IPC endpoint names a path, also inside JSON; tcp:// and other URLs do not
+    assert podspec.rewrite_paths("ipc:///etc/cfg/s", rewrites) == "ipc:///L/cfg/s"
+    assert podspec.rewrite_paths('{"endpoint":"ipc:///etc/cfg/deep/s"}', rewrites) == \
+        '{"endpoint":"ipc:///L/deep/s"}'
+    assert podspec.rewrite_paths("http://h/etc/cfg/s", rewrites) == "http://h/etc/cfg/s"
+    assert podspec.rewrite_paths("file:///etc/cfg/s", rewrites) == "file:///etc/cfg/s"
 
 
 def test_rewrite_paths_once_even_when_a_local_dir_starts_with_a_mount_path() -> None:
