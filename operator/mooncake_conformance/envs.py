@@ -4,8 +4,9 @@
 ``<cache_root>/<engine>-<version>/`` with uv: the engine's own wheel and its pinned
 dependencies (torch with its CUDA libraries: no GPU is needed to import them). The
 first install prints what it is about to fetch, its size and progress; afterwards a stamp
-file in the environment (written last, after the engine imported) makes it a cache hit
-that costs nothing. A half-finished install has no stamp and is made again.
+file in the environment (written last, once the engine's installed version was read back
+and matched) makes it a cache hit that costs nothing. A half-finished install has no
+stamp and is made again.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ STAMP = ".mooncake-complete"
 #: uv's progress lines worth showing (the rest is kept for an error's tail)
 _PROGRESS_PREFIXES = ("Resolved", "Prepared", "Installed", "Downloading", "Downloaded",
                       "Using", "Creating")
-#: print "still installing" when uv has been silent this long
+#: beyond its progress lines, show the next line of uv's once none was shown this long
 HEARTBEAT_S = 30.0
 #: lines of uv's output kept for a failure's message
 TAIL_LINES = 40
