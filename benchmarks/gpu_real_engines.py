@@ -51,6 +51,7 @@ from mooncake_operator.engines import RELEASES
 from mooncake_operator.names import ClusterRef
 from mooncake_operator.settings import OperatorSettings
 from mooncake_operator.spec import MooncakeClusterSpec
+from mooncake_testbed.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "clusters" / "vllm.yaml"
@@ -176,7 +177,7 @@ def plan(mode: str, work: Path, vllm: EngineEnv, model_dir: Path) -> Plan:
     doc = builders.gateway_model(ref, spec)
     doc.pop("kubernetes")
     doc.update(endpoints)
-    gw_port = _free_port()
+    gw_port = free_port()
     cfg = work / "gateway.yaml"
     cfg.write_text(yaml.safe_dump({"host": "127.0.0.1", "port": gw_port, "models": [doc]}))
     procs.append(Proc("gateway", [*CLI, "gateway", "--config", str(cfg)], dict(os.environ),
@@ -191,25 +192,21 @@ def _local_master(path: str, ip: str, port: int) -> None:
     Path(path).write_text(json.dumps(cfg, indent=2))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _http(url: str, body: Any = None, headers: dict[str, str] | None = None,
           timeout: float = 120.0) -> tuple[int, dict[str, str], Any]:
+    """Status, headers and body: parsed when the answer is JSON, else its text (the
+    gateway's /metrics; an error page)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
                                                           **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-            return r.status, dict(r.headers), json.loads(raw) if raw.strip() else None
+            raw, status, got = r.read(), r.status, dict(r.headers)
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read().decode(errors="replace")
+        raw, status, got = e.read(), e.code, dict(e.headers)
+    if got.get("Content-Type", "").startswith("application/json") and raw.strip():
+        return status, got, json.loads(raw)
+    return status, got, raw.decode(errors="replace")
 
 
 def _start(proc: Proc, logs: Path) -> None:

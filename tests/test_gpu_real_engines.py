@@ -77,3 +77,32 @@ def test_dry_run_prints_the_plan(capsys: pytest.CaptureFixture[str], tmp_path: P
     out = capsys.readouterr().out
     assert "vllm-prefill: vllm serve" in out and "MooncakeConnector" in out
     assert "differs from the cluster: --port 8100 -> 8101 (one host)" in out
+
+
+def test_answers_are_read_as_json_or_as_text() -> None:
+    """The run reads the gateway's JSON and its Prometheus text (/metrics) alike."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            text = self.path == "/metrics"
+            body = b"mooncake_x_total 3\n" if text else b'{"ok": true}'
+            self.send_response(500 if self.path == "/fail" else 200)
+            self.send_header("Content-Type", "text/plain" if text else "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        gpu = _script()
+        assert gpu._http(url + "/state")[::2] == (200, {"ok": True})
+        assert gpu._http(url + "/metrics")[::2] == (200, "mooncake_x_total 3\n")
+        assert gpu._http(url + "/fail")[::2] == (500, {"ok": True})
+    finally:
+        server.shutdown()
