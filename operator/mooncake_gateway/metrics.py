@@ -4,14 +4,29 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-#: TTFT buckets (seconds), as vLLM's ``time_to_first_token_seconds``
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+#: :data:`TTFT_BUCKETS` per decade between 10 ms and 100 s: bounds 10^(1/40) = 5.9% apart
+TTFT_STEPS_PER_DECADE = 40
+#: TTFT buckets (seconds): vLLM's ``time_to_first_token_seconds`` range (1 ms to 2560 s),
+#: 5.9% apart from 10 ms to 100 s, so ``histogram_quantile`` lands within about one bucket
+#: of the true quantile (docs/monitoring.md measures it against the replay client's)
+TTFT_BUCKETS = (0.001, 0.005,
+                *(float(f"{10.0 ** (k / TTFT_STEPS_PER_DECADE - 2):.3g}")
+                  for k in range(4 * TTFT_STEPS_PER_DECADE + 1)),
+                160.0, 640.0, 2560.0)
 #: time-between-tokens buckets (seconds), as vLLM's ``inter_token_latency_seconds``
 TBT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 #: decision latency buckets (seconds): tens of microseconds to tens of milliseconds
 DECISION_BUCKETS = (2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
+
+
+#: why the Conductor refuses a request (``Decision.reject_reason``); each model's series
+#: start at 0, so ``rate()`` counts a model's first rejection too
+REJECT_REASONS = ("ttft-slo", "tbt-slo", "overload", "no-prefill-instance",
+                  "no-decode-instance")
+#: ``requests_total`` outcomes of the completion endpoints, exported from 0 likewise
+OUTCOMES = ("ok", "rejected", "error", "bad_request", "not_found", "too_large", "cancelled")
+ENDPOINTS = ("completions", "chat")
 
 
 class GatewayMetrics:
@@ -60,6 +75,11 @@ class GatewayMetrics:
         self.events = Counter(
             "mooncake_gateway_kv_events", "KV events applied to the index", ["model"],
             registry=r)
+        self.slo_requests = Counter(
+            "mooncake_gateway_slo_requests", "Requests by whether they met the model's SLO "
+            "(slo: ttft, tbt or both; result: met or missed). Rejected and failed requests "
+            "count as missed; TBT is the mean of a streamed request's longest 10% of intervals",
+            ["model", "slo", "result"], registry=r)
         self.instance_up = Gauge(
             "mooncake_gateway_instance_up", "1 when an instance is routable",
             ["model", "role", "instance"], registry=r)
@@ -69,6 +89,17 @@ class GatewayMetrics:
         self.instance_queue_s = Gauge(
             "mooncake_gateway_instance_predicted_wait_seconds",
             "Predicted prefill wait (modelled seconds)", ["model", "instance"], registry=r)
+        self.instance_prefills = Counter(
+            "mooncake_gateway_instance_prefills", "Prefills an instance answered",
+            ["model", "instance"], registry=r)
+        self.instance_events = Counter(
+            "mooncake_gateway_instance_kv_events", "KV events applied from an instance",
+            ["model", "role", "instance"], registry=r)
+        self.instance_event_gaps = Counter(
+            "mooncake_gateway_instance_kv_event_gaps",
+            "Gaps in an instance's KV-event stream that its replay could not fill (its "
+            "index entries were dropped and rebuilt)", ["model", "role", "instance"],
+            registry=r)
         self.model_documents = Gauge(
             "mooncake_gateway_model_documents",
             "Model ConfigMaps by state (served, invalid, conflict)", ["state"], registry=r)
@@ -85,6 +116,11 @@ class ModelMetrics:
     def __init__(self, m: GatewayMetrics, model: str) -> None:
         self.family = m
         self.model = model
+        for reason in REJECT_REASONS:
+            m.rejections.labels(model, reason)
+        for endpoint in ENDPOINTS:
+            for outcome in OUTCOMES:
+                m.requests.labels(model, endpoint, outcome)
         self.decision = m.decision.labels(model)
         self.ttft = m.ttft.labels(model)
         self.tbt = m.tbt.labels(model)

@@ -27,10 +27,10 @@ from mooncake_contract.tokenizer import VOCAB_SIZE
 from mooncake_sim.metrics import latency_summary
 from mooncake_sim.trace import TRACE_BLOCK_TOKENS, TraceRecord
 
+from .slo import request_tbt
+
 #: smallest token id a replayed prompt uses (ids below are the tokenizer's specials)
 FIRST_ID = 256
-#: the simulator's TBT: mean of this top share of a request's intervals (paper §5)
-TBT_TOP_SHARE = 0.1
 BLOCK_SALT = 0x5EED_B10C
 
 
@@ -129,9 +129,7 @@ async def _one(session: aiohttp.ClientSession, cfg: ReplayConfig, body: bytes,
     if math.isnan(out.ttft_s):
         out.status, out.error = "failed", "no token received"
         return
-    iv = sorted(out.intervals, reverse=True)
-    top = iv[: max(1, math.ceil(TBT_TOP_SHARE * len(iv)))] if iv else []
-    out.tbt_s = sum(top) / len(top) if top else 0.0
+    out.tbt_s = request_tbt(out.intervals)
     out.status = "ok"
 
 

@@ -57,6 +57,7 @@ from .hottokens import HotPrefixTokens
 from .kvindex import IndexFeeder
 from .metrics import GatewayMetrics, ModelMetrics
 from .settings import Endpoint, GatewaySettings, ModelSettings, Role
+from .slo import SloCounter
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +170,8 @@ class ModelRuntime:
         self.m = ModelMetrics(metrics, cfg.name)
         self.conductor = Conductor(cfg.conductor)
         self.cost = self.conductor.cost
+        self.slo = SloCounter(metrics.slo_requests, cfg.name, cfg.conductor.slo.ttft_s,
+                              cfg.conductor.slo.tbt_s, self.time_scale)
         #: set (and replaced) whenever a decode request ends: held requests wait on it
         self._decode_room = asyncio.Event()
         self.hot_tokens = self._hot_tokens()
@@ -381,18 +384,28 @@ class ModelRuntime:
             return
         iid = inst.iid
         events = self.m.events
+        m, model, role = self.metrics, self.cfg.name, inst.role.value
+        m.instance_events.labels(model, role, inst.name)  # 0 until the first batch
+        m.instance_event_gaps.labels(model, role, inst.name)
         feeder = self.feeder_of(inst.role)
 
+        # per-instance series by the instance's current name (a rename drops the old ones)
         def on_batch(seq: int, batch: Any) -> None:
             before = feeder.events_total
             feeder.apply(iid, seq, batch)
-            events.inc(feeder.events_total - before)
+            applied = feeder.events_total - before
+            events.inc(applied)
+            m.instance_events.labels(model, role, inst.name).inc(applied)
+
+        def on_lost() -> None:
+            m.instance_event_gaps.labels(model, role, inst.name).inc()
+            feeder.reset(iid)
 
         sub = EngineSubscriber(
             ep.kv_events, on_batch, ep.kv_replay, ep.kv_topic.encode(),
             self.gw.replay_timeout_s,
             on_reset=lambda: feeder.reset(iid),
-            on_lost=lambda: feeder.reset(iid),
+            on_lost=on_lost,
         )
         inst.subscriber = sub
         inst.task = asyncio.get_running_loop().create_task(self._run_events(inst, sub))
@@ -452,11 +465,15 @@ class ModelRuntime:
 
     def _drop_gauges(self, inst: Instance) -> None:
         m, name = self.metrics, self.cfg.name
-        for gauge, labels in ((m.instance_up, (name, inst.role.value, inst.name)),
-                              (m.instance_inflight, (name, inst.role.value, inst.name)),
-                              (m.instance_queue_s, (name, inst.name))):
+        role = inst.role.value
+        for family, labels in ((m.instance_up, (name, role, inst.name)),
+                               (m.instance_inflight, (name, role, inst.name)),
+                               (m.instance_queue_s, (name, inst.name)),
+                               (m.instance_prefills, (name, inst.name)),
+                               (m.instance_events, (name, role, inst.name)),
+                               (m.instance_event_gaps, (name, role, inst.name))):
             with contextlib.suppress(KeyError):
-                gauge.remove(*labels)
+                family.remove(*labels)
 
     def _hot_tokens(self) -> HotPrefixTokens:
         gw = self.gw
@@ -684,6 +701,8 @@ class ModelRuntime:
             elif q.held:
                 self._held[q.iid].remove(q.key)
         p = self.cluster.prefill[inst.iid]
+        if predicted_s is not None:
+            self.metrics.instance_prefills.labels(self.cfg.name, inst.name).inc()
         if predicted_s is not None and predicted_s > 0:
             iid = inst.iid
             if self.conductor.overrun is not None:

@@ -504,6 +504,8 @@ class Gateway:
             return resp
         except ApiError as exc:
             outcome = OUTCOME_BY_STATUS.get(exc.status, "error")
+            if model in self.models and (exc.status == 429 or exc.status >= 500):
+                self.models[model].slo.missed()
             raise
         except web.HTTPException as exc:
             outcome = OUTCOME_BY_STATUS.get(exc.status, "error")
@@ -850,6 +852,7 @@ class Gateway:
                     resp = await self._stream(request, rt, inst, path, body, headers, arrived)
                 else:
                     resp = await self._unary(rt, inst, path, body, headers, record, explain)
+                    rt.slo.served(time.perf_counter() - arrived, None)
                 record["outcome"] = "ok"
                 return resp
             except UpstreamError as exc:
@@ -911,6 +914,7 @@ class Gateway:
             await resp.prepare(request)
             first: float | None = None
             last_at = 0.0
+            intervals: list[float] = []
             done = False
             buf = b""
             try:
@@ -928,6 +932,7 @@ class Gateway:
                                 rt.m.ttft.observe(now - arrived)
                         else:
                             rt.m.tbt.observe(now - last_at)
+                            intervals.append(now - last_at)
                             last_at = now
                 if not done:
                     raise UpstreamError("stream ended early")
@@ -940,8 +945,11 @@ class Gateway:
                     await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
                     await resp.write_eof()
                 rt.mark_health(inst, False)
+                rt.slo.missed()
                 return resp
             await resp.write_eof()
+            if first is not None:
+                rt.slo.served(first - arrived, intervals)
             return resp
 
 

@@ -117,6 +117,19 @@ def test_stored_blocks_are_indexed_whole_and_of_the_model_block_size_removed_one
 
 
 # -- a gap the replay cannot fill --------------------------------------------------------------
+async def _instance_series(gw: GatewayClient) -> dict[str, float]:
+    """p0's ``instance_kv_events_total`` and ``instance_kv_event_gaps_total``."""
+    out = {"events": 0.0, "gaps": 0.0}
+    for line in (await gw.text("/metrics")).splitlines():
+        if 'instance="p0"' not in line or 'role="prefill"' not in line:
+            continue
+        if line.startswith("mooncake_gateway_instance_kv_events_total"):
+            out["events"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("mooncake_gateway_instance_kv_event_gaps_total"):
+            out["gaps"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 @pytest.mark.parametrize("replay", ["evicted", "none", "silent"])
 def test_an_unrecoverable_gap_drops_the_instance_entries_and_rebuilds_from_later_events(
         replay: str) -> None:
@@ -136,6 +149,7 @@ def test_an_unrecoverable_gap_drops_the_instance_entries_and_rebuilds_from_later
                     return bool((await _p0(gw))["events"]["last_seq"] == seq)
                 await until(probe, what="the subscription is live")
                 base = (await _p0(gw))["events"]
+                metrics_before = await _instance_series(gw)
                 await pub.publish([a.stored()])
                 seq = await pub.publish([b.stored()])
                 p = await _wait_seq(gw, seq)
@@ -150,6 +164,10 @@ def test_an_unrecoverable_gap_drops_the_instance_entries_and_rebuilds_from_later
                 assert ev["lost"] == base["lost"] + 2
                 assert ev["gaps"] == base["gaps"] + 1
                 assert ev["resets"] == base["resets"] + 1
+                # /metrics: one gap, and the events applied (A, B, C stored: 3)
+                metrics = await _instance_series(gw)
+                assert metrics["gaps"] == metrics_before["gaps"] + 1
+                assert metrics["events"] == metrics_before["events"] + 3
                 # A and B gone (A really is; B may be, for all the gateway knows), C in
                 assert p["index_blocks"] == 2
                 assert await _matched(gw, a.tokens) == 0

@@ -435,5 +435,8 @@ def test_metrics_count_outcomes_retries_tokens_and_stream_timings() -> None:
                                ("decode", "d1")):
                 assert val("instance_up", model=MODEL, role=role, instance=name) == 1
                 assert val("instance_inflight", model=MODEL, role=role, instance=name) == 0
+            # answered prefills per instance: p0's 503 is none
+            assert val("instance_prefills_total", model=MODEL, instance="p0") == 1
+            assert val("instance_prefills_total", model=MODEL, instance="p1") == 1
 
     run(main())
