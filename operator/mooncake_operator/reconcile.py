@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from . import builders, engines, names, observe, rollout, status
 from .gatewayclient import GatewayClient
 from .kube import Kube
-from .metrics import ERRORS, READY_PODS, RECONCILE_SECONDS, RECONCILES
+from .metrics import ERRORS, READY_PODS, RECONCILE_SECONDS, RECONCILES, publish_conditions
 from .names import ClusterRef
 from .settings import OperatorSettings
 from .spec import EngineKind, HotPrefixStatus, MooncakeClusterSpec, MooncakeClusterStatus
@@ -226,6 +226,8 @@ class Reconciler:
         await self._write_status(ref, before, st, emit)
         READY_PODS.labels(ref.key, c.ROLE_PREFILL).set(st.prefill.ready)
         READY_PODS.labels(ref.key, c.ROLE_DECODE).set(st.decode.ready)
+        publish_conditions(ref.key, ((cond.type, cond.status.value == "True", cond.reason)
+                                     for cond in st.conditions))
         busy = plan.writes or plan.rollout is not None or any(
             cond.type == status.PROGRESSING and cond.status.value == "True"
             for cond in st.conditions)

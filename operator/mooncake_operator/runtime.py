@@ -22,7 +22,14 @@ from mooncake_contract import conventions as c
 from . import hotprefix, names, observe, status
 from .gatewayclient import GatewayClient
 from .kube import Kube, KubeError
-from .metrics import CLUSTERS, ERRORS, HOT_PREFIXES, REPLICA_PATCHES
+from .metrics import (
+    CLUSTERS,
+    ERRORS,
+    FAILURES_IN_A_ROW,
+    HOT_PREFIXES,
+    REPLICA_PATCHES,
+    forget_cluster,
+)
 from .names import ClusterRef
 from .reconcile import Emit, Outcome, Reconciler, cluster_ref
 from .settings import OperatorSettings
@@ -101,10 +108,11 @@ async def controller_round(state: OperatorState, ref: ClusterRef, outcome: Outco
     pods = [v for p in raw if (v := observe.pod_view(p)) is not None]
     hot = hotprefix.parse_hot(data) if hp.enabled else []
     plan = hotprefix.plan(pods, registry, hot, hp, store=spec.store.enabled)
+    patches = REPLICA_PATCHES.labels(ref.key)  # exported from 0, before the first patch
     for name, value in plan.patches.items():
         await state.kube.patch("Pod", ref.namespace, name,
                                {"metadata": {"annotations": {c.ANNOTATION_REPLICAS: value}}})
-        REPLICA_PATCHES.labels(ref.key).inc()
+        patches.inc()
     for prefix, pod in plan.added:
         emit("Normal", "ReplicaAssigned", f"hot prefix {prefix} -> {pod}")
     for prefix, pod in plan.removed:
@@ -154,6 +162,7 @@ async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: St
             try:
                 outcome = await state.reconciler.reconcile(snapshot, emit)
                 failures, last_error = 0, ""
+                FAILURES_IN_A_ROW.labels(ref.key).set(0)
                 if outcome.progressing:
                     interval = s.busy_interval_s
                 spec = outcome.spec
@@ -165,6 +174,7 @@ async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: St
             except Exception as exc:  # the API server restarts, a patch conflicts, ...
                 failures += 1
                 ERRORS.labels(type(exc).__name__).inc()
+                FAILURES_IN_A_ROW.labels(ref.key).set(failures)
                 interval = min(MAX_BACKOFF_S, s.busy_interval_s * 2 ** failures)
                 message = f"{type(exc).__name__}: {exc}"
                 log.warning("reconcile of %s failed (%d in a row): %s", ref.key, failures,
@@ -180,3 +190,4 @@ async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: St
         state.wakeups.pop(ref.key, None)
         state.hot_written.pop(ref.key, None)
         CLUSTERS.set(len(state.wakeups))
+        forget_cluster(ref.key)

@@ -73,6 +73,18 @@ def _conditions(kube: RecordingKube) -> dict[str, tuple[str, str, str]]:
             for c in st.get("conditions") or []}
 
 
+def _gauge(name: str, **labels: str) -> float:
+    """The value of the operator's series ``name`` for cluster NS/llama (-1: none)."""
+    from prometheus_client import REGISTRY
+
+    want = {"cluster": f"{NS}/llama", **labels}
+    for fam in REGISTRY.collect():
+        for smp in fam.samples:
+            if smp.name == name and smp.labels == want:
+                return float(smp.value)
+    return -1.0
+
+
 def test_a_403_becomes_degraded_forbidden_and_clears() -> None:
     kube = DenyingKube()
     settings = OperatorSettings(busy_interval_s=0.01, resync_interval_s=0.01,
@@ -86,12 +98,16 @@ def test_a_403_becomes_degraded_forbidden_and_clears() -> None:
         "metadata": {"name": "llama", "namespace": NS, "uid": "uid-c", "generation": 2},
         "spec": data})
     events: list[tuple[str, str, str]] = []
+    in_a_row: list[float] = []  # the failures-in-a-row gauge at the start of each round
 
     def emit_for(_: Mapping[str, Any]) -> Any:
+        in_a_row.append(_gauge("mooncake_operator_reconcile_failures_in_a_row"))
         return lambda kind, reason, message: events.append((kind, reason, message))
 
     body = LiveBody(kube, "llama")
     asyncio.run(run_cluster(state, body, StopAfter(3), emit_for))  # three denied rounds
+    assert in_a_row == [-1, 1, 2], in_a_row  # none before the first round
+    assert _gauge("mooncake_operator_reconcile_failures_in_a_row") == -1  # forgotten at stop
     conds = _conditions(kube)
     assert conds["Degraded"][:2] == ("True", "Forbidden"), conds
     assert conds["Ready"][:2] == ("False", "Forbidden"), conds
