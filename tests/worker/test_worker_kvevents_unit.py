@@ -113,3 +113,47 @@ def test_cache_view_maps_foreign_hashes_to_block_keys() -> None:
 
 def test_end_marker_frame() -> None:
     assert decode_seq((-1).to_bytes(8, "big", signed=True)) == -1
+
+
+def test_dropping_numbers_batches_but_neither_sends_nor_keeps_them() -> None:
+    """The fault SIGUSR1 toggles (docs/monitoring.md, drills): the subscriber finds a gap
+    that the replay cannot fill."""
+    async def main() -> KVEventSubscriber:
+        pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+        pub.start()
+        sub = KVEventSubscriber(pub.endpoint, lambda s, b: None,
+                                replay_endpoint=pub.replay_endpoint, expected_seq=0)
+        assert pub.publish([stored(0)]) == 0
+        pub.dropping = True
+        assert [pub.publish([stored(i)]) for i in (1, 2)] == [1, 2]
+        assert [s for s, _ in pub.buffer] == [0] and pub.dropped == 2
+        pub.dropping = False
+        assert pub.publish([stored(3)]) == 3
+        for seq, payload in list(pub.buffer):
+            await sub.handle([b"", encode_seq(seq), payload])
+        await pub.close()
+        return sub
+
+    sub = asyncio.run(main())
+    assert sub.lost == 2 and sub.gaps == 1
+
+
+def test_sigusr1_toggles_dropping_in_a_running_worker() -> None:
+    import os
+    import signal
+
+    from mooncake_worker.server import _drop_events_on_signal
+
+    async def main() -> list[bool]:
+        pub = KVEventPublisher("tcp://127.0.0.1:*")
+        _drop_events_on_signal(pub)
+        seen = []
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGUSR1)
+            await asyncio.sleep(0.05)
+            seen.append(pub.dropping)
+        asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
+        await pub.close()
+        return seen
+
+    assert asyncio.run(main()) == [True, False]

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -539,6 +540,18 @@ class Worker:
         return n
 
 
+def _drop_events_on_signal(publisher: KVEventPublisher) -> None:
+    """Fault injection for drills and the alert tests: each SIGUSR1 starts or stops
+    dropping KV-event batches (see ``KVEventPublisher.dropping``)."""
+    def toggle() -> None:
+        publisher.dropping = not publisher.dropping
+        log.warning("KV-event batches are %s (SIGUSR1)",
+                    "dropped" if publisher.dropping else "published again")
+
+    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, toggle)
+
+
 async def serve(settings: WorkerSettings, ready: Callable[[int], None] | None = None) -> None:
     """Run a worker (or, with ``engine_url``, a relay in front of a real engine) until
     cancelled."""
@@ -546,9 +559,13 @@ async def serve(settings: WorkerSettings, ready: Callable[[int], None] | None = 
     if settings.engine_url:
         from .relay import EngineRelay
 
-        app = EngineRelay(settings).app
+        relay = EngineRelay(settings)
+        app, publisher = relay.app, relay.publisher
     else:
-        app = Worker(settings).app
+        worker = Worker(settings)
+        app, publisher = worker.app, worker.publisher
+    if publisher is not None:
+        _drop_events_on_signal(publisher)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)

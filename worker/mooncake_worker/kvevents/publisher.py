@@ -36,6 +36,10 @@ class KVEventPublisher:
     ) -> None:
         self.topic = topic
         self.seq = 0
+        #: fault injection (SIGUSR1 in ``mooncake-operator worker``): batches are numbered
+        #: but neither sent nor kept for replay, as if lost beyond the replay's reach
+        self.dropping = False
+        self.dropped = 0
         self.rank = data_parallel_rank
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._ctx = zmq.Context()
@@ -67,6 +71,9 @@ class KVEventPublisher:
         """Send an already-encoded batch unchanged (relaying another publisher)."""
         seq = self.seq
         self.seq += 1
+        if self.dropping:
+            self.dropped += 1
+            return seq
         self.buffer.append((seq, payload))
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart([self.topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
