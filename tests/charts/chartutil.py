@@ -24,7 +24,8 @@ RELEASE = "mc"
 #: every optional part on
 ALL_ON: dict[str, Any] = {
     "rbac": {"clusterWide": True},
-    "metrics": {"serviceMonitor": {"enabled": True}},
+    "metrics": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True},
+                "prometheusRule": {"enabled": True}},
     "dashboard": {"enabled": True},
     "podDisruptionBudget": {"enabled": True},
 }

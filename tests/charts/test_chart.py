@@ -104,8 +104,8 @@ def test_default_render() -> None:
 def test_all_options_render() -> None:
     objs = render(ALL_ON)
     assert kinds(objs) == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment",
-                           "PodDisruptionBudget", "Service", "Service", "ServiceAccount",
-                           "ServiceMonitor"]
+                           "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "Service",
+                           "Service", "ServiceAccount", "ServiceMonitor"]
     for o in objs:
         if o["kind"].startswith("Cluster"):
             assert "namespace" not in o["metadata"]

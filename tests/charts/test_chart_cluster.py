@@ -57,8 +57,10 @@ def dry_run(cluster: LocalK8s, manifests: str) -> subprocess.CompletedProcess[st
 
 @pytest.mark.parametrize("values", [
     None,
-    # every option but the ServiceMonitor (the embedded cluster has no Prometheus Operator)
-    {**ALL_ON, "metrics": {"serviceMonitor": {"enabled": False}}},
+    # every option but the Prometheus Operator objects (the embedded cluster lacks its CRDs)
+    {**ALL_ON, "metrics": {"serviceMonitor": {"enabled": False},
+                           "podMonitor": {"enabled": False},
+                           "prometheusRule": {"enabled": False}}},
 ], ids=["default", "all-on"])
 def test_chart_dry_run_server(k8s_cluster: LocalK8s, restricted_ns: str,
                               values: dict[str, Any] | None, tmp_path: Any) -> None:
