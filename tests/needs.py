@@ -24,6 +24,7 @@ KNOWN = {
     "mountns": "mount namespaces (unshare --mount)",
     "port443": "binding port 443 (root, or a low ip_unprivileged_port_start)",
     "engines": "vLLM and SGLang from PyPI (mooncake-operator conformance install)",
+    "prometheus": "the prometheus and promtool binaries (apt-get install prometheus)",
 }
 
 

@@ -32,6 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, ...]] = {
     "mooncake_operator.cli": ("operator",),
     "mooncake_cli.demo": ("demo",),
     "mooncake_conformance.cli": ("conformance",),
+    "mooncake_monitoring.cli": ("monitoring",),
 }
 SUBCOMMAND_MODULES: tuple[str, ...] = tuple(SUBCOMMANDS)
 
