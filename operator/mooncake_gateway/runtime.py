@@ -276,6 +276,8 @@ class ModelRuntime:
         inst.listed = True
         inst.healthy = inst.down = inst.registered = False
         inst.failures = 0
+        inst.inflight_gauge = self.m.inflight(inst.role.value, inst.name)
+        self._publish_up(inst)
         inst.synced = inst.endpoint.kv_events is None
         self.feeder_of(inst.role).index.add_instance(inst.iid)
         self._start_events(inst)
@@ -287,6 +289,9 @@ class ModelRuntime:
         inst.listed = inst.registered = False
         self._stop_events(inst)
         self.feeder_of(inst.role).reset(inst.iid)
+        # a pod that is gone is not exported as down (a scale to zero is no outage); its
+        # requests still in flight finish uncounted
+        self._drop_gauges(inst)
 
     def group_of(self, revision: str) -> int:
         """The core's group id of an engine revision while revisions are mixed (ids from
@@ -337,6 +342,8 @@ class ModelRuntime:
         return self.settled()
 
     def _publish_up(self, inst: Instance) -> None:
+        if not inst.listed:
+            return  # left: its series were dropped
         self.metrics.instance_up.labels(self.cfg.name, inst.role.value, inst.name).set(
             1 if inst.routable else 0)
 
@@ -756,7 +763,7 @@ class ModelRuntime:
         """Copy the in-flight counts to their gauges (when ``/metrics`` is read, not on every
         dispatch and completion)."""
         for inst in self.prefill + self.decode:
-            if inst.inflight_gauge is not None:
+            if inst.inflight_gauge is not None and inst.listed:
                 inst.inflight_gauge.set(inst.inflight)
 
     # -- reports ---------------------------------------------------------------------------

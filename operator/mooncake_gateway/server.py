@@ -216,6 +216,8 @@ class Gateway:
             now = rt.now()
             rt.drain(now)
             for inst in rt.prefill:
+                if not inst.listed:
+                    continue  # left: not exported
                 self.metrics.instance_queue_s.labels(name, inst.name).set(
                     rt.cluster.prefill[inst.iid].wait_time(now))
         body = generate_latest(self.metrics.registry)

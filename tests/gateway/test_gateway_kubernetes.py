@@ -265,6 +265,11 @@ def test_a_rollout_pairs_prefill_and_decode_of_one_revision(env: Env, k: FakeKub
     # the old revision's decode leaves: its prefill is out of routing at once
     k.delete("pods", NS, "d1")
     wait_for(lambda: not by_pod(g)[f"{NS}/p1"]["routable"])
+    # a pod that is gone exports nothing (not up=0: a scale to zero is no outage)
+    metrics = _metrics(g)
+    assert f'instance="{NS}/d1"' not in metrics
+    assert (f'mooncake_gateway_instance_up{{instance="{NS}/p1",model="{MODEL}",'
+            f'role="prefill"}} 0.0') in metrics
     for i in range(3):
         complete(g, PROMPT + f" late {i}")
     late = g.get("/conductor/decisions?limit=3")
