@@ -20,6 +20,17 @@ if ! ldconfig -p | grep -q 'libibverbs.so.1'; then
   fi
 fi
 
+# Prometheus and promtool (Debian's 2.42) for the alert-rule tests and the monitoring
+# end-to-end test. --no-install-recommends: no node exporter; nothing is started.
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  else
+    echo "prometheus is missing: run 'sudo apt-get install prometheus'" >&2
+    exit 1
+  fi
+fi
+
 echo "== local Kubernetes control plane (built once, then cached by version)"
 mooncake-operator local-cluster build
 
@@ -31,6 +42,7 @@ ruff check .
 mypy operator/mooncake_conductor operator/mooncake_contract operator/mooncake_sim \
   operator/mooncake_operator operator/mooncake_gateway operator/mooncake_localcluster \
   operator/mooncake_cli operator/mooncake_testbed operator/mooncake_conformance \
+  operator/mooncake_monitoring \
   worker/mooncake_worker
 lint-imports
 
