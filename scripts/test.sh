@@ -21,10 +21,12 @@ if ! ldconfig -p | grep -q 'libibverbs.so.1'; then
 fi
 
 # Prometheus and promtool (Debian's 2.42) for the alert-rule tests and the monitoring
-# end-to-end test. --no-install-recommends: no node exporter; nothing is started.
+# end-to-end test. --no-install-recommends: no node exporter; RUNLEVEL=1: the package's
+# service (which would listen on every interface) is not started; the tests start their own.
 if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    apt-get update -qq && RUNLEVEL=1 apt-get install -y -qq --no-install-recommends \
+      prometheus >/dev/null
   else
     echo "prometheus is missing: run 'sudo apt-get install prometheus'" >&2
     exit 1
