@@ -80,6 +80,10 @@ class GatewayMetrics:
             "(slo: ttft, tbt or both; result: met or missed). Rejected and failed requests "
             "count as missed; TBT is the mean of a streamed request's longest 10% of intervals",
             ["model", "slo", "result"], registry=r)
+        self.routable = Gauge(
+            "mooncake_gateway_routable_instances",
+            "Instances of a served model the gateway can route to now, by role (0 when none "
+            "is listed: pods that are not Ready or are gone)", ["model", "role"], registry=r)
         self.instance_up = Gauge(
             "mooncake_gateway_instance_up", "1 when an instance is routable",
             ["model", "role", "instance"], registry=r)

@@ -168,6 +168,8 @@ class ModelRuntime:
         #: for the gateway's own settings
         self.source = source
         self.m = ModelMetrics(metrics, cfg.name)
+        for role in Role:  # 0 until instances register
+            metrics.routable.labels(cfg.name, role.value).set(0)
         self.conductor = Conductor(cfg.conductor)
         self.cost = self.conductor.cost
         self.slo = SloCounter(metrics.slo_requests, cfg.name, cfg.conductor.slo.ttft_s,
@@ -325,6 +327,9 @@ class ModelRuntime:
                 inst.routable = up
                 st.up = up
                 self._publish_up(inst)
+        for role, insts in ((Role.PREFILL, self.prefill), (Role.DECODE, self.decode)):
+            self.metrics.routable.labels(self.cfg.name, role.value).set(
+                sum(1 for i in insts if i.routable and i.listed))
 
     def settled(self) -> bool:
         """Both endpoint lists have come and every listed instance is registered or has
@@ -466,6 +471,10 @@ class ModelRuntime:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         kept = set() if keep is None else {(i.role, i.name) for i in keep.prefill + keep.decode}
+        if keep is None:  # the model is no longer served
+            for role in Role:
+                with contextlib.suppress(KeyError):
+                    self.metrics.routable.remove(self.cfg.name, role.value)
         for i in everyone:
             if (i.role, i.name) not in kept:
                 self._drop_gauges(i)

@@ -9,8 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 DEFAULT_DASHBOARD = Path("charts/mooncake-operator/files/dashboard.json")
 
 
@@ -55,6 +53,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def _scrape_config(args: argparse.Namespace) -> int:
+    import yaml  # handlers import their dependencies: the worker image has no PyYAML
+
     from .scrapeconfig import Discovery, scrape_config
 
     text = sys.stdin.read() if args.manifests == "-" else Path(args.manifests).read_text()
@@ -70,6 +70,8 @@ def _scrape_config(args: argparse.Namespace) -> int:
 
 
 def _rules(args: argparse.Namespace) -> int:
+    import yaml
+
     from .rules import compress
 
     rules = yaml.safe_load(Path(args.rules).read_text())
