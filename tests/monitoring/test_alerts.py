@@ -212,7 +212,7 @@ def _rule_metric_names() -> set[str]:
 
 def test_exported_names_are_read_as_prometheus_sees_them() -> None:
     names = exported_names()
-    assert {"mooncake_gateway_requests_total", "mooncake_gateway_instance_up",
+    assert {"mooncake_gateway_requests_total", "mooncake_gateway_routable_instances",
             "mooncake_gateway_time_to_first_token_seconds_bucket",
             "mooncake_operator_cluster_condition",
             "mooncake_operator_reconcile_failures_in_a_row"} <= names

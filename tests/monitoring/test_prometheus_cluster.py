@@ -370,8 +370,17 @@ def test_a_stopped_engine_fires_no_routable_instance(stack: Stack) -> None:
                     os.killpg(pid, sig)
         return send
 
-    _fire_and_resolve(stack, "MooncakeNoRoutableInstance", signal_all(signal.SIGSTOP),
-                      signal_all(signal.SIGCONT), 60, 90, {"role": "decode"})
+    # the alert wants demand: requests keep arriving (and fail) while the engine is stopped
+    records = load_trace(bundled_trace(), limit=900)[600:]
+    load = Traffic(stack.gateway_url(), records, replay_speed(records, 1, 0.5, TIME_SCALE),
+                   salt=0x5709)
+    load.start()
+    try:
+        _fire_and_resolve(stack, "MooncakeNoRoutableInstance", signal_all(signal.SIGSTOP),
+                          signal_all(signal.SIGCONT), 90, 90, {"role": "decode"})
+    finally:
+        load.stop()
+    assert not load.thread.is_alive(), "the replay did not stop"
 
 
 class Traffic:
