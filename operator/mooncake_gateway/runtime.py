@@ -242,10 +242,8 @@ class ModelRuntime:
             if inst_or_none is None:
                 insts = self.instances(role)
                 inst = Instance(role, len(insts), ep)
-                inst.inflight_gauge = self.m.inflight(role.value, inst.name)
                 insts.append(inst)
                 self._by_url[(role, url)] = inst
-                self._publish_up(inst)
                 if role is Role.PREFILL:  # its group: set by refresh() when it matters
                     self.cluster.prefill.append(
                         PrefillState(iid=inst.iid, name=ep.label, up=False))
