@@ -23,6 +23,7 @@ from typing import ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from .candidates import CandidatesConfig, DecodeOrder, order_of
 from .cost import CostModel
 from .kernels import rank_decode
 from .policies.base import least
@@ -109,16 +110,22 @@ class TBTSLODecode(DecodeSelector):
     Every live instance is priced in one compiled pass
     (:func:`~mooncake_conductor.kernels.rank_decode`, the cost model's
     :meth:`~mooncake_conductor.cost.CostModel.decode_step_time` operation for
-    operation)."""
+    operation); on a pool of at least ``candidates.min_pool`` instances only the
+    ``candidates.least_loaded`` with the smallest step for this request and KV room for
+    it (:class:`~mooncake_conductor.candidates.DecodeOrder`)."""
 
     name = "tbt-slo"
     tie_tolerance: ClassVar[float] = 0.01
 
-    def __init__(self, cost: CostModel, tbt_slo_s: float, rng: random.Random) -> None:
+    def __init__(self, cost: CostModel, tbt_slo_s: float, rng: random.Random,
+                 candidates: CandidatesConfig | None = None) -> None:
         super().__init__(cost, tbt_slo_s, rng)
+        self.candidates = candidates or CandidatesConfig()
         self._consts = np.array(cost.decode_constants())
         self._step = np.empty(0)
         self._ties = np.empty(0, dtype=np.int64)
+        self._ahead_n = np.empty(0, dtype=np.int64)
+        self._ahead_tokens = np.empty(0, dtype=np.int64)
 
     def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
         if not decode:
@@ -128,11 +135,22 @@ class TBTSLODecode(DecodeSelector):
         if len(self._step) != m:
             self._step, self._ties = np.empty(m), np.empty(m, dtype=np.int64)
         step, ties = self._step, self._ties
-        batch, context = self._loads(board, decode)
+        need = req.input_tokens + req.output_tokens
+        cand = self.candidates
+        ahead_n: npt.NDArray[np.int64] | None
+        ahead_tokens: npt.NDArray[np.int64] | None
+        if cand.enabled and m >= cand.min_pool:
+            order = self._order(board)
+            rows = self._candidates(order, board, req.input_tokens, need)
+            ahead_n, ahead_tokens = order.ahead_n, order.ahead_tokens
+        else:
+            rows = None
+            ahead_n, ahead_tokens = self._ahead(board)
         count, fastest = rank_decode(
-            self._consts, req.input_tokens, req.input_tokens + req.output_tokens,
-            self.tbt_slo_s, self.tie_tolerance, _TIE_EPS, board["up"], context,
-            batch, board["reserved_tokens"], board["capacity_tokens"], step, ties,
+            self._consts, req.input_tokens, need, self.tbt_slo_s, self.tie_tolerance,
+            _TIE_EPS, board["up"], board["context_tokens"], board["batch"],
+            board["reserved_tokens"], board["capacity_tokens"], step, ties, rows,
+            ahead_n, ahead_tokens,
         )
         if fastest < 0:
             return DecodeChoice(None, reject_reason="no-decode-instance")
@@ -142,10 +160,51 @@ class TBTSLODecode(DecodeSelector):
         row = int(ties[0] if count == 1 else ties[self.rng.choice(range(count))])
         return DecodeChoice(decode[row].iid, float(step[row]))
 
-    def _loads(self, board: Board, decode: list[DecodeState]
-               ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        """Each instance's batch and context tokens to price the request on."""
-        return board["batch"], board["context_tokens"]
+    def _candidates(self, order: DecodeOrder, board: Board, tokens: int,
+                    need: int) -> npt.NDArray[np.int64] | None:
+        """The rows to price on a large pool: the ``least_loaded`` with the smallest step
+        for ``tokens`` more context and room for ``need`` tokens, or the one with the
+        smallest step when none has room (the answer then)."""
+        cost = self.cost
+        context, reserved, capacity = (board["context_tokens"], board["reserved_tokens"],
+                                       board["capacity_tokens"])
+        ahead = order.ahead_tokens
+        weights, kvb, hbm, per_seq, per_ctx, peak, overhead = self._consts.tolist()
+
+        def step(row: int) -> float:
+            batch, ctx = order.load(row)
+            return cost.decode_step_time(batch + 1, ctx + tokens)
+
+        def bound(ctx: float, flops: float) -> float:
+            """The step of a row at these keys (``-inf``: that arm left out)."""
+            mem = (weights + (ctx + tokens) * kvb) / hbm
+            compute = (flops + per_seq + tokens * per_ctx) / peak
+            return float(overhead + max(mem, compute))
+
+        def room(row: int) -> bool:
+            cap = int(capacity[row])
+            return cap <= 0 or int(context[row] + ahead[row] + reserved[row]) + need <= cap
+
+        best = order.fastest(self.candidates.least_loaded, step, bound, room)
+        if not best:
+            best = order.fastest(1, step, bound, _anyone)
+        if not best:
+            return None  # nothing up: the full pass says so
+        return np.array(sorted(row for _, row in best), dtype=np.int64)
+
+    def _order(self, board: Board) -> DecodeOrder:
+        per_seq, per_ctx = float(self._consts[3]), float(self._consts[4])
+        order: DecodeOrder = order_of(board, lambda b: DecodeOrder(b, per_seq, per_ctx))
+        return order
+
+    def _ahead(self, board: Board) -> tuple[npt.NDArray[np.int64] | None,
+                                            npt.NDArray[np.int64] | None]:
+        """Requests sent ahead to each row (none for the plain rule)."""
+        return None, None
+
+
+def _anyone(row: int) -> bool:
+    return True
 
 
 class TBTLookaheadDecode(TBTSLODecode):
@@ -162,12 +221,14 @@ class TBTLookaheadDecode(TBTSLODecode):
     name = "tbt-lookahead"
     counts_placed = True
 
-    def __init__(self, cost: CostModel, tbt_slo_s: float, rng: random.Random) -> None:
-        super().__init__(cost, tbt_slo_s, rng)
+    def __init__(self, cost: CostModel, tbt_slo_s: float, rng: random.Random,
+                 candidates: CandidatesConfig | None = None) -> None:
+        super().__init__(cost, tbt_slo_s, rng, candidates)
         #: request id -> (decode iid, KV tokens it will hold) until its prefill is done
         self._pending: dict[int, tuple[int, int]] = {}
         self._count: dict[int, int] = {}
         self._tokens: dict[int, int] = {}
+        self._ordered: Board | None = None  # the board whose order counts them too
 
     def placed(self, req: RequestInfo, decode: int | None) -> None:
         if decode is None or req.rid in self._pending:
@@ -176,6 +237,7 @@ class TBTLookaheadDecode(TBTSLODecode):
         self._pending[req.rid] = (decode, need)
         self._count[decode] = self._count.get(decode, 0) + 1
         self._tokens[decode] = self._tokens.get(decode, 0) + need
+        self._tell(decode, 1, need)
 
     def joined(self, req: RequestInfo) -> None:
         got = self._pending.pop(req.rid, None)
@@ -184,19 +246,50 @@ class TBTLookaheadDecode(TBTSLODecode):
         iid, need = got
         self._count[iid] -= 1
         self._tokens[iid] -= need
+        if not self._count[iid]:
+            del self._count[iid], self._tokens[iid]
+        self._tell(iid, -1, -need)
 
-    def _loads(self, board: Board, decode: list[DecodeState]
-               ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        batch, context = board["batch"], board["context_tokens"]
-        if not self._pending:
-            return batch, context
-        batch, context = batch.copy(), context.copy()
-        for row, d in enumerate(decode):
-            n = self._count.get(d.iid, 0)
-            if n:
-                batch[row] += n
-                context[row] += self._tokens[d.iid]
-        return batch, context
+    def _tell(self, iid: int, requests: int, tokens: int) -> None:
+        """Keep the large pool's order (if any) counting the requests sent ahead."""
+        board = self._ordered
+        if board is None or not board.valid or board.order is None \
+                or board.order.owner is not self:
+            return
+        row = board.row_of(iid)
+        if row >= 0:
+            board.order.ahead(row, requests, tokens)
+
+    def _order(self, board: Board) -> DecodeOrder:
+        order = super()._order(board)
+        if order.owner is not self:  # a new order (or another's): what is ahead so far
+            order.owner = self
+            order.ahead_n[:] = 0
+            order.ahead_tokens[:] = 0
+            for iid, n in self._count.items():
+                row = board.row_of(iid)
+                if row >= 0:
+                    order.ahead(row, n, self._tokens[iid])
+            self._ordered = board
+        return order
+
+    def _ahead(self, board: Board) -> tuple[npt.NDArray[np.int64] | None,
+                                            npt.NDArray[np.int64] | None]:
+        if not self._count:
+            return None, None
+        m = len(board.iids)
+        if len(self._ahead_n) != m:
+            self._ahead_n = np.zeros(m, dtype=np.int64)
+            self._ahead_tokens = np.zeros(m, dtype=np.int64)
+        else:
+            self._ahead_n[:] = 0
+            self._ahead_tokens[:] = 0
+        for iid, n in self._count.items():  # the instances with requests ahead only
+            row = board.row_of(iid)
+            if row >= 0:
+                self._ahead_n[row] = n
+                self._ahead_tokens[row] = self._tokens[iid]
+        return self._ahead_n, self._ahead_tokens
 
 
 class AIBrixDecode(DecodeSelector):
@@ -227,7 +320,8 @@ DECODE_SELECTORS: dict[str, type[DecodeSelector]] = {
 
 
 def create_decode_selector(
-    name: str, cost: CostModel, tbt_slo_s: float, rng: random.Random
+    name: str, cost: CostModel, tbt_slo_s: float, rng: random.Random,
+    candidates: CandidatesConfig | None = None,
 ) -> DecodeSelector:
     try:
         cls = DECODE_SELECTORS[name]
@@ -235,4 +329,6 @@ def create_decode_selector(
         raise KeyError(
             f"unknown decode selector {name!r}; known: {', '.join(sorted(DECODE_SELECTORS))}"
         ) from None
+    if issubclass(cls, TBTSLODecode):
+        return cls(cost, tbt_slo_s, rng, candidates)
     return cls(cost, tbt_slo_s, rng)

@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .candidates import CandidatesConfig
 from .cost import CostModel, CostModelConfig
 from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
 from .holding import HoldingConfig, hold_deadline
@@ -79,6 +80,7 @@ class ConductorConfig(BaseModel):
         None, description="learn the prefill-time scale online (default: the policy's own)")
     calibration: CalibrationConfig = CalibrationConfig()
     overrun: OverrunConfig = OverrunConfig()
+    candidates: CandidatesConfig = CandidatesConfig()
     routing_only: bool = Field(
         False, description="equal capability: every policy routes on local caches only "
         "(no KV fetch, no CPP, no admission, no replication), to compare routing alone")
@@ -123,11 +125,11 @@ class Conductor:
         self.rng = random.Random(self.config.seed)
         only = self.config.routing_only
         ctx = PolicyContext(cost=self.cost, slo=self.config.slo, rng=self.rng,
-                            fetch=not only, cpp=not only)
+                            fetch=not only, cpp=not only, candidates=self.config.candidates)
         self.policy = create_policy(self.config.policy, ctx, self.config.params)
         decode_name = self.config.decode_selector or self.policy.default_decode
         self.decode_selector = create_decode_selector(
-            decode_name, self.cost, self.config.slo.tbt_s, self.rng
+            decode_name, self.cost, self.config.slo.tbt_s, self.rng, self.config.candidates
         )
         cfg, policy = self.config, self.policy
         self.admission = not only and _own(cfg.admission, policy.admission)

@@ -467,7 +467,10 @@ def warm_up() -> None:
                 one_i, one_i, one_i, one_i, np.zeros(1), one_i.copy())
 
 
+_stats: Callable[..., int] | None = None
 _rank: Callable[..., tuple[int, float]] | None = None
+#: every row of a pool of each size, in order (what the full ranking prices)
+_ALL_ROWS: dict[int, npt.NDArray[np.int64]] = {}
 
 #: order of the cost model's constants in the array :func:`rank_fifo` reads
 #: (:meth:`~mooncake_conductor.cost.CostModel.prefill_constants`)
@@ -475,7 +478,7 @@ COST_FIELDS = ("flops_a", "flops_b", "overhead", "mfu_max", "mfu_half", "peak",
                "kv_bytes_per_token", "h2d", "link")
 
 
-def _compile_rank() -> Callable[..., tuple[int, float]]:
+def _compile_rank() -> tuple[Callable[..., int], Callable[..., tuple[int, float]]]:
     from numba import njit
 
     global _prefill_time  # a module global, not a closure cell: see _compile
@@ -500,59 +503,73 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
     _prefill_time = prefill_time
 
     @njit(cache=True, nogil=True)
-    def rank(
-        c: Any, now: float, n: int, block: int, best_len: int, best_pos: int,
-        work_weight: float, shut_rate: float, slo_s: float, open_s: float, overlap: bool,
-        tol: float, tol_s: float,
-        up: Any, busy_until: Any, qwork: Any, qlen: Any, iid: Any, local: Any, score: Any,
-        fetch: Any, ties: Any,
-    ) -> tuple[int, float]:
-        m = busy_until.shape[0]
-        fifo = np.empty(m)
+    def stats(now: float, up: Any, busy_until: Any, qwork: Any, qlen: Any,
+              out: Any) -> int:
+        """The pool's aggregates over every row: ``out = [live, busy, waiting, first,
+        second]``; returns ``j1``, the first row that frees first (-1: none up)."""
         busy = 0
         waiting = 0
         live = 0
         first = np.inf  # the earliest free time, at row j1, and the earliest of the others
         second = np.inf
         j1 = -1
-        for i in range(m):
+        for i in range(busy_until.shape[0]):
             if not up[i]:
                 continue
             live += 1
             run = busy_until[i] > now
-            fifo[i] = (busy_until[i] - now if run else 0.0) + qwork[i]
-            if fifo[i] < first:
+            fifo = (busy_until[i] - now if run else 0.0) + qwork[i]
+            if fifo < first:
                 second = first
-                first = fifo[i]
+                first = fifo
                 j1 = i
-            elif fifo[i] < second:
-                second = fifo[i]
+            elif fifo < second:
+                second = fifo
             waiting += qlen[i]
             if qlen[i] > 0 or run:
                 busy += 1
-        kappa = work_weight * float(busy + waiting) / float(max(live, 1))
+        out[0] = live
+        out[1] = busy
+        out[2] = waiting
+        out[3] = first
+        out[4] = second
+        return j1
+
+    @njit(cache=True, nogil=True)
+    def rank(
+        c: Any, now: float, n: int, block: int, best_len: int, best_pos: int,
+        work_weight: float, shut_rate: float, slo_s: float, open_s: float, overlap: bool,
+        tol: float, tol_s: float, pool: Any, j1: int, rows: Any,
+        up: Any, busy_until: Any, qwork: Any, iid: Any, local: Any, score: Any,
+        fetch: Any, ties: Any,
+    ) -> tuple[int, float]:
+        live, busy, waiting, first, second = pool[0], pool[1], pool[2], pool[3], pool[4]
+        kappa = work_weight * (busy + waiting) / max(live, 1.0)
         if first > open_s:
             shut_rate = 0.0  # the pool saturates: every arrival queues anyway
         best_tokens = min(best_len * block, n)
         fetch_prefill = _prefill_time(c, n, best_tokens)
-        on_time = False  # some live row meets the TTFT SLO
-        late = np.zeros(m, dtype=np.bool_)  # rows that break it
-        for i in range(m):
+        on_time = False  # some priced row meets the TTFT SLO
+        m = rows.shape[0]
+        late = np.zeros(m, dtype=np.bool_)  # rows that break it, by position in ``rows``
+        for r in range(m):
+            i = rows[r]
             fetch[i] = False
             if not up[i]:
                 score[i] = np.inf
                 continue
+            fifo = (busy_until[i] - now if busy_until[i] > now else 0.0) + qwork[i]
             held = local[iid[i]] if iid[i] < local.shape[0] else 0  # past the array: none
             held_tokens = min(held * block, n)
             recompute = _prefill_time(c, n, held_tokens)
-            ttft = fifo[i] + recompute
+            ttft = fifo + recompute
             used = recompute
             if best_len > held and i != best_pos:
                 tokens = best_tokens - held_tokens
                 transfer = float(tokens * np.int64(c[6])) / c[8] if tokens > 0 else 0.0
                 if overlap:
-                    transfer = max(0.0, transfer - fifo[i])
-                f_ttft = fifo[i] + transfer + fetch_prefill
+                    transfer = max(0.0, transfer - fifo)
+                f_ttft = fifo + transfer + fetch_prefill
                 if f_ttft < ttft:
                     ttft = f_ttft
                     used = fetch_prefill
@@ -562,30 +579,33 @@ def _compile_rank() -> Callable[..., tuple[int, float]]:
                 free = min(second if i == j1 else first, ttft)
                 if free > 0.0:
                     score[i] += shut_rate * free * free / 2.0
-                late[i] = ttft > slo_s
-                on_time = on_time or not late[i]
+                late[r] = ttft > slo_s
+                on_time = on_time or not late[r]
         best = np.inf
-        for i in range(m):
+        for r in range(m):
+            i = rows[r]
             if not up[i]:
                 continue
-            if on_time and late[i]:
+            if on_time and late[r]:
                 score[i] = np.inf  # the price never costs a request its own SLO
             elif score[i] < best:
                 best = score[i]
         band = best * (1.0 + tol) + tol_s
         count = 0
-        for i in range(m):  # a tie never pays a new copy when one that does not ties
+        for r in range(m):  # a tie never pays a new copy when one that does not ties
+            i = rows[r]
             if up[i] and score[i] <= band and not fetch[i]:
                 ties[count] = i
                 count += 1
         if count == 0:
-            for i in range(m):
+            for r in range(m):
+                i = rows[r]
                 if up[i] and score[i] <= band:
                     ties[count] = i
                     count += 1
         return count, kappa
 
-    return rank
+    return stats, rank
 
 
 def rank_fifo(
@@ -609,12 +629,47 @@ def rank_fifo(
     returns their count and ``kappa``, the price of a GPU second. ``best_pos`` is the
     row of the longest prefix's holder (-1: none, or not a live instance), which cannot
     fetch from itself."""
-    global _rank
+    global _stats, _rank
     if _rank is None:
-        _rank = _compile_rank()
+        _stats, _rank = _compile_rank()
+    assert _stats is not None
+    pool = np.empty(POOL_FIELDS)
+    j1 = _stats(now, up, busy_until, qwork, qlen, pool)
+    rows = _ALL_ROWS.get(len(up))
+    if rows is None:
+        rows = _ALL_ROWS[len(up)] = np.arange(len(up), dtype=np.int64)
     count, kappa = _rank(consts, now, n, block, best_len, best_pos, work_weight, shut_rate,
-                         slo_s, open_s, overlap, tol, tol_s, up, busy_until, qwork, qlen,
-                         iid, local, score, fetch, ties)
+                         slo_s, open_s, overlap, tol, tol_s, pool, j1, rows, up, busy_until,
+                         qwork, iid, local, score, fetch, ties)
+    return int(count), float(kappa)
+
+
+#: the pool aggregates :func:`rank_rows` reads: live rows, busy rows (running or with a
+#: queue), queued requests, the earliest free time (seconds from now) and the earliest of
+#: the others
+POOL_FIELDS = 5
+
+
+def rank_rows(
+    consts: npt.NDArray[np.float64], now: float, n: int, block: int, best_len: int,
+    best_pos: int, work_weight: float, shut_rate: float, slo_s: float, open_s: float,
+    overlap: bool, tol: float, tol_s: float, pool: npt.NDArray[np.float64], j1: int,
+    rows: npt.NDArray[np.int64], up: npt.NDArray[np.bool_],
+    busy_until: npt.NDArray[np.float64], qwork: npt.NDArray[np.float64],
+    iid: npt.NDArray[np.int64], local: npt.NDArray[np.int64],
+    score: npt.NDArray[np.float64], fetch: npt.NDArray[np.bool_], ties: npt.NDArray[np.int64],
+) -> tuple[int, float]:
+    """:func:`rank_fifo` over the candidate ``rows`` only (ascending), with the pool's
+    aggregates given (``pool``, :data:`POOL_FIELDS`; ``j1`` the row that frees first)
+    instead of read from every row: the same formulas, so a candidate's score is the one
+    the full ranking gives it; ``score`` and ``fetch`` are written at ``rows`` only, and
+    the tie band is the best candidate's."""
+    global _stats, _rank
+    if _rank is None:
+        _stats, _rank = _compile_rank()
+    count, kappa = _rank(consts, now, n, block, best_len, best_pos, work_weight, shut_rate,
+                         slo_s, open_s, overlap, tol, tol_s, pool, j1, rows, up, busy_until,
+                         qwork, iid, local, score, fetch, ties)
     return int(count), float(kappa)
 
 
@@ -631,27 +686,29 @@ def _compile_decode() -> Callable[..., tuple[int, int]]:
 
     @njit(cache=True, nogil=True)
     def rank(
-        c: Any, tokens: int, need: int, slo: float, tol: float, eps: float, up: Any,
-        context: Any, batch: Any, reserved: Any, capacity: Any, step: Any, ties: Any,
+        c: Any, tokens: int, need: int, slo: float, tol: float, eps: float, rows: Any,
+        up: Any, context: Any, batch: Any, ahead_n: Any, ahead_tokens: Any, reserved: Any,
+        capacity: Any, step: Any, ties: Any,
     ) -> tuple[int, int]:
-        m = context.shape[0]
         kvb = np.int64(c[1])
         best = np.inf
         fastest = -1
         fits = 0  # rows within the SLO with KV room, gathered at the front of ``ties``
-        for i in range(m):
+        for r in range(rows.shape[0]):
+            i = rows[r]
             if not up[i]:
                 step[i] = np.inf
                 continue
             # CostModel.decode_step_time(batch + 1, context + tokens), operation for
-            # operation (batch + 1 >= 1)
-            ctx = context[i] + tokens
+            # operation (batch + 1 >= 1), the requests sent ahead counted in both
+            here = context[i] + ahead_tokens[i]
+            ctx = here + tokens
             mem = (c[0] + float(ctx * kvb)) / c[2]
-            compute = (float(batch[i] + 1) * c[3] + float(ctx) * c[4]) / c[5]
+            compute = (float(batch[i] + ahead_n[i] + 1) * c[3] + float(ctx) * c[4]) / c[5]
             step[i] = c[6] + (mem if mem >= compute else compute)
             if fastest < 0 or step[i] < step[fastest]:
                 fastest = i
-            room = capacity[i] <= 0 or context[i] + reserved[i] + need <= capacity[i]
+            room = capacity[i] <= 0 or here + reserved[i] + need <= capacity[i]
             if step[i] <= slo and room:
                 ties[fits] = i
                 fits += 1
@@ -674,17 +731,41 @@ def rank_decode(
     batch: npt.NDArray[np.int64],
     reserved: npt.NDArray[np.int64], capacity: npt.NDArray[np.int64],
     step: npt.NDArray[np.float64], ties: npt.NDArray[np.int64],
+    rows: npt.NDArray[np.int64] | None = None,
+    ahead_n: npt.NDArray[np.int64] | None = None,
+    ahead_tokens: npt.NDArray[np.int64] | None = None,
 ) -> tuple[int, int]:
     """The ``tbt-slo`` decode rule (:mod:`.decode`) over every live instance at once
-    (the rows of a :class:`~mooncake_conductor.state.Board` that are ``up``): each
-    one's predicted step with a request of ``tokens`` context added into ``step``; the
-    rows within the SLO with ``need`` tokens of KV room whose step is inside the tie
-    band (``best + (|best| * tol + eps)``) into ``ties``, in order. Returns their count
-    and the first row of the fastest instance (the answer when none fits; -1 when no
-    row is up)."""
+    (the rows of a :class:`~mooncake_conductor.state.Board` that are ``up``), or over
+    the candidate ``rows`` only (ascending): each one's predicted step with a request of
+    ``tokens`` context added into ``step``; the rows within the SLO with ``need`` tokens
+    of KV room whose step is inside the tie band (``best + (|best| * tol + eps)``) into
+    ``ties``, in order. ``ahead_n`` / ``ahead_tokens`` (default none): requests already
+    sent to each row that join its batch first, counted in its batch and context.
+    Returns the count and the first row of the fastest instance (the answer when none
+    fits; -1 when no row is up)."""
     global _decode
     if _decode is None:
         _decode = _compile_decode()
-    count, fastest = _decode(consts, tokens, need, slo, tol, eps, up, context, batch,
-                             reserved, capacity, step, ties)
+    m = len(up)
+    if rows is None:
+        rows = _ALL_ROWS.get(m)
+        if rows is None:
+            rows = _ALL_ROWS[m] = np.arange(m, dtype=np.int64)
+    if ahead_n is None or ahead_tokens is None:
+        ahead_n = ahead_tokens = _zeros(m)
+    count, fastest = _decode(consts, tokens, need, slo, tol, eps, rows, up, context, batch,
+                             ahead_n, ahead_tokens, reserved, capacity, step, ties)
     return int(count), int(fastest)
+
+
+_ZEROS: dict[int, npt.NDArray[np.int64]] = {}
+
+
+def _zeros(m: int) -> npt.NDArray[np.int64]:
+    """A shared read-only array of ``m`` zeros."""
+    z = _ZEROS.get(m)
+    if z is None:
+        z = _ZEROS[m] = np.zeros(m, dtype=np.int64)
+        z.flags.writeable = False
+    return z

@@ -56,14 +56,17 @@ class Board:
     through to it (see :func:`_column`), so it is always current; a state bound to
     another board invalidates this one. Get one with :func:`board_of`."""
 
-    __slots__ = ("_live_groups", "_live_mask", "_outside", "columns", "iids", "states",
-                 "valid")
+    __slots__ = ("_live_groups", "_live_mask", "_outside", "columns", "iids", "order",
+                 "states", "valid")
 
     def __init__(self, states: Sequence[_Instance]) -> None:
         self.states: list[Any] = list(states)
         self.valid = True
         self._live_mask: int | None = None
         self._live_groups: frozenset[int] | None = None
+        #: the pool's load order (:mod:`.candidates`), made on first use; every write of
+        #: a column it watches touches it
+        self.order: Any = None
         #: per group, the rows of the states up in other groups (until up/group change)
         self._outside: dict[int, npt.NDArray[np.intp]] = {}
         kinds: dict[str, type] = type(states[0]).COLUMNS
@@ -122,6 +125,7 @@ class Board:
         for st in states:
             st._up = False
         up[rows] = False
+        self._touch(rows)
         if saved[0] is not None:
             gone = sum(1 << iid for iid in self.columns["iid"][rows].tolist())  # distinct
             self._live_mask = saved[0] & ~gone
@@ -132,9 +136,16 @@ class Board:
             for st in states:
                 st._up = True
             up[rows] = True
+            self._touch(rows)
             self._live_mask, self._live_groups, self._outside = saved
 
         return undo
+
+    def _touch(self, rows: npt.NDArray[np.intp]) -> None:
+        """Tell the load order (if any) that ``rows`` changed."""
+        if self.order is not None:
+            for row in rows.tolist():
+                self.order.touch(row)
 
     def row_of(self, iid: int) -> int:
         """The row of instance ``iid`` (-1: not on this board); ids are usually rows."""
@@ -188,6 +199,9 @@ def _column(name: str) -> Any:
         board = self._board
         if board is not None:
             board.columns[name][self._row] = value
+            order = board.order
+            if order is not None and name in order.WATCHED:
+                order.touch(self._row)
             if live:
                 board._live_mask = None
                 board._live_groups = None

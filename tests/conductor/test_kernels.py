@@ -102,7 +102,7 @@ def test_kernels_close_over_no_dispatcher() -> None:
     from numba.core.dispatcher import Dispatcher
 
     compiled = [*kernels._compile(), kernels._compile_wide(), kernels._compile_upsert(),
-                kernels._compile_chain(), kernels._compile_rank(), kernels._compile_decode()]
+                kernels._compile_chain(), *kernels._compile_rank(), kernels._compile_decode()]
     for fn in compiled:
         cells = fn.py_func.__closure__ or ()
         assert not [c for c in cells if isinstance(c.cell_contents, Dispatcher)], fn

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..candidates import CandidatesConfig
 from ..cost import CostModel
 from ..index import PrefixIndex
 from ..state import ClusterState, PrefillState, RequestInfo
@@ -79,6 +80,8 @@ class PolicyContext:
     fetch: bool = True
     #: may a placement run on a CPP group of instances
     cpp: bool = True
+    #: when decisions on large pools price candidates only (:mod:`..candidates`)
+    candidates: CandidatesConfig = field(default_factory=CandidatesConfig)
 
 
 class PrefillPolicy(ABC):

@@ -95,8 +95,9 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..arrivals import ArrivalRate, shut_out_wait
+from ..candidates import LoadOrder, order_of
 from ..cpp import ChunkPricer, CPPConfig, first_stage_s, staggered_start
-from ..kernels import rank_fifo
+from ..kernels import rank_fifo, rank_rows
 from ..spread import ServiceSpread
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
 from .base import Placement, PolicyContext, PrefillPolicy, register
@@ -278,6 +279,7 @@ class ConductorPolicy(PrefillPolicy):
             return row
 
         rows: list[tuple[int, _Row, float]] = []  # (live position, row, score)
+        pool_size = idle = -1  # the pool's live and idle instances (-1: ``live`` is all)
         if weight or prm.explain:
             # every instance priced here, one at a time (the reference for the ranking
             # below, and the only way with priority queues)
@@ -314,9 +316,20 @@ class ConductorPolicy(PrefillPolicy):
         else:
             # FIFO: the same ranking (kappa, scores, tie band, no-copy preference) over
             # every live instance in one compiled pass (:func:`..kernels.rank_fifo`)
-            # over the pool's board (rows in pool order: live rows in live order)
-            count, kappa = self._rank(req, cluster.prefill, local_view, best_src, best_len, now,
-                                      spread, shut_rate, slo_s, open_s)
+            # over the pool's board (rows in pool order: live rows in live order), or
+            # over the candidates of a large pool (:mod:`..candidates`)
+            want_cpp = prm.cpp.enabled and self.ctx.cpp
+            cand = self.ctx.candidates
+            if cand.enabled and len(cluster.prefill) >= cand.min_pool:
+                count, kappa, least = self._rank_candidates(
+                    req, cluster.prefill, local_view, best_src, best_len, now, spread,
+                    shut_rate, slo_s, open_s, prm.cpp.max_group + 1 if want_cpp else 0)
+                if want_cpp:  # CPP groups form from the instances that free first
+                    live = [cluster.prefill[row] for _, row in least]
+                    pool_size, idle = self._pool_counts(cluster.prefill, now)
+            else:
+                count, kappa = self._rank(req, cluster.prefill, local_view, best_src,
+                                          best_len, now, spread, shut_rate, slo_s, open_s)
             ties_at = self._ties
             chosen = cluster.prefill[int(ties_at[0] if count == 1
                                          else ties_at[self.ctx.rng.choice(range(count))])]
@@ -325,10 +338,12 @@ class ConductorPolicy(PrefillPolicy):
         if prm.cpp.enabled and self.ctx.cpp:
             if live is None:
                 live = [p for p in cluster.prefill if p.up]
+            if pool_size < 0:
+                pool_size, idle = len(live), -1
             rate = self._arrivals.per_s if prm.shut_out_price else 0.0
             rescue = choice.ttft_s > prm.cpp.trigger_share * self.ctx.slo.ttft_s
             found = self._cpp(req, live, stored, best_src, best_len, choice, now, rescue,
-                              kappa, rate)
+                              kappa, rate, pool_size, idle)
             if found is not None:
                 cpp, cpp_shut_out, single_shut_out = found
                 if (rescue and cpp.ttft_s < choice.ttft_s) or (
@@ -373,6 +388,50 @@ class ConductorPolicy(PrefillPolicy):
             board["iid"], local_view, self._score, self._fetch, self._ties,
         )
 
+    def _rank_candidates(
+        self, req: RequestInfo, pool: list[PrefillState], local_view: npt.NDArray[np.int64],
+        best_src: int | None, best_len: int, now: float, spread: float, shut_rate: float,
+        slo_s: float, open_s: float, least_at_least: int,
+    ) -> tuple[int, float, list[tuple[float, int]]]:
+        """:meth:`_rank` over the candidates of a large pool (:mod:`..candidates`): the
+        holders of the longest prefixes (stored or pending) and the instances that free
+        first (at least ``least_at_least`` of them, returned as ``(wait, row)`` in
+        order), with the pool's aggregates from its load order."""
+        assert isinstance(self.params, ConductorParams)
+        prm, cand = self.params, self.ctx.candidates
+        board = board_of(pool)
+        order: LoadOrder = order_of(board, LoadOrder)
+        least = order.least(now, max(cand.least_loaded, least_at_least, 2))
+        agg, j1 = order.pool(now, least)
+        picked = {row for _, row in least}
+        held = np.flatnonzero(local_view)  # instance ids holding the first block
+        if len(held) > cand.holders:
+            held = held[np.argpartition(-local_view[held], cand.holders - 1)[:cand.holders]]
+        up = board["up"]
+        for iid in held.tolist():
+            row = board.row_of(iid)
+            if row >= 0 and up[row]:
+                picked.add(row)
+        rows = np.array(sorted(picked), dtype=np.int64)
+        m = len(pool)
+        if len(self._score) != m:
+            self._score, self._fetch = np.empty(m), np.empty(m, dtype=np.bool_)
+            self._ties = np.empty(m, dtype=np.int64)
+        count, kappa = rank_rows(
+            self._consts, now, req.input_tokens, req.block_tokens, best_len,
+            -1 if best_src is None else board.row_of(best_src), prm.work_weight * spread,
+            shut_rate, slo_s, open_s, prm.overlap_transfer, prm.tie_tolerance,
+            prm.tie_tolerance_s, agg, j1, rows, up, board["busy_until"],
+            board["queued_work_s"], board["iid"], local_view, self._score, self._fetch,
+            self._ties)
+        return count, kappa, least
+
+    @staticmethod
+    def _pool_counts(pool: list[PrefillState], now: float) -> tuple[int, int]:
+        """Live and idle instances of a large pool, from its load order."""
+        order: LoadOrder = order_of(board_of(pool), LoadOrder)
+        return order.live, order.live - order.busy(now)
+
     def _placement(self, row: _Row, source: int | None) -> Placement:
         assert isinstance(self.params, ConductorParams)
         _, iid, local, fetch, queue, transfer, prefill, prio = row
@@ -394,6 +453,8 @@ class ConductorPolicy(PrefillPolicy):
         rescue: bool,
         kappa: float,
         rate: float,
+        pool_size: int,
+        pool_idle: int,
     ) -> tuple[Placement, float, float] | None:
         """The best chunked-pipeline placement over the least-loaded instances, for prompts
         with at least ``min_new_tokens`` to compute, the wait of the arrivals it shuts out
@@ -403,7 +464,9 @@ class ConductorPolicy(PrefillPolicy):
         and with none the fastest group is taken. A rescue no group of idle instances
         serves in time also tries the least-loaded instances as they come free, each
         group kept only if it can start at once and meets the SLO
-        (``cpp.rescue_staggered``)."""
+        (``cpp.rescue_staggered``). ``live`` may be the pool's instances that free first
+        only (:mod:`..candidates`): ``pool_size`` and ``pool_idle`` (-1: count ``live``)
+        are then the whole pool's live and idle instances."""
         assert isinstance(self.params, ConductorParams)
         cfg = self.params.cpp
         n = req.input_tokens
@@ -414,12 +477,12 @@ class ConductorPolicy(PrefillPolicy):
         rng = self.ctx.rng
         order = {p.iid: (p.wait_time(now), rng.random()) for p in live}  # random among equals
         by_wait = sorted(live, key=lambda p: order[p.iid])
-        idle = sum(1 for p in by_wait if order[p.iid][0] <= 0.0)
+        idle = sum(1 for p in by_wait if order[p.iid][0] <= 0.0) if pool_idle < 0 else pool_idle
         largest = min(cfg.max_group, len(by_wait))
         if not rescue:
             # opportunistic: some of the pool stays out of it for what arrives next
-            reserve = math.ceil(cfg.reserve_idle_share * len(live))
-            largest = min(largest, len(live) - reserve)
+            reserve = math.ceil(cfg.reserve_idle_share * pool_size)
+            largest = min(largest, pool_size - reserve)
             limit = min(largest, idle - reserve)
         elif cfg.rescue_idle_only:
             limit = min(largest, idle)

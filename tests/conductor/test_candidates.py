@@ -1,0 +1,234 @@
+"""Candidates on large pools: the load orders find exactly the instances a full pass
+would, stay current under every kind of write, and the conductor prices a candidate as
+the full ranking does."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from mooncake_conductor.candidates import CandidatesConfig, DecodeOrder, LoadOrder, order_of
+from mooncake_conductor.engine import Conductor, ConductorConfig
+from mooncake_conductor.index import PrefixIndex
+from mooncake_conductor.kernels import POOL_FIELDS, rank_fifo, rank_rows
+from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo, board_of
+
+from .helpers import COST
+
+
+def _wait(p: PrefillState, now: float) -> float:
+    return (p.busy_until - now if p.busy_until > now else 0.0) + p.queued_work_s
+
+
+def _shuffle_loads(pool: list[PrefillState], r: random.Random, now: float) -> None:
+    """Random writes of every kind the states make (each one touches the order)."""
+    for p in r.sample(pool, max(1, len(pool) // 3)):
+        kind = r.random()
+        if kind < 0.3:
+            p.enqueue(r.randrange(10**6), 0.0, r.random() * 3, 1, 16)
+        elif kind < 0.5 and p.queue:
+            p.pop()
+        elif kind < 0.8:
+            p.busy_until = r.choice([0.0, now, now + r.random() * 4, now - r.random()])
+        else:
+            p.up = r.random() < 0.7
+
+
+def test_load_order_finds_the_instances_that_free_first_and_the_pool_aggregates() -> None:
+    r = random.Random(3)
+    for trial in range(60):
+        n = r.choice([2, 5, 40, 200])
+        pool = [PrefillState(iid=i) for i in range(n)]
+        board = board_of(pool)
+        order: LoadOrder = order_of(board, LoadOrder)
+        now = 10.0
+        for _ in range(8):
+            now += r.random()
+            _shuffle_loads(pool, r, now)
+            if trial % 3 == 0:  # the heaps see many stale entries, and rebuild
+                for p in pool:
+                    p.busy_until = p.busy_until
+            k = r.choice([1, 2, 8])
+            live = [p for p in pool if p.up]
+            want = sorted((_wait(p, now), p.iid) for p in live)
+            got = order.least(now, k)
+            assert [w for w, _ in got] == [w for w, _ in want[:k]]
+            # every row returned has the wait it claims (ties may be any of the tied)
+            assert all(w == _wait(pool[row], now) for w, row in got)
+            agg, j1 = order.pool(now, order.least(now, 2))
+            full = np.empty(POOL_FIELDS)
+            from mooncake_conductor import kernels
+            if kernels._stats is None:
+                kernels._stats, kernels._rank = kernels._compile_rank()
+            up, cols = board["up"], board.columns
+            j_full = kernels._stats(now, up, cols["busy_until"], cols["queued_work_s"],
+                                    cols["queue_len"], full)
+            assert agg.tolist() == full.tolist()
+            if live:
+                assert _wait(pool[j1], now) == _wait(pool[j_full], now)
+
+
+def test_take_down_and_undo_keep_the_order_current() -> None:
+    pool = [PrefillState(iid=i, busy_until=float(i)) for i in range(6)]
+    board = board_of(pool)
+    order: LoadOrder = order_of(board, LoadOrder)
+    undo = board.take_down(np.array([0, 1]))
+    assert [row for _, row in order.least(0.0, 3)] == [2, 3, 4]
+    assert order.live == 4
+    undo()
+    assert [row for _, row in order.least(0.0, 3)] == [0, 1, 2]
+    assert order.live == 6
+
+
+def test_decode_order_finds_the_fastest_with_room() -> None:
+    r = random.Random(7)
+    for _ in range(40):
+        n = r.choice([3, 30, 150])
+        pool = [DecodeState(iid=i, capacity_tokens=r.choice([0, 50_000])) for i in range(n)]
+        board = board_of(pool)
+        consts = COST.decode_constants()
+        order: DecodeOrder = DecodeOrder(board, consts[3], consts[4])
+        board.order = order
+        for _ in range(5):
+            for d in r.sample(pool, max(1, n // 2)):
+                d.batch = r.randint(0, 40)
+                d.context_tokens = d.batch * r.randint(100, 2000)
+                d.up = r.random() < 0.9
+            for row in r.sample(range(n), max(1, n // 4)):
+                order.ahead(row, 1, r.randint(10, 3000))
+            tokens, need = r.randint(1, 8000), r.randint(1, 9000)
+
+            def step(b: float, c: float, tokens: int = tokens) -> float:
+                return COST.decode_step_time(int(b) + 1, int(c) + tokens)
+
+            def value(row: int, tokens: int = tokens, order: DecodeOrder = order) -> float:
+                b, c = order.load(row)
+                return COST.decode_step_time(b + 1, c + tokens)
+
+            def bound(ctx: float, flops: float, tokens: int = tokens,
+                      consts: list[float] = consts) -> float:
+                w, kvb, hbm, per_seq, per_ctx, peak, over = consts
+                return over + max((w + (ctx + tokens) * kvb) / hbm,
+                                  (flops + per_seq + tokens * per_ctx) / peak)
+
+            def room(row: int, need: int = need, pool: list[DecodeState] = pool,
+                     order: DecodeOrder = order) -> bool:
+                d = pool[row]
+                ctx = d.context_tokens + int(order.ahead_tokens[row])
+                return d.capacity_tokens <= 0 or ctx + need <= d.capacity_tokens
+
+            want = sorted(
+                (step(d.batch + order.ahead_n[i], d.context_tokens + order.ahead_tokens[i]), i)
+                for i, d in enumerate(pool) if d.up and room(i))
+            got = order.fastest(5, value, bound, room)
+            assert [s for s, _ in got] == [s for s, _ in want[:5]]
+
+
+def _cluster(r: random.Random, n: int) -> tuple[ClusterState, RequestInfo, float]:
+    index = PrefixIndex(10_000, instances=n)
+    pool = [PrefillState(iid=i) for i in range(n)]
+    decode = [DecodeState(iid=i, capacity_tokens=200_000) for i in range(n)]
+    now = 100.0
+    for p in pool:
+        p.busy_until = r.choice([0.0, now + r.random() * 3])
+        for j in range(r.choice([0, 0, 2])):
+            p.enqueue(j, 0.0, r.random(), 10, 160)
+    for d in decode:
+        d.batch = r.randint(0, 30)
+        d.context_tokens = d.batch * r.randint(100, 3000)
+    keys = [r.getrandbits(63) for _ in range(64)]
+    for holder in r.sample(range(n), min(n, 6)):
+        index.store(holder, keys[: r.randint(1, 64)])
+    req = RequestInfo(rid=1, arrival=now, input_tokens=1024, output_tokens=64, keys=keys,
+                      block_tokens=16)
+    return ClusterState(prefill=pool, decode=decode, index=index), req, now
+
+
+def test_a_candidate_is_priced_as_the_full_ranking_prices_it() -> None:
+    """rank_rows over any candidate rows, with the pool's aggregates from the load order,
+    gives each of them the score rank_fifo gives it (bit for bit), and over every row
+    the same ties."""
+    r = random.Random(11)
+    consts = np.array(COST.prefill_constants())
+    for _ in range(50):
+        n = r.choice([4, 33, 130])
+        cluster, req, now = _cluster(r, n)
+        board = board_of(cluster.prefill)
+        order: LoadOrder = order_of(board, LoadOrder)
+        local = np.zeros(max(64, n), dtype=np.int64)
+        for i in r.sample(range(n), min(n, 5)):
+            local[i] = r.randint(0, 64)
+        best_len = int(local.max())
+        args = (consts, now, req.input_tokens, 16, best_len, int(local.argmax()), 1.0,
+                r.choice([0.0, 3.0]), 30.0, 15.0, True, 0.02, 0.005)
+        full_score, full_fetch = np.empty(n), np.empty(n, dtype=np.bool_)
+        full_ties = np.empty(n, dtype=np.int64)
+        count, kappa = rank_fifo(*args, board["up"], board["busy_until"],
+                                 board["queued_work_s"], board["queue_len"], board["iid"],
+                                 local, full_score, full_fetch, full_ties)
+        agg, j1 = order.pool(now, order.least(now, 2))
+        every = np.arange(n, dtype=np.int64)
+        score, fetch = np.empty(n), np.empty(n, dtype=np.bool_)
+        ties = np.empty(n, dtype=np.int64)
+        c2, k2 = rank_rows(*args, agg, j1, every, board["up"], board["busy_until"],
+                           board["queued_work_s"], board["iid"], local, score, fetch, ties)
+        assert (c2, k2) == (count, kappa)
+        assert ties[:c2].tolist() == full_ties[:count].tolist()
+        rows = np.array(sorted(r.sample(range(n), max(1, n // 3))), dtype=np.int64)
+        rank_rows(*args, agg, j1, rows, board["up"], board["busy_until"],
+                  board["queued_work_s"], board["iid"], local, score, fetch, ties)
+        finite = [int(i) for i in rows if np.isfinite(full_score[i]) and np.isfinite(score[i])]
+        assert score[finite].tolist() == full_score[finite].tolist()
+
+
+@pytest.mark.parametrize("policy", ["conductor"])
+def test_on_a_large_pool_the_choice_is_the_full_scans_when_that_is_a_candidate(
+        policy: str) -> None:
+    """Two conductors, one pricing candidates (min_pool 2) and one every instance, on the
+    same states: wherever the full choice's score band holds a candidate, the candidate
+    choice scores inside that band (same TTFT up to the tie tolerance)."""
+    r = random.Random(5)
+    same = 0
+    for _ in range(80):
+        cluster, req, now = _cluster(r, r.choice([16, 64]))
+        params = {"cpp": {"enabled": False}}
+        full = Conductor(ConductorConfig(policy=policy, params=params,
+                                         candidates=CandidatesConfig(enabled=False)))
+        cand = Conductor(ConductorConfig(policy=policy, params=params,
+                                         candidates=CandidatesConfig(min_pool=2)))
+        a = full.policy.choose(req, cluster, now)
+        b = cand.policy.choose(req, cluster, now)
+        assert b.prefill is not None and a.prefill is not None
+        if a.prefill == b.prefill:
+            same += 1
+        # the candidate choice is never more than the tie band worse in TTFT
+        assert b.ttft_s <= a.ttft_s * 1.02 + 0.005 + 1e-9 or b.reused_blocks >= a.reused_blocks
+        da = full.decode_selector.choose(req, cluster.decode)
+        db = cand.decode_selector.choose(req, cluster.decode)
+        assert db.predicted_tbt_s <= da.predicted_tbt_s * 1.01 + 1e-9
+        assert (da.reject_reason is None) == (db.reject_reason is None)
+    assert same > 20  # a real share of identical choices, not only equivalent ones
+
+
+def test_lookahead_counts_reach_a_large_pools_order() -> None:
+    """Requests placed on a decode instance whose prefill still runs weigh on it in the
+    candidate path as in the full one: the same instance is avoided."""
+    cfg = CandidatesConfig(min_pool=2, least_loaded=2)
+    cond = Conductor(ConductorConfig(candidates=cfg))
+    decode = [DecodeState(iid=i, capacity_tokens=0) for i in range(4)]
+    req = RequestInfo(rid=1, arrival=0.0, input_tokens=4000, output_tokens=10, keys=[],
+                      block_tokens=16)
+    sel = cond.decode_selector
+    first = sel.choose(req, decode)
+    assert first.decode is not None
+    for rid in range(10, 40):  # many requests sent ahead to the first choice
+        sel.placed(RequestInfo(rid=rid, arrival=0.0, input_tokens=4000, output_tokens=1,
+                               keys=[], block_tokens=16), first.decode)
+    for _ in range(10):
+        assert sel.choose(req, decode).decode != first.decode
+    for rid in range(10, 40):
+        sel.joined(RequestInfo(rid=rid, arrival=0.0, input_tokens=4000, output_tokens=1,
+                               keys=[], block_tokens=16))
+    order = board_of(decode).order
+    assert order.ahead_n.tolist() == [0, 0, 0, 0]
