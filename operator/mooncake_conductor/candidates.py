@@ -15,25 +15,27 @@ for the request that have KV room for it. Every other instance matches no more o
 prompt than these and waits at least as long, so the full scan picks one of them unless
 a fetch or a tie band changes the order (measured in ``docs/results/fleet-scale.md``).
 
-How the least loaded are found: each pool keeps two heaps per load key, updated in
-``O(log n)`` whenever a row's load changes (:class:`~.state.Board` calls
-:meth:`LoadOrder.touch`; an entry made stale by a later change is skipped and the heaps
-are rebuilt once stale entries outnumber the rows). A prefill row's wait is
-``max(a + q, now + q) - now`` (``a`` busy until, ``q`` queued work): monotone in ``a +
-q`` and in ``q``, so the *threshold algorithm* (Fagin, Lotem and Naor, PODS 2001) reads
-both heaps in order and stops once the ``k``-th best wait is no worse than what any
-unread row could have. A decode row's step is monotone in its batch and its context (the
-requests sent ahead counted), read the same way. The pool's aggregates the prefill price
-needs (live, busy and waiting counts; the two earliest free times) are kept alongside:
-nothing in a decision visits every instance.
+How the least loaded are found: each pool keeps its rows in sorted lists, one per load
+key, updated whenever a row's load changes (:class:`~.state.Board` calls
+:meth:`LoadOrder.touch`: a binary search and one memmove, C speed for thousands of
+rows). A prefill row is either running (busy past the last query) or free: within each
+set one key orders the rows by wait exactly (``busy_until + queued work``; queued
+work), so the ``k`` that free first are the first ``k`` of the two lists merged. A
+decode row's step is the larger of two arms, each monotone in one key (memory: the
+context; compute: ``per_seq * batch + per_ctx * context``), read by the *threshold
+algorithm* (Fagin, Lotem and Naor, PODS 2001) until the ``k``-th best is no worse than
+any unread row can be. The pool's aggregates the prefill price needs (live, busy and
+waiting counts; the two earliest free times) are kept alongside. What is left that
+grows with the pool is compiled or numpy work over one array per pool (the walk's
+lengths by instance id), no Python per instance.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from bisect import bisect_right, insort
-from collections.abc import Callable, Iterator
+from bisect import bisect_left, bisect_right, insort
+from collections.abc import Callable
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -45,11 +47,12 @@ if TYPE_CHECKING:
     from .state import Board
 
 F64Array = npt.NDArray[np.float64]
-#: a heap entry: (key, row, version of the row when pushed)
-_Entry = tuple[float, int, int]
-#: stale entries allowed per row (and a floor) before the heaps are rebuilt
-_STALE_PER_ROW = 2
-_STALE_FLOOR = 64
+I64Array = npt.NDArray[np.int64]
+
+
+def _anyone(row: int) -> bool:
+    return True
+
 
 
 class CandidatesConfig(BaseModel):
@@ -69,42 +72,30 @@ class CandidatesConfig(BaseModel):
         "prefill decision")
 
 
-class _Heaps:
-    """Heaps of ``(key, row, version)`` entries over the rows of a pool; an entry is
-    live while its version is the row's (a later change pushes a new one). Read in order
-    without being changed (:meth:`scan`); rebuilt once stale entries outnumber the
-    rows."""
+class _Orders:
+    """Sorted lists of ``(key, row)``, at most one entry per row in each: a change
+    removes the row's entry and inserts the new one (a binary search and one memmove,
+    C speed for pools of thousands), so reading the first ``k`` visits ``k`` entries."""
 
     def __init__(self, rows: int, count: int) -> None:
-        self.version = [0] * rows
-        self.heaps: list[list[_Entry]] = [[] for _ in range(count)]
+        self.lists: list[list[tuple[float, int]]] = [[] for _ in range(count)]
+        self._at: list[list[tuple[float, int] | None]] = [[None] * rows for _ in range(count)]
 
-    def bump(self, row: int) -> int:
-        v = self.version[row] + 1
-        self.version[row] = v
-        return v
+    def put(self, which: int, row: int, key: float) -> None:
+        self.drop(which, row)
+        entry = (key, row)
+        insort(self.lists[which], entry)
+        self._at[which][row] = entry
 
-    def push(self, which: int, key: float, row: int, v: int) -> None:
-        heapq.heappush(self.heaps[which], (key, row, v))
+    def drop(self, which: int, row: int) -> None:
+        entry = self._at[which][row]
+        if entry is not None:
+            lst = self.lists[which]
+            del lst[bisect_left(lst, entry)]
+            self._at[which][row] = None
 
-    def stale(self) -> bool:
-        return sum(map(len, self.heaps)) > _STALE_PER_ROW * len(self.version) + _STALE_FLOOR
-
-    def scan(self, which: int) -> Iterator[tuple[float, int]]:
-        """Live entries of one heap as ``(key, row)`` in order: a best-first walk of the
-        heap's tree (children of position ``p`` at ``2p + 1`` and ``2p + 2``)."""
-        heap, version = self.heaps[which], self.version
-        if not heap:
-            return
-        front = [(heap[0], 0)]
-        size = len(heap)
-        while front:
-            (key, row, v), pos = heapq.heappop(front)
-            for child in (2 * pos + 1, 2 * pos + 2):
-                if child < size:
-                    heapq.heappush(front, (heap[child], child))
-            if v == version[row]:
-                yield key, row
+    def has(self, which: int, row: int) -> bool:
+        return self._at[which][row] is not None
 
 
 class LoadOrder:
@@ -128,7 +119,7 @@ class LoadOrder:
         self._qwork = cols["queued_work_s"]
         self._qlen = cols["queue_len"]
         n = len(self._up)
-        self._heaps = _Heaps(n, 3)
+        self._orders = _Orders(n, 3)
         self._clock = -math.inf  # the last query's time: rows ending after it run
         #: per row what the aggregates counted: (up, busy_until, queue length)
         self._seen: list[tuple[bool, float, int]] = [(False, 0.0, 0)] * n
@@ -140,15 +131,17 @@ class LoadOrder:
             self.touch(row)
 
     def _place(self, row: int) -> None:
-        """Push the live row's entries into the set its end puts it in."""
-        h = self._heaps
-        v = h.bump(row)
+        """Put the live row in the set its end puts it in."""
+        o = self._orders
         a, q = float(self._busy[row]), float(self._qwork[row])
         if a > self._clock:
-            h.push(self._RUN, a + q, row, v)
-            h.push(self._END, a, row, v)
+            o.put(self._RUN, row, a + q)
+            o.put(self._END, row, a)
+            o.drop(self._FREE, row)
         else:
-            h.push(self._FREE, q, row, v)
+            o.put(self._FREE, row, q)
+            o.drop(self._RUN, row)
+            o.drop(self._END, row)
 
     def touch(self, row: int) -> None:
         """Row ``row``'s load (up, busy until, queued work or queue length) changed."""
@@ -164,7 +157,8 @@ class LoadOrder:
                 del idle[bisect_right(idle, was_a) - 1]
         self._seen[row] = (up, a, qlen)
         if not up:
-            self._heaps.bump(row)
+            for which in (self._RUN, self._FREE, self._END):
+                self._orders.drop(which, row)
             return
         self.live += 1
         self.waiting += qlen
@@ -173,25 +167,15 @@ class LoadOrder:
         else:
             insort(self._idle_until, a)
         self._place(row)
-        if self._heaps.stale():
-            self._rebuild()
-
-    def _rebuild(self) -> None:
-        self._heaps.heaps = [[] for _ in self._heaps.heaps]
-        for row, (up, _, _) in enumerate(self._seen):
-            if up:
-                self._place(row)
 
     def _advance(self, now: float) -> None:
         """Rows whose end has passed by ``now`` move to the free set."""
         if now <= self._clock:
             return
         self._clock = now
-        ends, version = self._heaps.heaps[self._END], self._heaps.version
+        ends = self._orders.lists[self._END]
         while ends and ends[0][0] <= now:
-            _, row, v = heapq.heappop(ends)
-            if v == version[row]:
-                self._place(row)
+            self._place(ends[0][1])
 
     def busy(self, now: float) -> int:
         """Live rows running at ``now`` or with a queue."""
@@ -202,9 +186,9 @@ class LoadOrder:
         """The ``k`` live rows that free first: ``(wait in seconds, row)`` in order."""
         self._advance(now)
         busy, qwork = self._busy, self._qwork
-        running = ((key - now, row) for key, row in self._heaps.scan(self._RUN))
-        rows = [row for _, row in islice(heapq.merge(running, self._heaps.scan(self._FREE)),
-                                          k)]
+        lists = self._orders.lists
+        running = ((key - now, row) for key, row in lists[self._RUN])
+        rows = [row for _, row in islice(heapq.merge(running, lists[self._FREE]), k)]
         out = []
         for row in rows:
             a = float(busy[row])
@@ -231,18 +215,22 @@ class DecodeOrder:
 
     WATCHED = frozenset({"up", "batch", "context_tokens"})
 
-    def __init__(self, board: Board, per_seq: float = 1.0, per_ctx: float = 0.0) -> None:
+    def __init__(self, board: Board, consts: list[float]) -> None:
         cols = board.columns
         self._up = cols["up"]
         self._batch = cols["batch"]
         self._context = cols["context_tokens"]
-        self.per_seq, self.per_ctx = per_seq, per_ctx
+        self._reserved = cols["reserved_tokens"]
+        self._capacity = cols["capacity_tokens"]
+        #: the cost model's decode constants (:data:`~.kernels.DECODE_FIELDS` order)
+        self._consts = consts
+        self.per_seq, self.per_ctx = consts[3], consts[4]
         n = len(self._up)
         #: the selector whose requests sent ahead :meth:`ahead` counts (one per pool)
         self.owner: object = None
         self.ahead_n = np.zeros(n, dtype=np.int64)
         self.ahead_tokens = np.zeros(n, dtype=np.int64)
-        self._heaps = _Heaps(n, 2)
+        self._orders = _Orders(n, 2)
         for row in range(n):
             self.touch(row)
 
@@ -257,17 +245,14 @@ class DecodeOrder:
 
     def touch(self, row: int) -> None:
         """Row ``row``'s batch, context or ``up`` changed."""
-        h = self._heaps
-        v = h.bump(row)
+        o = self._orders
         if self._up[row]:
             k1, k2 = self._keys(row)
-            h.push(0, k1, row, v)
-            h.push(1, k2, row, v)
-            if h.stale():
-                h.heaps = [[], []]
-                for r in range(len(h.version)):
-                    if self._up[r]:
-                        self.touch(r)
+            o.put(0, row, k1)
+            o.put(1, row, k2)
+        else:
+            o.drop(0, row)
+            o.drop(1, row)
 
     def ahead(self, row: int, requests: int, tokens: int) -> None:
         """``requests`` more (or fewer) requests of ``tokens`` prompt tokens in all were
@@ -275,6 +260,33 @@ class DecodeOrder:
         self.ahead_n[row] += requests
         self.ahead_tokens[row] += tokens
         self.touch(row)
+
+    def candidates(self, k: int, tokens: int, need: int) -> I64Array | None:
+        """The rows worth pricing for a request of ``tokens`` prompt tokens that needs
+        ``need`` tokens of KV: the ``k`` with the smallest step that have room for it,
+        or the fastest one when none has (the answer then); ``None`` when no row is
+        up. The step is the cost model's (:meth:`~.cost.CostModel.decode_step_time`)."""
+        weights, kvb, hbm, per_seq, per_ctx, peak, overhead = self._consts
+        context, reserved, capacity, ahead = (self._context, self._reserved, self._capacity,
+                                              self.ahead_tokens)
+
+        def bound(ctx: float, flops: float) -> float:
+            """The step of a row at these keys (an arm at ``-inf`` is left out)."""
+            mem = (weights + (ctx + tokens) * kvb) / hbm
+            compute = (flops + per_seq + tokens * per_ctx) / peak
+            return float(overhead + max(mem, compute))
+
+        def step(row: int) -> float:
+            return bound(*self._keys(row))
+
+        def room(row: int) -> bool:
+            cap = int(capacity[row])
+            return cap <= 0 or int(context[row] + ahead[row] + reserved[row]) + need <= cap
+
+        best = self.fastest(k, step, bound, room) or self.fastest(1, step, bound, _anyone)
+        if not best:
+            return None
+        return np.array(sorted(row for _, row in best), dtype=np.int64)
 
     def fastest(
         self, k: int, value: Callable[[int], float], bound: Callable[[float, float], float],
@@ -285,7 +297,7 @@ class DecodeOrder:
         step of a row at those keys; the threshold algorithm (Fagin, Lotem and Naor)
         reads the two orders, each time the one whose arm is the larger now, until the
         ``k``-th best is no worse than any unread row can be."""
-        scans = [self._heaps.scan(0), self._heaps.scan(1)]
+        scans = [iter(self._orders.lists[0]), iter(self._orders.lists[1])]
         fronts: list[tuple[float, int] | None] = [next(scans[0], None), next(scans[1], None)]
         seen: set[int] = set()
         found: list[tuple[float, int]] = []  # max-heap of the best k as (-value, -row)

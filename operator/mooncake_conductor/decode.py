@@ -141,7 +141,7 @@ class TBTSLODecode(DecodeSelector):
         ahead_tokens: npt.NDArray[np.int64] | None
         if cand.enabled and m >= cand.min_pool:
             order = self._order(board)
-            rows = self._candidates(order, board, req.input_tokens, need)
+            rows = order.candidates(cand.least_loaded, req.input_tokens, need)
             ahead_n, ahead_tokens = order.ahead_n, order.ahead_tokens
         else:
             rows = None
@@ -160,51 +160,15 @@ class TBTSLODecode(DecodeSelector):
         row = int(ties[0] if count == 1 else ties[self.rng.choice(range(count))])
         return DecodeChoice(decode[row].iid, float(step[row]))
 
-    def _candidates(self, order: DecodeOrder, board: Board, tokens: int,
-                    need: int) -> npt.NDArray[np.int64] | None:
-        """The rows to price on a large pool: the ``least_loaded`` with the smallest step
-        for ``tokens`` more context and room for ``need`` tokens, or the one with the
-        smallest step when none has room (the answer then)."""
-        cost = self.cost
-        context, reserved, capacity = (board["context_tokens"], board["reserved_tokens"],
-                                       board["capacity_tokens"])
-        ahead = order.ahead_tokens
-        weights, kvb, hbm, per_seq, per_ctx, peak, overhead = self._consts.tolist()
-
-        def step(row: int) -> float:
-            batch, ctx = order.load(row)
-            return cost.decode_step_time(batch + 1, ctx + tokens)
-
-        def bound(ctx: float, flops: float) -> float:
-            """The step of a row at these keys (``-inf``: that arm left out)."""
-            mem = (weights + (ctx + tokens) * kvb) / hbm
-            compute = (flops + per_seq + tokens * per_ctx) / peak
-            return float(overhead + max(mem, compute))
-
-        def room(row: int) -> bool:
-            cap = int(capacity[row])
-            return cap <= 0 or int(context[row] + ahead[row] + reserved[row]) + need <= cap
-
-        best = order.fastest(self.candidates.least_loaded, step, bound, room)
-        if not best:
-            best = order.fastest(1, step, bound, _anyone)
-        if not best:
-            return None  # nothing up: the full pass says so
-        return np.array(sorted(row for _, row in best), dtype=np.int64)
-
     def _order(self, board: Board) -> DecodeOrder:
-        per_seq, per_ctx = float(self._consts[3]), float(self._consts[4])
-        order: DecodeOrder = order_of(board, lambda b: DecodeOrder(b, per_seq, per_ctx))
+        consts = self._consts.tolist()
+        order: DecodeOrder = order_of(board, lambda b: DecodeOrder(b, consts))
         return order
 
     def _ahead(self, board: Board) -> tuple[npt.NDArray[np.int64] | None,
                                             npt.NDArray[np.int64] | None]:
         """Requests sent ahead to each row (none for the plain rule)."""
         return None, None
-
-
-def _anyone(row: int) -> bool:
-    return True
 
 
 class TBTLookaheadDecode(TBTSLODecode):

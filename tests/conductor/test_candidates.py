@@ -88,7 +88,7 @@ def test_decode_order_finds_the_fastest_with_room() -> None:
         pool = [DecodeState(iid=i, capacity_tokens=r.choice([0, 50_000])) for i in range(n)]
         board = board_of(pool)
         consts = COST.decode_constants()
-        order: DecodeOrder = DecodeOrder(board, consts[3], consts[4])
+        order: DecodeOrder = DecodeOrder(board, consts)
         board.order = order
         for _ in range(5):
             for d in r.sample(pool, max(1, n // 2)):
@@ -232,3 +232,23 @@ def test_lookahead_counts_reach_a_large_pools_order() -> None:
                                keys=[], block_tokens=16))
     order = board_of(decode).order
     assert order.ahead_n.tolist() == [0, 0, 0, 0]
+
+
+def test_a_full_large_pool_refuses_as_the_full_pass_does() -> None:
+    """No decode instance has KV room: both paths refuse for the TBT SLO, naming the
+    fastest instance; with room on one instance only, both take it."""
+    decode = [DecodeState(iid=i, capacity_tokens=10_000, context_tokens=9_000 - 100 * i,
+                          batch=3) for i in range(6)]
+    req = RequestInfo(rid=1, arrival=0.0, input_tokens=2000, output_tokens=10, keys=[],
+                      block_tokens=16)
+    full = Conductor(ConductorConfig(candidates=CandidatesConfig(enabled=False)))
+    cand = Conductor(ConductorConfig(candidates=CandidatesConfig(min_pool=2, least_loaded=2)))
+    a, b = full.decode_selector.choose(req, decode), cand.decode_selector.choose(req, decode)
+    assert a.reject_reason == b.reject_reason == "tbt-slo"
+    assert a.decode == b.decode == 5  # the least context steps fastest
+    decode[2].context_tokens = 1000
+    a, b = full.decode_selector.choose(req, decode), cand.decode_selector.choose(req, decode)
+    assert a.reject_reason is None and (a.decode, b.decode, b.reject_reason) == (2, 2, None)
+    for d in decode:
+        d.up = False
+    assert cand.decode_selector.choose(req, decode).reject_reason == "no-decode-instance"
