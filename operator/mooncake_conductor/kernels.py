@@ -310,6 +310,154 @@ def walk_keys_wide(
     return int(end), int(dropped)
 
 
+_lengths_wide: Callable[..., tuple[int, int, Any]] | None = None
+_locate: Any = None
+_word: Any = None
+_settle_at: Any = None
+
+
+def _compile_lengths_wide() -> Callable[..., tuple[int, int, Any]]:
+    """:func:`walk_lengths` for masks of several words, reading only the words that
+    still hold an instance (the holders of a prefix are few, whatever the fleet)."""
+    from numba import njit
+
+    from .keytable import _H1, _H2, SLOTS
+
+    global _locate, _word, _settle_at  # module globals, not closure cells: see _compile
+    h1, h2 = np.uint64(_H1), np.uint64(_H2)
+    slots = SLOTS
+    one, zero = np.uint64(1), np.uint64(0)
+
+    @njit(cache=True, nogil=True, inline="always")
+    def locate(rows: Any, over: Any, meta: Any, stash: Any, key: Any) -> Any:
+        """Where the key's mask lives: (1, bucket, slot), (2, stash row, 0), (3, 0, 0)
+        for the key 0, (0, 0, 0) nowhere (the search of the one-word probe)."""
+        if key == 0:
+            return 3, 0, 0
+        home = np.int64((key * h1) >> meta[0])
+        for j in range(slots):
+            if rows[home, j] == key:
+                return 1, home, j
+        if over[home] == 0:
+            return 0, 0, 0
+        away = np.int64((key * h2) >> meta[0])
+        for j in range(slots):
+            if rows[away, j] == key:
+                return 1, away, j
+        if stash.shape[0]:
+            at = np.searchsorted(stash[:, 0], key)
+            if at < stash.shape[0] and stash[at, 0] == key:
+                return 2, at, 0
+        return 0, 0, 0
+
+    _locate = locate
+
+    @njit(cache=True, nogil=True, inline="always")
+    def word(rows: Any, meta: Any, stash: Any, w: int, kind: int, a: int, b: int,
+             k: int) -> Any:
+        """Word ``k`` of a located mask."""
+        if kind == 1:
+            return rows[a, slots + b * w + k]
+        if kind == 2:
+            return stash[a, 1 + k]
+        if kind == 3:
+            return meta[1 + k]
+        return zero
+
+    _word = word
+
+    @njit(cache=True, nogil=True, inline="always")
+    def settle_at(gone: Any, base: int, at: int, out: Any) -> None:
+        """``out[base + b] = at`` for every bit ``b`` of ``gone``."""
+        b = 0
+        while gone != zero:
+            if gone & one:
+                out[base + b] = at
+            gone >>= one
+            b += 1
+
+    _settle_at = settle_at
+
+    @njit(cache=True, nogil=True)
+    def lengths_wide(
+        rows1: Any, over1: Any, meta1: Any, stash1: Any,
+        rows2: Any, over2: Any, meta2: Any, stash2: Any,
+        keys: Any, acc: Any, acc_p: Any, out: Any, out_p: Any, act: Any,
+    ) -> tuple[int, int, Any]:
+        w = acc.shape[0]
+        out[:] = 0
+        out_p[:] = 0
+        n = keys.shape[0]
+        live = 0  # words still holding an instance (either walk), listed in ``act``
+        pending = 0  # words still holding an instance of the pending walk
+        for k in range(w):
+            if acc[k] | acc_p[k]:
+                act[live] = k
+                live += 1
+            if acc_p[k]:
+                pending += 1
+        sink = zero
+        for i in range(n):  # every key's home rows first: loads the CPU overlaps
+            sink ^= rows1[(keys[i] * h1) >> meta1[0], 0]
+            if pending:
+                sink ^= rows2[(keys[i] * h1) >> meta2[0], 0]
+        for i in range(n):
+            if live == 0:
+                break
+            key = keys[i]
+            kind1, a1, b1 = _locate(rows1, over1, meta1, stash1, key)
+            kind2 = -1  # the pending table is searched only when needed
+            a2 = 0
+            b2 = 0
+            j = 0
+            while j < live:
+                k = act[j]
+                m1 = _word(rows1, meta1, stash1, w, kind1, a1, b1, k)
+                new = acc[k] & m1
+                if new != acc[k]:
+                    _settle_at(acc[k] & ~new, 64 * k, i, out)
+                    acc[k] = new
+                if acc_p[k] & ~m1:  # else every instance left holds the key
+                    if kind2 < 0:
+                        kind2, a2, b2 = _locate(rows2, over2, meta2, stash2, key)
+                    new = acc_p[k] & (m1 | _word(rows2, meta2, stash2, w, kind2, a2, b2, k))
+                    if new != acc_p[k]:
+                        _settle_at(acc_p[k] & ~new, 64 * k, i, out_p)
+                        acc_p[k] = new
+                if acc[k] == zero and acc_p[k] == zero:
+                    live -= 1
+                    act[j] = act[live]
+                else:
+                    j += 1
+        for k in range(w):
+            _settle_at(acc[k], 64 * k, n, out)
+            _settle_at(acc_p[k], 64 * k, n, out_p)
+        best = 0
+        for b in range(out.shape[0]):
+            if out[b] > out[best]:
+                best = b
+        return best, out[best], sink
+
+    return lengths_wide
+
+
+def walk_lengths_wide(
+    stored: TableView, pending: TableView, keys: U64Array, acc: U64Array, acc_pending: U64Array,
+    out: npt.NDArray[np.int64], out_pending: npt.NDArray[np.int64],
+) -> tuple[int, int]:
+    """:func:`walk_lengths` for masks of ``len(acc)`` words (both tables that wide; ``acc``
+    and ``acc_pending`` are used up): ``out`` and ``out_pending`` at least ``64 *
+    len(acc)`` long. Each key reads only the words that still hold an instance, so the
+    cost follows the holders, not the number of instances."""
+    global _lengths_wide
+    if _lengths_wide is None:
+        _lengths_wide = _compile_lengths_wide()
+    act = np.empty(len(acc), dtype=np.int64)
+    best, length, _ = _lengths_wide(*stored, *pending, keys, acc, acc_pending, out,
+                                    out_pending, act)
+    return int(best), int(length)
+
+
 _upsert: Callable[..., int] | None = None
 
 
@@ -459,6 +607,11 @@ def warm_up() -> None:
     walk_keys([table.kernel_view()], keys, 1, drops)
     walk_lengths(table.kernel_view(), table.kernel_view(), keys, 1, 1,
                  np.zeros(64, dtype=np.int64), np.zeros(64, dtype=np.int64))
+    wide = KeyMaskTable(words=2)
+    wide.assign(keys, np.ones((len(keys), 2), dtype=np.uint64))
+    walk_lengths_wide(wide.kernel_view(), wide.kernel_view(), keys,
+                      np.ones(2, dtype=np.uint64), np.ones(2, dtype=np.uint64),
+                      np.zeros(128, dtype=np.int64), np.zeros(128, dtype=np.int64))
     one_f, one_i = np.zeros(1), np.zeros(1, dtype=np.int64)
     rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, 1.0, 1.0, 1.0, True, 0.0, 0.0,
               np.ones(1, dtype=np.bool_), one_f, one_f, one_i, one_i, one_i, np.zeros(1),
