@@ -2,7 +2,8 @@
 
     python benchmarks/gateway_decision.py [--instances 64] [--blocks 1000000]
         [--tokens 8192] [--rounds 10000] [--policy conductor] [--no-churn] [--no-pending]
-        [--no-gc-freeze] [--groups 1] [--no-hot-tokens]
+        [--no-gc-freeze] [--groups 1] [--no-hot-tokens] [--no-candidates] [--min-pool 128]
+        [--compare] [--no-load-churn]
 
 The index holds ``--blocks`` keys spread over ``--instances`` prefill instances (chained
 prefixes of 512 blocks, every tenth one shared by several instances), queues are non-empty,
@@ -23,7 +24,13 @@ and decode) in group ``i % G`` (engine revisions during a rollout: each decode c
 then restricted to the prefill's group); 1, the default, is the usual one-group path.
 The Conductor's hot-prefix tracker is the gateway's, which also keeps the token ids of
 prefixes about to be hot (``--hot-tokens``, default on; ``--no-hot-tokens``: the core's
-plain tracker), inside the timed decision as in the gateway.
+plain tracker), inside the timed decision as in the gateway. Pools of ``--min-pool``
+instances or more price candidates only (``--no-candidates``: a full pass); between
+decisions the chosen prefill instance queues the request and a random one finishes its
+head (``--load-churn``, default on; timed apart), so the load orders are updated as in
+the gateway. ``--compare`` decides each request again by a full pass over the same
+states (untimed) and counts the choices that differ, and those worse beyond the tie
+band (docs/results/fleet-decisions.md).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from collections.abc import Iterator
 
 import numpy as np
 from mooncake_conductor.blockkeys import block_keys, block_keys_array, namespace_seed
+from mooncake_conductor.candidates import CandidatesConfig
 from mooncake_conductor.engine import Conductor, ConductorConfig
 from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.kernels import warm_up
@@ -72,6 +80,16 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=10000)
     ap.add_argument("--policy", default="conductor")
+    ap.add_argument("--candidates", action=argparse.BooleanOptionalAction, default=True,
+                    help="price candidates only on pools of at least --min-pool instances "
+                    "(off: one pass over every instance)")
+    ap.add_argument("--min-pool", type=int, default=CandidatesConfig().min_pool)
+    ap.add_argument("--compare", action=argparse.BooleanOptionalAction, default=False,
+                    help="also decide each request by a full pass over the same states "
+                    "(untimed) and count the choices that differ beyond the tie band")
+    ap.add_argument("--load-churn", action=argparse.BooleanOptionalAction, default=True,
+                    help="between decisions the chosen prefill instance queues the request "
+                    "and a random one finishes its head (the load order follows)")
     ap.add_argument("--churn", action=argparse.BooleanOptionalAction, default=True,
                     help="store each decided prompt on its instance (KV events) between "
                     "decisions")
@@ -107,7 +125,10 @@ def main() -> int:
     mirror_s = time.perf_counter() - t0
     params = {"cpp": {"enabled": False}, "priority_weight": 0.0} if a.policy == "conductor" \
         else {}
-    cond = Conductor(ConductorConfig(policy=a.policy, params=params))
+    cand = CandidatesConfig(enabled=a.candidates, min_pool=a.min_pool)
+    cond = Conductor(ConductorConfig(policy=a.policy, params=params, candidates=cand))
+    full = Conductor(ConductorConfig(policy=a.policy, params=params,
+                                     candidates=CandidatesConfig(enabled=False)))
     warm_up()  # as the gateway does before serving (setting warm_kernels)
     cluster = ClusterState(
         prefill=[PrefillState(iid=i) for i in range(n_inst)],
@@ -166,7 +187,18 @@ def main() -> int:
 
     gc.callbacks.append(on_gc)
     now = 1000.0
+    lat_load: list[float] = []
+    compared = [0, 0, 0, 0]  # decisions, other prefill, beyond the tie band, decode beyond
+    ttft_gap: list[float] = []
+    tol = cond.policy.params.tie_tolerance if hasattr(cond.policy.params, "tie_tolerance") \
+        else 0.0
     for i, toks in enumerate(prompts()):
+        if a.compare:  # the full pass on the same states, untimed
+            arr = block_keys_array(toks, BLOCK, seed)
+            same = RequestInfo(rid=i, arrival=now, input_tokens=len(toks), output_tokens=128,
+                               keys=arr.tolist(), block_tokens=BLOCK, key_array=arr)
+            ref_pl = full.policy.choose(same, cluster, now)
+            ref_dc = full.decode_selector.choose(same, cluster.decode)
         in_decision[0] = True
         t = time.perf_counter()
         key_array = block_keys_array(toks, BLOCK, seed)
@@ -182,6 +214,20 @@ def main() -> int:
         lat_keys.append(tk - t)
         lat_all.append(te - t)
         pl, dc = decision.placement, decision.decode
+        if a.compare:
+            full.decode_selector.placed(req, dc.decode)
+            compared[0] += 1
+            compared[1] += ref_pl.prefill != pl.prefill
+            compared[2] += pl.ttft_s > ref_pl.ttft_s * (1 + tol) + 0.005
+            compared[3] += dc.predicted_tbt_s > ref_dc.predicted_tbt_s * 1.01
+            ttft_gap.append(pl.ttft_s - ref_pl.ttft_s)
+        if a.load_churn and pl.prefill is not None:
+            tl = time.perf_counter()  # the chosen instance queues it, another finishes one
+            cluster.prefill[pl.prefill].enqueue(i, 0.0, pl.prefill_s, 0, 0)
+            done = cluster.prefill[prng.randrange(n_inst)]
+            if done.queue:
+                done.busy_until = now + done.pop().work_s
+            lat_load.append(time.perf_counter() - tl)
         if pl.prefill is not None and dc.decode is not None and \
                 cluster.prefill[pl.prefill].group != cluster.decode[dc.decode].group:
             crossed += 1
@@ -216,7 +262,9 @@ def main() -> int:
 
     print(f"index: {len(index):,} distinct blocks, {index.size():,} entries on {n_inst} "
           f"instances (built in {build_s:.1f} s, vectorised mirror in {mirror_s:.1f} s); "
-          f"prompts {a.tokens} tokens, block {BLOCK}, policy {a.policy}, {a.rounds} decisions")
+          f"prompts {a.tokens} tokens, block {BLOCK}, policy {a.policy}, {a.rounds} decisions, "
+          f"{n_inst} + {a.decode} instances, candidates "
+          f"{'from ' + str(a.min_pool) + ' instances' if a.candidates else 'off'}")
     print(f"block keys only   : p50 {pct(lat_keys, 0.5):7.1f} µs  p99 "
           f"{pct(lat_keys, 0.99):7.1f} µs")
     print(f"token-id list → validated int64 array: p50 {pct(lat_validate, 0.5):7.1f} µs  "
@@ -235,6 +283,16 @@ def main() -> int:
         print(f"index update      : p50 {pct(lat_update, 0.5):7.1f} µs  p99 "
               f"{pct(lat_update, 0.99):7.1f} µs  (store the new blocks of a decided prompt "
               f"+ LRU evictions + mirror sync; not in the decision)")
+    if lat_load:
+        print(f"load update       : p50 {pct(lat_load, 0.5):7.1f} µs  p99 "
+              f"{pct(lat_load, 0.99):7.1f} µs  (queue on the chosen instance, finish one "
+              f"elsewhere; the load order follows; not in the decision)")
+    if compared[0]:
+        print(f"full pass compared: {compared[0]} decisions; another prefill instance "
+              f"{compared[1]} ({100 * compared[1] / compared[0]:.1f} %), TTFT beyond the tie "
+              f"band {compared[2]} ({100 * compared[2] / compared[0]:.2f} %, mean gap "
+              f"{1000 * statistics.mean(ttft_gap):+.2f} ms); decode step beyond 1 % "
+              f"{compared[3]} ({100 * compared[3] / compared[0]:.2f} %)")
     top = sorted(range(len(lat_all)), key=lat_all.__getitem__)[-max(1, len(lat_all) // 100):]
     print(f"garbage collector: ran {gc_runs[0]} times, during {len(gc_hits)} decisions "
           f"({100 * len(gc_hits) / len(lat_all):.2f} %), {len(gc_hits & set(top))} of them "
