@@ -252,3 +252,49 @@ def test_a_full_large_pool_refuses_as_the_full_pass_does() -> None:
     for d in decode:
         d.up = False
     assert cand.decode_selector.choose(req, decode).reject_reason == "no-decode-instance"
+
+
+def _req(rid: int, tokens: int = 100) -> RequestInfo:
+    return RequestInfo(rid=rid, arrival=0.0, input_tokens=tokens, output_tokens=1, keys=[],
+                       block_tokens=16)
+
+
+def test_the_order_counts_exactly_the_requests_its_owner_sent_ahead() -> None:
+    """Requests placed before the order exists, a new pool list in another row order, a
+    second selector taking the pool over and giving it back, and joins: the order's
+    counts by row are always the owner's requests still ahead."""
+    cfg = CandidatesConfig(min_pool=2)
+    one = Conductor(ConductorConfig(candidates=cfg)).decode_selector
+    two = Conductor(ConductorConfig(candidates=cfg)).decode_selector
+    states = [DecodeState(iid=i, capacity_tokens=0) for i in range(4)]
+    one.placed(_req(1, 100), 0)  # before any order: loaded when it is made
+    one.placed(_req(2, 50), 0)
+    one.placed(_req(3, 7), 2)
+    one.choose(_req(99), states)
+    order = board_of(states).order
+    assert order.ahead_n.tolist() == [2, 0, 1, 0]
+    assert order.ahead_tokens.tolist() == [150, 0, 7, 0]
+    one.placed(_req(4, 30), 3)  # told at once, no choice needed
+    assert order.ahead_n.tolist() == [2, 0, 1, 1]
+    one.joined(_req(2))  # one of the two on instance 0 left
+    assert order.ahead_n.tolist() == [1, 0, 1, 1]
+    assert order.ahead_tokens.tolist() == [100, 0, 7, 30]
+    two.choose(_req(98), states)  # another selector's order: its own (none) counted
+    assert order.ahead_n.tolist() == [0, 0, 0, 0]
+    one.placed(_req(5, 11), 1)  # not the owner now: the order is left alone
+    assert order.ahead_n.tolist() == [0, 0, 0, 0]
+    one.choose(_req(97), states)  # back to the first: everything it has ahead
+    assert order.ahead_n.tolist() == [1, 1, 1, 1]
+    assert order.ahead_tokens.tolist() == [100, 11, 7, 30]
+    moved = list(reversed(states))  # a new list: rows are iids reversed
+    one.choose(_req(96), moved)
+    fresh = board_of(moved).order
+    assert fresh is not order
+    assert fresh.ahead_tokens.tolist() == [30, 7, 11, 100]
+    one.placed(_req(6, 5), 3)  # the new order follows; the old one is left as it was
+    assert fresh.ahead_tokens.tolist() == [35, 7, 11, 100]
+    assert order.ahead_tokens.tolist() == [100, 11, 7, 30]
+    for rid in (1, 3, 4, 5, 6):
+        one.joined(_req(rid))
+    assert fresh.ahead_n.tolist() == [0, 0, 0, 0]
+    assert fresh.ahead_tokens.tolist() == [0, 0, 0, 0]
