@@ -41,6 +41,7 @@ from .keytable import (
     U64Array,
     as_key_array,
     mask_to_words,
+    masks_to_words,
     words_to_mask,
 )
 
@@ -90,8 +91,11 @@ class _Mirror:
     def __init__(self, holders: dict[int, int], pending: dict[int, int]) -> None:
         self.stored = KeyMaskTable()
         self.pending = KeyMaskTable()
-        self.dirty_stored: set[int] = set(holders)
-        self.dirty_pending: set[int] = set(pending)
+        self.dirty_stored: set[int] = set()
+        self.dirty_pending: set[int] = set()
+        # every key, read in the dicts' own order (not looked up one by one)
+        _assign_masks(self.stored, list(holders), list(holders.values()))
+        _assign_masks(self.pending, list(pending), list(pending.values()))
 
     def sync(self, holders: dict[int, int], pending: dict[int, int]) -> None:
         if self.dirty_stored:
@@ -100,17 +104,46 @@ class _Mirror:
             _assign(self.pending, self.dirty_pending, pending)
 
 
+#: keys assigned to the mirror per part when a sync has more (the first, of every key):
+#: the mask rows of one part are all that is made at a time (~130 MB of 16-word rows)
+ASSIGN_PART = 1 << 20
+
+
 def _assign(table: KeyMaskTable, dirty: set[int], source: dict[int, int]) -> None:
+    """The current masks of the ``dirty`` keys into ``table`` (0 removes a key)."""
     keys = list(dirty)
     dirty.clear()
-    masks = list(map(source.get, keys, repeat(0)))
-    karr = np.fromiter(keys, dtype=np.uint64, count=len(keys))
-    try:
-        marr = np.fromiter(masks, dtype=np.uint64, count=len(masks))[:, None]
-    except OverflowError:  # instance ids past 63: several words per mask
-        words = -(-max(m.bit_length() for m in masks) // WORD_BITS)  # as many as needed
-        marr = np.stack([mask_to_words(m, words) for m in masks])
-    table.assign(karr, marr)
+    _assign_masks(table, keys, list(map(source.get, keys, repeat(0))))
+
+
+def _assign_masks(table: KeyMaskTable, keys: list[int], masks: list[int]) -> None:
+    """``masks[i]`` as the mask of ``keys[i]`` (distinct), as wide as the widest mask or
+    the table; every per-key step runs in C or compiled code."""
+    words = table.words
+    if len(keys) > ASSIGN_PART:  # one growth to the final size, then part after part
+        words = max(words, _words_for(masks))
+        table.ensure_words(words)
+        table.reserve(len(keys))
+    for lo in range(0, len(keys), ASSIGN_PART):
+        part = masks[lo : lo + ASSIGN_PART]
+        karr = np.fromiter(keys[lo : lo + ASSIGN_PART], dtype=np.uint64, count=len(part))
+        table.assign(karr, _mask_rows(part, words))
+
+
+def _words_for(masks: list[int]) -> int:
+    """How many 64-bit words the widest of ``masks`` needs (at least one)."""
+    return max(1, -(-max(map(int.bit_length, masks), default=0) // WORD_BITS))
+
+
+def _mask_rows(masks: list[int], words: int) -> U64Array:
+    """``masks`` as rows of at least ``words`` words, as many as the widest needs (instance
+    ids past 63: several), converted in bulk (:func:`.keytable.masks_to_words`)."""
+    if words == 1:
+        try:
+            return np.fromiter(masks, dtype=np.uint64, count=len(masks))[:, None]
+        except OverflowError:  # a mask past instance id 63
+            pass
+    return masks_to_words(masks, max(words, _words_for(masks)))
 
 
 def _matches(drops: list[tuple[int, int, int]], left: int, n: int) -> dict[int, int]:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 from mooncake_conductor import index as index_mod
-from mooncake_conductor import kernels
+from mooncake_conductor import kernels, keytable
 from mooncake_conductor.index import (
     DRAM,
     HBM,
@@ -401,6 +401,40 @@ def test_the_mirror_starts_from_every_key() -> None:
     assert mirror is not None and not mirror.dirty_stored and not mirror.dirty_pending
     assert mirror.stored.mask_of(3) == 1 << 69 and mirror.pending.mask_of(3) == 1 << 69
     assert mirror.stored.words == 2 and mirror.pending.words == 2
+
+
+@pytest.mark.parametrize("part", [16, 100])  # parts by numpy, or the compiled upsert
+@pytest.mark.parametrize("top", [5, 70, 1000])  # masks of 1, 2 and 16 words
+def test_a_large_sync_is_assigned_in_parts(monkeypatch: pytest.MonkeyPatch, part: int,
+                                           top: int) -> None:
+    monkeypatch.setattr(index_mod, "ASSIGN_PART", part)
+    grows: list[int] = []
+    real = keytable.KeyMaskTable._grow
+
+    def counted(self: keytable.KeyMaskTable, need: int) -> None:
+        grows.append(need)
+        real(self, need)
+
+    monkeypatch.setattr(keytable.KeyMaskTable, "_grow", counted)
+    ix = PrefixIndex(1000, vector_min_keys=VEC)
+    for inst in (0, 3, top):
+        ix.add_instance(inst)
+    ix.store(0, list(range(1, 301)))
+    ix.store(top, list(range(200, 401)))
+    ix.store(3, [0, 5, 250])  # the key 0 too
+    ix.add_pending(top, [7, 500])
+    assert ix.match_all([1, 2]) == {0: 2}  # the mirror of 401 keys, part after part
+    mirror = ix._mirror
+    assert mirror is not None and mirror.stored.words == top // 64 + 1
+    assert grows == [401]  # once, to the final size, before the first part
+    assert [mirror.stored.mask_of(k) for k in range(402)] == \
+        [ix.holder_mask(k) for k in range(402)]
+    assert mirror.pending.mask_of(500) == 1 << top and len(mirror.pending) == 2
+    ix.remove(top, list(range(391, 401)))  # a sync within one part: no growth
+    ix.sync()
+    assert [mirror.stored.mask_of(k) for k in range(402)] == \
+        [ix.holder_mask(k) for k in range(402)]
+    assert grows == [401] and mirror.stored.words == top // 64 + 1
 
 
 def test_the_walk_has_room_for_every_key() -> None:

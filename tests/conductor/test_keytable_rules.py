@@ -17,6 +17,7 @@ from mooncake_conductor.keytable import (
     _rank_within,
     as_key_array,
     mask_to_words,
+    masks_to_words,
     words_to_mask,
 )
 
@@ -98,6 +99,33 @@ def test_mask_words_low_word_first() -> None:
     assert words_to_mask(words) == mask
     assert words_to_mask(u64([0, 1 << 63])) == 1 << 127
     assert words_to_mask(u64([])) == 0
+
+
+@pytest.mark.parametrize("words", [1, 2, 3, 7, 16, 33, 64])
+def test_masks_to_words_in_bulk_equals_one_at_a_time(words: int) -> None:
+    rng = np.random.default_rng(words)
+    bits = 64 * words
+    masks = [int.from_bytes(rng.bytes(8 * words), "little") for _ in range(200)]
+    masks += [
+        0, 1, (1 << bits) - 1,  # nothing, the lowest bit, every bit
+        1 << (bits - 1), (1 << (bits - 1)) | 1,  # the top bit of the top word
+        *[1 << (64 * w + 63) for w in range(words)],  # each word's high bit
+        *[1 << int(b) for b in rng.integers(0, bits, size=20)],  # one holder
+        *[(1 << (bits - 1)) | int.from_bytes(rng.bytes(8), "little") for _ in range(20)],
+    ]
+    want = np.stack([mask_to_words(m, words) for m in masks])
+    got = masks_to_words(masks, words)
+    assert got.dtype == np.uint64 and got.shape == (len(masks), words)
+    assert got.flags.c_contiguous and got.flags.writeable
+    assert (got == want).all()
+    assert [words_to_mask(row) for row in got] == masks
+    # wider than ``words``: higher words are cut, as mask_to_words cuts them
+    wider = [m | (1 << (bits + 5)) | (3 << (bits + 64)) for m in masks[:50]]
+    assert (masks_to_words(wider, words) == want[:50]).all()
+    negative = [-1, -(1 << (bits - 3)), -12345]  # two's complement, as mask_to_words
+    assert (masks_to_words(negative, words)
+            == np.stack([mask_to_words(m, words) for m in negative])).all()
+    assert masks_to_words([], words).shape == (0, words)
 
 
 def test_rank_within_counts_earlier_equal_elements() -> None:
