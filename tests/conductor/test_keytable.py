@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 from mooncake_conductor import keytable
-from mooncake_conductor.keytable import KeyMaskTable, mask_to_words
+from mooncake_conductor.keytable import KeyMaskTable, mask_to_words, masks_to_words
 
 
 def _check(table: KeyMaskTable, truth: dict[int, int], probe: list[int]) -> None:
@@ -77,6 +77,45 @@ def test_matches_a_dict_through_growth_deletes_and_overflow(
     assert overflowed
     if max_load > 0.9:
         assert stashed and rewrote
+
+
+@pytest.mark.parametrize("batch_min", [keytable.COMPILED_MIN_BATCH, 10**9])
+@pytest.mark.parametrize("max_load", [keytable.MAX_LOAD, 0.95])
+def test_wide_masks_match_a_dict_through_growth_deletes_and_overflow(
+    monkeypatch: pytest.MonkeyPatch, batch_min: int, max_load: float
+) -> None:
+    # the same for masks of three words (instance ids up to 191): batches through the
+    # compiled wide upsert, or the numpy assignment; a few masks one word wide only
+    monkeypatch.setattr(keytable, "MAX_LOAD", max_load)
+    monkeypatch.setattr(keytable, "COMPILED_MIN_BATCH", batch_min)
+    rng = np.random.default_rng(11)
+    table = KeyMaskTable()
+    truth: dict[int, int] = {}
+    stashed = False
+    for r in range(ROUNDS // 2):
+        keys = np.unique(rng.integers(0, 2**64 - 1, size=int(rng.integers(1, 3000)),
+                                      dtype=np.uint64))
+        if truth and rng.random() < 0.5:
+            old = np.array(list(truth)[: len(keys)], dtype=np.uint64)
+            keys = np.unique(np.concatenate([keys, old]))
+        # a quarter deleted, the rest one to three holders among 192 ids
+        masks = [0 if rng.random() < 0.25 else
+                 sum(1 << b for b in set(rng.integers(0, 192 if r else 64, size=3).tolist()))
+                 for _ in range(len(keys))]
+        words = 1 if r == 0 else 3  # the first batch one word wide: then widened
+        table.assign(keys, masks_to_words(masks, words))
+        for k, m in zip(keys.tolist(), masks, strict=True):
+            if m:
+                truth[k] = m
+            else:
+                truth.pop(k, None)
+        stashed |= bool(table._stash)
+        probe = list(truth)[:3000] + rng.integers(0, 2**64 - 1, size=200,
+                                                  dtype=np.uint64).tolist()
+        _check(table, truth, probe)
+    assert table.words == 3 and table._overflowed.any()
+    if max_load > 0.9:
+        assert stashed
 
 
 def test_small_and_zero_keys_and_wide_masks() -> None:
