@@ -269,7 +269,7 @@ class KeyMaskTable:
                 self._build_stash_view()  # here, not in the next (timed) match
             return
         if self._stash:
-            stashed = np.isin(keys, np.fromiter(self._stash, np.uint64, len(self._stash)))
+            stashed = np.isin(keys, self.kernel_view()[3][:, 0])
             if stashed.any():
                 self._assign_stashed(keys[stashed], masks[stashed])
                 keys, masks = keys[~stashed], masks[~stashed]
@@ -286,21 +286,47 @@ class KeyMaskTable:
             self._insert(keys[new], masks[new])
 
     def _build_stash_view(self) -> None:
-        keys = sorted(self._stash)
-        view = np.empty((len(keys), 1 + self.words), dtype=np.uint64)
-        view[:, 0] = keys
-        if keys:
-            view[:, 1:] = np.stack([self._stash[k] for k in keys])
+        """The stash as the walks read it, from scratch (after the table was rebuilt);
+        batches keep it up to date after that (:meth:`_assign_stashed`, :meth:`_stash_new`)."""
+        n = len(self._stash)
+        view = np.empty((n, 1 + self.words), dtype=np.uint64)
+        if n:
+            keys = np.fromiter(self._stash, dtype=np.uint64, count=n)
+            order = np.argsort(keys)
+            view[:, 0] = keys[order]
+            view[:, 1:] = np.concatenate(list(self._stash.values())).reshape(n, -1)[order]
         self._stash_view = view
 
     def _assign_stashed(self, keys: U64Array, masks: U64Array) -> None:
-        for key, row in zip(keys.tolist(), masks, strict=True):
-            if row.any():
-                self._stash[key] = row.copy()
-            else:
-                del self._stash[key]
-                self._overflowed[self._home_of(key)] -= 1
-        self._stash_view = None
+        """New masks for distinct ``keys`` that sit in the stash (a zero mask takes the key
+        out); the sorted view is patched, not rebuilt: a batch near the load limit touches a
+        few of thousands of stashed keys."""
+        keep: BoolArray = np.asarray(masks.any(axis=1), dtype=np.bool_)
+        rows = masks[keep].copy()
+        self._stash.update(zip(keys[keep].tolist(), rows, strict=True))
+        gone = keys[~keep]
+        for key in gone.tolist():
+            del self._stash[key]
+        np.subtract.at(self._overflowed, self._home(gone), 1)
+        view = self._stash_view
+        if view is not None:
+            at = np.searchsorted(view[:, 0], keys)
+            view[at[keep], 1:] = rows
+            if len(gone):
+                self._stash_view = np.delete(view, at[~keep], axis=0)
+
+    def _stash_new(self, keys: U64Array, masks: U64Array) -> None:
+        """Put distinct absent ``keys`` in the stash (their homes count them), the sorted
+        view patched."""
+        rows = masks.copy()
+        self._stash.update(zip(keys.tolist(), rows, strict=True))
+        np.add.at(self._overflowed, self._home(keys), 1)
+        view = self._stash_view
+        if view is not None:
+            order = np.argsort(keys)
+            at = np.searchsorted(view[:, 0], keys[order])
+            self._stash_view = np.insert(view, at, np.column_stack([keys[order], rows[order]]),
+                                         axis=0)
 
     def _put(self, bucket: IntpArray, slot: IntpArray, keys: U64Array, masks: U64Array) -> None:
         w = self.words
@@ -338,10 +364,7 @@ class KeyMaskTable:
                 return
             if left.all():  # both buckets full for every one of them
                 if len(self._stash) + len(keys) <= self._stash_max:
-                    for key, row in zip(keys.tolist(), masks, strict=True):
-                        self._stash[key] = row.copy()
-                    np.add.at(self._overflowed, self._home(keys), 1)
-                    self._stash_view = None
+                    self._stash_new(keys, masks)
                     return
                 self._grow(2 * self.capacity)
             keys, masks = keys[left], masks[left]

@@ -22,6 +22,9 @@ def _check(table: KeyMaskTable, truth: dict[int, int], probe: list[int]) -> None
     stash = np.array(list(table._stash), dtype=np.uint64)
     want += np.bincount(table._home(stash), minlength=len(keys))
     assert (table._overflowed == want).all()
+    # the walks' sorted copy of the stash, patched batch after batch, equals a fresh one
+    view = table.kernel_view()[3]
+    assert view.tolist() == sorted([k, *m.tolist()] for k, m in table._stash.items())
 
 
 #: rounds of random batches; fewer under mutation testing (``MUTANT_UNDER_TEST`` set), where
