@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .kernels import walk_keys, walk_keys_wide, walk_lengths
+from .kernels import walk_keys, walk_keys_wide, walk_lengths, walk_lengths_wide
 from .keytable import (
     WORD_BITS,
     KeyMaskTable,
@@ -144,6 +144,11 @@ def _mask_rows(masks: list[int], words: int) -> U64Array:
         except OverflowError:  # a mask past instance id 63
             pass
     return masks_to_words(masks, max(words, _words_for(masks)))
+
+
+def _words(mask: int, words: int) -> U64Array:
+    """A non-negative mask as ``words`` uint64 words, low word first (a writable copy)."""
+    return np.frombuffer(mask.to_bytes(words * 8, "little"), dtype="<u8").astype(np.uint64)
 
 
 def _matches(drops: list[tuple[int, int, int]], left: int, n: int) -> dict[int, int]:
@@ -414,6 +419,18 @@ class PrefixIndex:
                     as_key_array(keys) if key_array is None else key_array, start, start_p,
                     out, out_p)
                 return out, out_p if with_view else out, best if length else None, length
+            # wide masks (instance ids past 63): one compiled pass that reads only the
+            # words still holding an instance
+            words = max(mirror.stored.words, mirror.pending.words, -(-size // WORD_BITS))
+            mirror.stored.ensure_words(words)
+            mirror.pending.ensure_words(words)
+            out = np.empty(words * WORD_BITS, dtype=np.int64)
+            out_p = np.empty(words * WORD_BITS, dtype=np.int64)
+            best, length = walk_lengths_wide(
+                mirror.stored.kernel_view(), mirror.pending.kernel_view(),
+                as_key_array(keys) if key_array is None else key_array,
+                _words(start, words), _words(start_p, words), out, out_p)
+            return out, out_p if with_view else out, best if length else None, length
         stored = self.match_all(keys, mask, key_array=key_array)
         out = np.zeros(size, dtype=np.int64)
         for iid, length in stored.items():

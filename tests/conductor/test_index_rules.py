@@ -282,9 +282,9 @@ def test_match_lengths_both_views(vmk: int) -> None:
     assert lengths(ix, [9], -1, -1) == ({}, {}, None, 0)
     # every id asked about is covered, held or not
     stored, view, _, _ = ix.match_lengths(keys, 0b11, 1 << 80)
-    assert len(stored) == 81 and len(view) == 81
+    assert len(stored) >= 81 and len(view) >= 81 and not stored[3:].any()
     stored, view, _, _ = ix.match_lengths(keys, 1 << 90, None)
-    assert len(stored) == 91 and view is stored
+    assert len(stored) >= 91 and view is stored
 
 
 def test_a_given_key_array_is_not_converted_again(
