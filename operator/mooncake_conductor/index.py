@@ -13,7 +13,10 @@
   mirrored into :class:`~mooncake_conductor.keytable.KeyMaskTable` s and
   ``match_all`` runs vectorised (a few numpy gathers instead of a cold dict
   lookup per key); below it the dicts are cache-resident and faster. The
-  mirror catches up with the keys changed since the last query, lazily.
+  mirror catches up with the keys changed since the last query, lazily. Once an
+  instance id past 63 holds a block or is asked about, the mirror's tables map
+  each key to the id of its holder set (:mod:`.holdersets`) instead of to a mask
+  that would grow with the fleet.
 - ``pending`` marks blocks a queued prefill will have written by the time a
   later request on the same instance runs (in-flight prefixes); matches may
   count them (``include_pending``).
@@ -34,15 +37,19 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .kernels import walk_keys, walk_keys_wide, walk_lengths, walk_lengths_wide
+from .holdersets import HolderSets
+from .kernels import (
+    lookup_values,
+    walk_keys,
+    walk_lengths,
+    walk_lengths_sets,
+)
 from .keytable import (
     WORD_BITS,
     KeyMaskTable,
     U64Array,
     as_key_array,
-    mask_to_words,
     masks_to_words,
-    words_to_mask,
 )
 
 HBM = 0
@@ -89,31 +96,69 @@ class _Mirror:
     they were last brought up to date."""
 
     def __init__(self, holders: dict[int, int], pending: dict[int, int]) -> None:
-        self.stored = KeyMaskTable()
-        self.pending = KeyMaskTable()
         self.dirty_stored: set[int] = set()
         self.dirty_pending: set[int] = set()
-        # every key, read in the dicts' own order (not looked up one by one)
-        _assign_masks(self.stored, list(holders), list(holders.values()))
-        _assign_masks(self.pending, list(pending), list(pending.values()))
+        self._load(holders, pending, _words_for(list(holders.values())) > 1
+                   or _words_for(list(pending.values())) > 1)
+
+    def _load(self, holders: dict[int, int], pending: dict[int, int], sets: bool) -> None:
+        """Every key, read in the dicts' own order (not looked up one by one); with
+        ``sets`` (an instance id past 63) the tables map keys to holder-set ids."""
+        self.stored = KeyMaskTable()
+        self.pending = KeyMaskTable()
+        self.sets = HolderSets() if sets else None
+        self.dirty_stored.clear()
+        self.dirty_pending.clear()
+        self._put(self.stored, list(holders), list(holders.values()))
+        self._put(self.pending, list(pending), list(pending.values()))
+
+    def mask_of(self, table: KeyMaskTable, key: int) -> int:
+        """The holder mask the mirror keeps for ``key`` in ``table`` (its set's)."""
+        value = table.mask_of(key)
+        return value if self.sets is None else self.sets.mask(value)
+
+    def to_sets(self, holders: dict[int, int], pending: dict[int, int]) -> None:
+        """Hold set ids from now on (an instance id past 63 is held or asked about)."""
+        self._load(holders, pending, True)
+
+    def _put(self, table: KeyMaskTable, keys: list[int], masks: list[int]) -> None:
+        if self.sets is None:
+            _assign_masks(table, keys, masks)
+        else:
+            _assign_sets(table, keys, masks, self.sets)
 
     def sync(self, holders: dict[int, int], pending: dict[int, int]) -> None:
-        if self.dirty_stored:
-            _assign(self.stored, self.dirty_stored, holders)
-        if self.dirty_pending:
-            _assign(self.pending, self.dirty_pending, pending)
+        for dirty, table, source in ((self.dirty_stored, self.stored, holders),
+                                     (self.dirty_pending, self.pending, pending)):
+            if not dirty:
+                continue
+            keys = list(dirty)
+            dirty.clear()
+            masks = list(map(source.get, keys, repeat(0)))
+            if self.sets is None and _words_for(masks) > 1:
+                self.to_sets(holders, pending)  # the first instance id past 63
+                return
+            self._put(table, keys, masks)
+
+
+def _assign_sets(table: KeyMaskTable, keys: list[int], masks: list[int],
+                 sets: HolderSets) -> None:
+    """``masks[i]`` as the holders of ``keys[i]`` (distinct), stored as set ids."""
+    if len(keys) > ASSIGN_PART:  # one growth to the final size, then part after part
+        table.reserve(len(keys))
+    for lo in range(0, len(keys), ASSIGN_PART):
+        part = masks[lo : lo + ASSIGN_PART]
+        karr = np.fromiter(keys[lo : lo + ASSIGN_PART], dtype=np.uint64, count=len(part))
+        old = lookup_values(table.kernel_view(), karr) if table.count or len(table) else \
+            np.zeros(len(karr), dtype=np.uint64)
+        new = sets.intern(part)
+        table.assign(karr, new[:, None])
+        sets.release(old, new)
 
 
 #: keys assigned to the mirror per part when a sync has more (the first, of every key):
 #: the mask rows of one part are all that is made at a time (~130 MB of 16-word rows)
 ASSIGN_PART = 1 << 20
-
-
-def _assign(table: KeyMaskTable, dirty: set[int], source: dict[int, int]) -> None:
-    """The current masks of the ``dirty`` keys into ``table`` (0 removes a key)."""
-    keys = list(dirty)
-    dirty.clear()
-    _assign_masks(table, keys, list(map(source.get, keys, repeat(0))))
 
 
 def _assign_masks(table: KeyMaskTable, keys: list[int], masks: list[int]) -> None:
@@ -412,24 +457,17 @@ class PrefixIndex:
             mirror = self._mirror
             assert mirror is not None
             mirror.sync(self.holders, self._pending)
-            if size == WORD_BITS and mirror.stored.words == 1 and mirror.pending.words == 1:
-                out, out_p = np.empty(size, dtype=np.int64), np.empty(size, dtype=np.int64)
-                best, length = walk_lengths(
-                    mirror.stored.kernel_view(), mirror.pending.kernel_view(),
-                    as_key_array(keys) if key_array is None else key_array, start, start_p,
-                    out, out_p)
-                return out, out_p if with_view else out, best if length else None, length
-            # wide masks (instance ids past 63): one compiled pass that reads only the
-            # words still holding an instance
-            words = max(mirror.stored.words, mirror.pending.words, -(-size // WORD_BITS))
-            mirror.stored.ensure_words(words)
-            mirror.pending.ensure_words(words)
-            out = np.empty(words * WORD_BITS, dtype=np.int64)
-            out_p = np.empty(words * WORD_BITS, dtype=np.int64)
-            best, length = walk_lengths_wide(
+            if mirror.sets is None and size > WORD_BITS:  # ids past 63 asked about
+                mirror.to_sets(self.holders, self._pending)
+            if mirror.sets is not None:
+                return self._lengths_sets(mirror, keys, key_array, start, start_p, size,
+                                          with_view)
+            # one-word masks (no id past 63 held or asked about): one compiled pass
+            out, out_p = np.empty(size, dtype=np.int64), np.empty(size, dtype=np.int64)
+            best, length = walk_lengths(
                 mirror.stored.kernel_view(), mirror.pending.kernel_view(),
-                as_key_array(keys) if key_array is None else key_array,
-                _words(start, words), _words(start_p, words), out, out_p)
+                as_key_array(keys) if key_array is None else key_array, start, start_p,
+                out, out_p)
             return out, out_p if with_view else out, best if length else None, length
         stored = self.match_all(keys, mask, key_array=key_array)
         out = np.zeros(size, dtype=np.int64)
@@ -449,13 +487,17 @@ class PrefixIndex:
         mirror = self._mirror
         assert mirror is not None
         mirror.sync(self.holders, self._pending)
+        if mirror.sets is not None:
+            size = max(WORD_BITS, start.bit_length())
+            out, view, _, _ = self._lengths_sets(
+                mirror, keys, keys, 0 if with_pending else start,
+                start if with_pending else 0, size, True)
+            lengths = view if with_pending else out
+            at = np.flatnonzero(lengths)
+            at = at[np.argsort(lengths[at], kind="stable")]  # the dict walk's order
+            return dict(zip(at.tolist(), lengths[at].tolist(), strict=True))
         tables = [mirror.stored, mirror.pending] if with_pending else [mirror.stored]
-        words = max(t.words for t in tables)
-        if words == 1:
-            return self._walk(keys, start, tables)
-        for t in tables:  # both walked with masks of the same width
-            t.ensure_words(words)
-        return self._walk_wide(keys, start, tables, words)
+        return self._walk(keys, start, tables)  # one-word masks: no id past 63 is held
 
     def _walk(self, keys: U64Array, start: int, tables: list[KeyMaskTable]) -> dict[int, int]:
         """Longest prefixes by the compiled walk (:mod:`.kernels`)."""
@@ -466,17 +508,22 @@ class PrefixIndex:
                                     start & _LOW_WORD, self._drops)
         return _matches(self._drops[:dropped].tolist(), acc, n)
 
-    def _walk_wide(
-        self, keys: U64Array, start: int, tables: list[KeyMaskTable], words: int
-    ) -> dict[int, int]:
-        """:meth:`_walk` for masks of several words (more than 64 instance ids)."""
-        n = len(keys)
-        drops = np.empty((n + 1, 1 + 2 * words), dtype=np.uint64)
-        acc = mask_to_words(start, words)
-        _, dropped = walk_keys_wide([t.kernel_view() for t in tables], keys, acc, drops)
-        rows = [(int(r[0]), words_to_mask(r[1 : 1 + words]), words_to_mask(r[1 + words :]))
-                for r in drops[:dropped]]
-        return _matches(rows, words_to_mask(acc), n)
+    def _lengths_sets(
+        self, mirror: _Mirror, keys: Keys, key_array: U64Array | None, start: int,
+        start_p: int, size: int, with_view: bool,
+    ) -> tuple[I64Array, I64Array, int | None, int]:
+        """:meth:`match_lengths` over a mirror of holder-set ids (one compiled pass)."""
+        sets = mirror.sets
+        assert sets is not None
+        words = max(sets.words, -(-size // WORD_BITS))
+        sets.ensure_words(words)
+        out = np.empty(words * WORD_BITS, dtype=np.int64)
+        out_p = np.empty(words * WORD_BITS, dtype=np.int64)
+        best, length = walk_lengths_sets(
+            mirror.stored.kernel_view(), mirror.pending.kernel_view(), sets.rows,
+            as_key_array(keys) if key_array is None else key_array,
+            _words(start, words), _words(start_p, words), out, out_p)
+        return out, out_p if with_view else out, best if length else None, length
 
     def sync(self) -> None:
         """Bring the vectorised mirror up to date now (else the next match does it):

@@ -20,7 +20,9 @@ stash only when the home has sent keys away, so the walk never returns to
 Python. ~20 µs for a cold 8k-token prompt against a million-block index, where
 a numpy formulation pays ~30 array operations (~60 µs) and a Python dict walk a
 dependent cache miss per key (~110 µs). Masks of one 64-bit word (up to 64
-instance ids) take the lean walk; wider ones :func:`walk_keys_wide`.
+instance ids) take the lean walk; past that the tables hold holder-set ids
+(:mod:`mooncake_conductor.holdersets`) and :func:`walk_lengths_sets` reads the sets'
+words only where the holders change.
 :func:`walk_lengths` runs the conductor's two walks (stored blocks; stored or
 pending blocks) in the same pass, probes the pending table only while an
 instance left could hold a key there alone, and writes each instance's match
@@ -57,7 +59,6 @@ _views: Callable[..., tuple[int, int, Any]] | None = None
 #: compiled helpers the kernels call (set by the functions that compile them)
 _probe: Any = None
 _settle: Any = None
-_probe_wide: Any = None
 _prefill_time: Any = None
 
 #: one table as the walk reads it: rows, per-bucket overflow counts, ``[hash shift,
@@ -221,150 +222,22 @@ def walk_lengths(
     return int(best), int(length)
 
 
-_wide: Callable[..., tuple[int, int]] | None = None
-
-
-def _compile_wide() -> Callable[..., tuple[int, int]]:
-    """The walk for masks of several words (more than 64 instance ids)."""
-    from numba import njit
-
-    from .keytable import _H1, _H2, SLOTS
-
-    global _probe_wide  # a module global, not a closure cell: see _compile
-    h1, h2 = np.uint64(_H1), np.uint64(_H2)
-    slots = SLOTS
-
-    @njit(cache=True, nogil=True)
-    def probe_wide(rows: Any, over: Any, meta: Any, stash: Any, key: Any, out: Any) -> None:
-        """OR the key's mask words into ``out`` (same search as the one-word walk)."""
-        w = out.shape[0]
-        if key == 0:
-            for k in range(w):
-                out[k] |= meta[1 + k]
-            return
-        for b in ((key * h1) >> meta[0], (key * h2) >> meta[0]):
-            for j in range(slots):
-                if rows[b, j] == key:
-                    for k in range(w):
-                        out[k] |= rows[b, slots + j * w + k]
-                    return
-            if over[(key * h1) >> meta[0]] == 0:
-                return
-        if stash.shape[0]:
-            at = np.searchsorted(stash[:, 0], key)
-            if at < stash.shape[0] and stash[at, 0] == key:
-                for k in range(w):
-                    out[k] |= stash[at, 1 + k]
-
-    _probe_wide = probe_wide
-
-    @njit(cache=True, nogil=True)
-    def walk_wide(
-        rows1: Any, over1: Any, meta1: Any, stash1: Any,
-        rows2: Any, over2: Any, meta2: Any, stash2: Any,
-        two: bool, keys: Any, acc: Any, drops: Any, mask: Any,
-    ) -> tuple[int, int]:
-        w = acc.shape[0]
-        n = keys.shape[0]
-        dropped = 0
-        for i in range(n):
-            key = keys[i]
-            mask[:] = 0
-            _probe_wide(rows1, over1, meta1, stash1, key, mask)
-            if two:
-                _probe_wide(rows2, over2, meta2, stash2, key, mask)
-            changed = False
-            left = False
-            for k in range(w):
-                new = acc[k] & mask[k]
-                if new != acc[k]:
-                    changed = True
-                if new != 0:
-                    left = True
-            if changed:
-                drops[dropped, 0] = i
-                for k in range(w):
-                    drops[dropped, 1 + k] = acc[k]
-                    acc[k] &= mask[k]
-                    drops[dropped, 1 + w + k] = acc[k]
-                dropped += 1
-                if not left:
-                    return i, dropped
-        return n, dropped
-
-    return walk_wide
-
-
-def walk_keys_wide(
-    tables: list[TableView], keys: U64Array, acc: U64Array, drops: U64Array
-) -> tuple[int, int]:
-    """:func:`walk_keys` for masks of ``len(acc)`` words (every table that wide):
-    ``acc`` is updated in place; each drop is a row ``(position, words before, words
-    after)`` of ``drops``; returns ``(position reached, drops)``."""
-    global _wide
-    if _wide is None:
-        _wide = _compile_wide()
-    second = tables[1] if len(tables) > 1 else tables[0]
-    mask = np.empty(len(acc), dtype=np.uint64)
-    end, dropped = _wide(*tables[0], *second, len(tables) > 1, keys, acc, drops, mask)
-    return int(end), int(dropped)
-
-
-_lengths_wide: Callable[..., tuple[int, int, Any]] | None = None
-_locate: Any = None
-_word: Any = None
+_lengths_sets: Callable[..., tuple[int, int, Any]] | None = None
 _settle_at: Any = None
 
 
-def _compile_lengths_wide() -> Callable[..., tuple[int, int, Any]]:
-    """:func:`walk_lengths` for masks of several words, reading only the words that
-    still hold an instance (the holders of a prefix are few, whatever the fleet)."""
+def _compile_lengths_sets() -> Callable[..., tuple[int, int, Any]]:
+    """:func:`walk_lengths` over tables whose values are holder-set ids."""
+    global _kernel, _views
+    if _kernel is None:  # the one-word probe and settle are compiled there
+        _kernel, _views = _compile()
     from numba import njit
 
-    from .keytable import _H1, _H2, SLOTS
+    from .keytable import _H1
 
-    global _locate, _word, _settle_at  # module globals, not closure cells: see _compile
-    h1, h2 = np.uint64(_H1), np.uint64(_H2)
-    slots = SLOTS
+    global _settle_at  # a module global, not a closure cell: see _compile
+    h1 = np.uint64(_H1)
     one, zero = np.uint64(1), np.uint64(0)
-
-    @njit(cache=True, nogil=True, inline="always")
-    def locate(rows: Any, over: Any, meta: Any, stash: Any, key: Any) -> Any:
-        """Where the key's mask lives: (1, bucket, slot), (2, stash row, 0), (3, 0, 0)
-        for the key 0, (0, 0, 0) nowhere (the search of the one-word probe)."""
-        if key == 0:
-            return 3, 0, 0
-        home = np.int64((key * h1) >> meta[0])
-        for j in range(slots):
-            if rows[home, j] == key:
-                return 1, home, j
-        if over[home] == 0:
-            return 0, 0, 0
-        away = np.int64((key * h2) >> meta[0])
-        for j in range(slots):
-            if rows[away, j] == key:
-                return 1, away, j
-        if stash.shape[0]:
-            at = np.searchsorted(stash[:, 0], key)
-            if at < stash.shape[0] and stash[at, 0] == key:
-                return 2, at, 0
-        return 0, 0, 0
-
-    _locate = locate
-
-    @njit(cache=True, nogil=True, inline="always")
-    def word(rows: Any, meta: Any, stash: Any, w: int, kind: int, a: int, b: int,
-             k: int) -> Any:
-        """Word ``k`` of a located mask."""
-        if kind == 1:
-            return rows[a, slots + b * w + k]
-        if kind == 2:
-            return stash[a, 1 + k]
-        if kind == 3:
-            return meta[1 + k]
-        return zero
-
-    _word = word
 
     @njit(cache=True, nogil=True, inline="always")
     def settle_at(gone: Any, base: int, at: int, out: Any) -> None:
@@ -379,48 +252,61 @@ def _compile_lengths_wide() -> Callable[..., tuple[int, int, Any]]:
     _settle_at = settle_at
 
     @njit(cache=True, nogil=True)
-    def lengths_wide(
+    def lengths_sets(
         rows1: Any, over1: Any, meta1: Any, stash1: Any,
         rows2: Any, over2: Any, meta2: Any, stash2: Any,
-        keys: Any, acc: Any, acc_p: Any, out: Any, out_p: Any, act: Any,
+        sets: Any, keys: Any, acc: Any, acc_p: Any, out: Any, out_p: Any, act: Any,
     ) -> tuple[int, int, Any]:
         w = acc.shape[0]
         out[:] = 0
         out_p[:] = 0
         n = keys.shape[0]
         live = 0  # words still holding an instance (either walk), listed in ``act``
-        pending = 0  # words still holding an instance of the pending walk
+        pending = False
         for k in range(w):
             if acc[k] | acc_p[k]:
                 act[live] = k
                 live += 1
             if acc_p[k]:
-                pending += 1
+                pending = True
         sink = zero
         for i in range(n):  # every key's home rows first: loads the CPU overlaps
             sink ^= rows1[(keys[i] * h1) >> meta1[0], 0]
             if pending:
                 sink ^= rows2[(keys[i] * h1) >> meta2[0], 0]
+        last1 = np.uint64(0xFFFFFFFFFFFFFFFF)  # no key read yet
+        last2 = last1
+        covered = False  # the pending walk's instances all hold the last stored set
         for i in range(n):
             if live == 0:
                 break
             key = keys[i]
-            kind1, a1, b1 = _locate(rows1, over1, meta1, stash1, key)
-            kind2 = -1  # the pending table is searched only when needed
-            a2 = 0
-            b2 = 0
+            s1 = _probe(rows1, over1, meta1, stash1, key)
+            if s1 == last1 and covered:
+                continue  # the same holders as the key before: nothing drops
+            need2 = False  # is the pending table needed (an instance of it lacks s1)?
+            for j in range(live):
+                k = act[j]
+                if acc_p[k] & ~sets[s1, k]:
+                    need2 = True
+                    break
+            s2 = np.uint64(0)
+            if need2:
+                s2 = _probe(rows2, over2, meta2, stash2, key)
+                if s1 == last1 and s2 == last2:
+                    continue
+            last1, last2 = s1, s2
+            covered = not need2
             j = 0
             while j < live:
                 k = act[j]
-                m1 = _word(rows1, meta1, stash1, w, kind1, a1, b1, k)
+                m1 = sets[s1, k]
                 new = acc[k] & m1
                 if new != acc[k]:
                     _settle_at(acc[k] & ~new, 64 * k, i, out)
                     acc[k] = new
-                if acc_p[k] & ~m1:  # else every instance left holds the key
-                    if kind2 < 0:
-                        kind2, a2, b2 = _locate(rows2, over2, meta2, stash2, key)
-                    new = acc_p[k] & (m1 | _word(rows2, meta2, stash2, w, kind2, a2, b2, k))
+                if need2 and acc_p[k]:
+                    new = acc_p[k] & (m1 | sets[s2, k])
                     if new != acc_p[k]:
                         _settle_at(acc_p[k] & ~new, 64 * k, i, out_p)
                         acc_p[k] = new
@@ -438,24 +324,48 @@ def _compile_lengths_wide() -> Callable[..., tuple[int, int, Any]]:
                 best = b
         return best, out[best], sink
 
-    return lengths_wide
+    return lengths_sets
 
 
-def walk_lengths_wide(
-    stored: TableView, pending: TableView, keys: U64Array, acc: U64Array, acc_pending: U64Array,
-    out: npt.NDArray[np.int64], out_pending: npt.NDArray[np.int64],
+def walk_lengths_sets(
+    stored: TableView, pending: TableView, sets: U64Array, keys: U64Array, acc: U64Array,
+    acc_pending: U64Array, out: npt.NDArray[np.int64], out_pending: npt.NDArray[np.int64],
 ) -> tuple[int, int]:
-    """:func:`walk_lengths` for masks of ``len(acc)`` words (both tables that wide; ``acc``
-    and ``acc_pending`` are used up): ``out`` and ``out_pending`` at least ``64 *
-    len(acc)`` long. Each key reads only the words that still hold an instance, so the
-    cost follows the holders, not the number of instances."""
-    global _lengths_wide
-    if _lengths_wide is None:
-        _lengths_wide = _compile_lengths_wide()
+    """:func:`walk_lengths` for instance ids past 63, over tables that map each key to
+    the id of its holder set (:mod:`.holdersets`), ``sets[id]`` the set's mask words
+    (row 0: the empty set; ``len(acc)`` words; ``acc`` and ``acc_pending`` are used
+    up): ``out`` and ``out_pending`` at least ``64 * len(acc)`` long. Each key reads
+    only the words that still hold an instance, and a run of keys with the same
+    holders only its set ids, so the cost follows the holders, not the fleet."""
+    global _lengths_sets
+    if _lengths_sets is None:
+        _lengths_sets = _compile_lengths_sets()
     act = np.empty(len(acc), dtype=np.int64)
-    best, length, _ = _lengths_wide(*stored, *pending, keys, acc, acc_pending, out,
+    best, length, _ = _lengths_sets(*stored, *pending, sets, keys, acc, acc_pending, out,
                                     out_pending, act)
     return int(best), int(length)
+
+
+_lookup: Callable[..., None] | None = None
+
+
+def lookup_values(view: TableView, keys: U64Array) -> U64Array:
+    """Each key's one-word value in a table (0 where absent), in one compiled pass."""
+    global _lookup, _kernel, _views
+    if _lookup is None:
+        if _kernel is None:
+            _kernel, _views = _compile()
+        from numba import njit
+
+        @njit(cache=True, nogil=True)
+        def lookup(rows: Any, over: Any, meta: Any, stash: Any, keys: Any, out: Any) -> None:
+            for i in range(keys.shape[0]):
+                out[i] = _probe(rows, over, meta, stash, keys[i])
+
+        _lookup = lookup
+    out = np.empty(len(keys), dtype=np.uint64)
+    _lookup(*view, keys, out)
+    return out
 
 
 _upsert: Callable[..., int] | None = None
@@ -607,11 +517,12 @@ def warm_up() -> None:
     walk_keys([table.kernel_view()], keys, 1, drops)
     walk_lengths(table.kernel_view(), table.kernel_view(), keys, 1, 1,
                  np.zeros(64, dtype=np.int64), np.zeros(64, dtype=np.int64))
-    wide = KeyMaskTable(words=2)
-    wide.assign(keys, np.ones((len(keys), 2), dtype=np.uint64))
-    walk_lengths_wide(wide.kernel_view(), wide.kernel_view(), keys,
+    sets = np.zeros((2, 2), dtype=np.uint64)
+    sets[1] = 1
+    walk_lengths_sets(table.kernel_view(), table.kernel_view(), sets, keys,
                       np.ones(2, dtype=np.uint64), np.ones(2, dtype=np.uint64),
                       np.zeros(128, dtype=np.int64), np.zeros(128, dtype=np.int64))
+    lookup_values(table.kernel_view(), keys)
     one_f, one_i = np.zeros(1), np.zeros(1, dtype=np.int64)
     rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, 1.0, 1.0, 1.0, True, 0.0, 0.0,
               np.ones(1, dtype=np.bool_), one_f, one_f, one_i, one_i, one_i, np.zeros(1),

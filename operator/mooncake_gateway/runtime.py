@@ -922,7 +922,8 @@ async def unique_blocks(index: PrefixIndex, chunk: int) -> dict[int, int]:
     index.sync()
     mirror = getattr(index, "_mirror", None)  # the core keeps it private; read only
     table: KeyMaskTable | None = getattr(mirror, "stored", None)
-    if table is not None and table.words == 1:
+    # a mirror of holder-set ids (instance ids past 63) is read from the dict below
+    if table is not None and table.words == 1 and getattr(mirror, "sets", None) is None:
         return await _unique_in_table(table, chunk)
     masks = list(index.holders.values())
     counts = np.zeros(WORD_BITS, dtype=np.int64)

@@ -253,9 +253,12 @@ def test_wide_instance_ids(vmk: int) -> None:
     assert ix.match_all([1, 2, 3], mask=1 << 70) == {70: 2}
     assert lengths(ix, [1, 2, 3], -1, -1) == ({3: 3, 70: 2, 127: 1},
                                               {3: 3, 70: 3, 127: 1}, 3, 3)
-    if vmk == VEC:  # masks of two words (ids up to 127)
+    if vmk == VEC:  # ids past 63: the tables hold set ids, the sets two-word masks
         mirror = ix._mirror
-        assert mirror is not None and mirror.stored.words == 2 and mirror.pending.words == 2
+        assert mirror is not None and mirror.sets is not None
+        assert mirror.stored.words == mirror.pending.words == 1 and mirror.sets.words == 2
+        # stored {3, 70, 127}, {3, 70}, {3}; pending {70}
+        assert len(mirror.sets) == 4
 
 
 def test_match_lengths_both_views(vmk: int) -> None:
@@ -399,8 +402,10 @@ def test_the_mirror_starts_from_every_key() -> None:
     assert ix.match_all([1, 2]) == {1: 2}
     mirror = ix._mirror
     assert mirror is not None and not mirror.dirty_stored and not mirror.dirty_pending
-    assert mirror.stored.mask_of(3) == 1 << 69 and mirror.pending.mask_of(3) == 1 << 69
-    assert mirror.stored.words == 2 and mirror.pending.words == 2
+    assert mirror.mask_of(mirror.stored, 3) == 1 << 69
+    assert mirror.mask_of(mirror.pending, 3) == 1 << 69
+    assert mirror.sets is not None and mirror.sets.words == 2  # ids past 63: set ids
+    assert mirror.stored.words == 1 and mirror.pending.words == 1
 
 
 @pytest.mark.parametrize("part", [16, 100])  # parts by numpy, or the compiled upsert
@@ -425,16 +430,18 @@ def test_a_large_sync_is_assigned_in_parts(monkeypatch: pytest.MonkeyPatch, part
     ix.add_pending(top, [7, 500])
     assert ix.match_all([1, 2]) == {0: 2}  # the mirror of 401 keys, part after part
     mirror = ix._mirror
-    assert mirror is not None and mirror.stored.words == top // 64 + 1
+    # one word a key: the mask itself, or (ids past 63) the id of its holder set
+    assert mirror is not None and mirror.stored.words == 1
+    assert (mirror.sets is None) == (top < 64)
     assert grows == [401]  # once, to the final size, before the first part
-    assert [mirror.stored.mask_of(k) for k in range(402)] == \
+    assert [mirror.mask_of(mirror.stored, k) for k in range(402)] == \
         [ix.holder_mask(k) for k in range(402)]
-    assert mirror.pending.mask_of(500) == 1 << top and len(mirror.pending) == 2
+    assert mirror.mask_of(mirror.pending, 500) == 1 << top and len(mirror.pending) == 2
     ix.remove(top, list(range(391, 401)))  # a sync within one part: no growth
     ix.sync()
-    assert [mirror.stored.mask_of(k) for k in range(402)] == \
+    assert [mirror.mask_of(mirror.stored, k) for k in range(402)] == \
         [ix.holder_mask(k) for k in range(402)]
-    assert grows == [401] and mirror.stored.words == top // 64 + 1
+    assert grows == [401] and mirror.stored.words == 1
 
 
 def test_the_walk_has_room_for_every_key() -> None:

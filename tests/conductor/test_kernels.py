@@ -101,7 +101,7 @@ def test_kernels_close_over_no_dispatcher() -> None:
     from mooncake_conductor import kernels
     from numba.core.dispatcher import Dispatcher
 
-    compiled = [*kernels._compile(), kernels._compile_wide(), kernels._compile_upsert(),
+    compiled = [*kernels._compile(), kernels._compile_lengths_sets(), kernels._compile_upsert(),
                 kernels._compile_chain(), *kernels._compile_rank(), kernels._compile_decode()]
     for fn in compiled:
         cells = fn.py_func.__closure__ or ()

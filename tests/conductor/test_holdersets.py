@@ -1,0 +1,62 @@
+"""Holder sets: ids interned per distinct mask, counted by the keys that use them, freed
+and reused; a mirror of set ids stays equal to the index's dicts under churn."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+from mooncake_conductor.holdersets import HolderSets
+from mooncake_conductor.index import PrefixIndex
+
+
+def test_ids_are_interned_counted_freed_and_reused() -> None:
+    sets = HolderSets()
+    a, b = 1 << 70, (1 << 70) | 1
+    ids = sets.intern([a, b, a, 0])
+    assert ids[0] == ids[2] and ids[3] == 0 and len({*ids.tolist()}) == 3
+    assert sets.words == 2 and sets.mask(int(ids[1])) == b
+    assert sets.rows[int(ids[0])].tolist() == [0, 1 << 6]
+    sets.release(np.zeros(4, dtype=np.uint64), ids)  # four keys now use them
+    assert len(sets) == 2
+    sets.release(ids[:1], np.zeros(1, dtype=np.uint64))  # one key of a leaves
+    assert len(sets) == 2  # another still uses a
+    sets.release(ids[2:3], np.zeros(1, dtype=np.uint64))
+    assert len(sets) == 1 and sets.rows[int(ids[0])].tolist() == [0, 0]
+    again = sets.intern([1 << 200])
+    assert again[0] == ids[0]  # the freed id, reused, its row as wide as needed
+    assert sets.words == 4 and sets.mask(int(again[0])) == 1 << 200
+    many = sets.intern([1 << i for i in range(100)])  # more ids than rows: they grow
+    assert len(set(many.tolist())) == 100 and sets.rows.shape[0] >= 102
+
+
+def test_a_mirror_of_set_ids_follows_the_dicts_under_churn() -> None:
+    r = random.Random(23)
+    ix = PrefixIndex(60, vector_min_keys=1)
+    ids = r.sample(range(500), 30)
+    for i in ids:
+        ix.add_instance(i)
+    chains = [[r.getrandbits(64) for _ in range(30)] for _ in range(6)]
+    ix.store(max(ids), chains[0][:3])  # an id past 63 holds blocks: set ids from the start
+    for step in range(300):
+        i, chain = r.choice(ids), r.choice(chains)
+        cut = r.randint(1, 30)
+        kind = r.random()
+        if kind < 0.5:
+            ix.store(i, chain[:cut])  # the LRU evicts past 60 blocks
+        elif kind < 0.65:
+            ix.remove(i, chain[:cut])
+        elif kind < 0.85:
+            ix.add_pending(i, chain[:cut])
+        else:
+            ix.remove_pending(i, chain[:cut])
+        if step % 7 == 0:
+            ix.match_all(chain[:5])  # the mirror syncs
+            mirror = ix._mirror
+            assert mirror is not None and mirror.sets is not None
+            keys = {k for c in chains for k in c}
+            assert all(mirror.mask_of(mirror.stored, k) == ix.holder_mask(k) for k in keys)
+            pend = ix._pending
+            assert all(mirror.mask_of(mirror.pending, k) == pend.get(k, 0) for k in keys)
+            used = {m for m in ix.holders.values()} | {m for m in pend.values()}
+            assert len(mirror.sets) == len(used)  # unused sets are freed
