@@ -32,11 +32,9 @@ lengths by instance id), no Python per instance.
 
 from __future__ import annotations
 
-import heapq
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Callable
-from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,9 +47,6 @@ if TYPE_CHECKING:
 F64Array = npt.NDArray[np.float64]
 I64Array = npt.NDArray[np.int64]
 
-
-def _anyone(row: int) -> bool:
-    return True
 
 
 
@@ -183,18 +178,19 @@ class LoadOrder:
         return self._queued_rows + len(idle) - bisect_right(idle, now)
 
     def least(self, now: float, k: int) -> list[tuple[float, int]]:
-        """The ``k`` live rows that free first: ``(wait in seconds, row)`` in order."""
+        """The ``k`` live rows that free first: ``(wait in seconds, row)`` in order (ties
+        by row). The first ``k`` of each set hold them (each set is in wait order)."""
         self._advance(now)
-        busy, qwork = self._busy, self._qwork
         lists = self._orders.lists
-        running = ((key - now, row) for key, row in lists[self._RUN])
-        rows = [row for _, row in islice(heapq.merge(running, lists[self._FREE]), k)]
+        rows = [row for _, row in lists[self._RUN][:k]] + [row for _, row in
+                                                           lists[self._FREE][:k]]
+        busy, qwork = self._busy, self._qwork
         out = []
         for row in rows:
             a = float(busy[row])
             out.append(((a - now if a > now else 0.0) + float(qwork[row]), row))
         out.sort()
-        return out
+        return out[:k]
 
     def pool(self, now: float, first: list[tuple[float, int]]) -> tuple[F64Array, int]:
         """:data:`~.kernels.POOL_FIELDS` aggregates for :func:`~.kernels.rank_rows`, and
@@ -265,63 +261,52 @@ class DecodeOrder:
         """The rows worth pricing for a request of ``tokens`` prompt tokens that needs
         ``need`` tokens of KV: the ``k`` with the smallest step that have room for it,
         or the fastest one when none has (the answer then); ``None`` when no row is
-        up. The step is the cost model's (:meth:`~.cost.CostModel.decode_step_time`)."""
-        weights, kvb, hbm, per_seq, per_ctx, peak, overhead = self._consts
-        context, reserved, capacity, ahead = (self._context, self._reserved, self._capacity,
-                                              self.ahead_tokens)
+        up. The step is the cost model's (:meth:`~.cost.CostModel.decode_step_time`).
 
-        def bound(ctx: float, flops: float) -> float:
-            """The step of a row at these keys (an arm at ``-inf`` is left out)."""
-            mem = (weights + (ctx + tokens) * kvb) / hbm
-            compute = (flops + per_seq + tokens * per_ctx) / peak
-            return float(overhead + max(mem, compute))
-
-        def step(row: int) -> float:
-            return bound(*self._keys(row))
-
-        def room(row: int) -> bool:
-            cap = int(capacity[row])
-            return cap <= 0 or int(context[row] + ahead[row] + reserved[row]) + need <= cap
-
-        best = self.fastest(k, step, bound, room) or self.fastest(1, step, bound, _anyone)
-        if not best:
+        Read in batches: the first ``m`` of both orders (``m = k``, doubling); done when
+        ``k`` rows with room step no slower than any row past both prefixes could (the
+        threshold algorithm's stopping rule, Fagin, Lotem and Naor, PODS 2001: such a
+        row's context and flops keys are at least the ``m``-th of each order)."""
+        lists = self._orders.lists
+        total = len(lists[0])
+        if not total:
             return None
-        return np.array(sorted(row for _, row in best), dtype=np.int64)
-
-    def fastest(
-        self, k: int, value: Callable[[int], float], bound: Callable[[float, float], float],
-        eligible: Callable[[int], bool],
-    ) -> list[tuple[float, int]]:
-        """The ``k`` eligible live rows with the smallest ``value`` (the step, the larger
-        of its two arms), ``(value, row)`` in order. ``bound(context, flops key)`` is the
-        step of a row at those keys; the threshold algorithm (Fagin, Lotem and Naor)
-        reads the two orders, each time the one whose arm is the larger now, until the
-        ``k``-th best is no worse than any unread row can be."""
-        scans = [iter(self._orders.lists[0]), iter(self._orders.lists[1])]
-        fronts: list[tuple[float, int] | None] = [next(scans[0], None), next(scans[1], None)]
-        seen: set[int] = set()
-        found: list[tuple[float, int]] = []  # max-heap of the best k as (-value, -row)
-        while fronts[0] is not None or fronts[1] is not None:
-            f = [fr[0] if fr is not None else math.inf for fr in fronts]
-            if len(found) >= k and -found[0][0] <= bound(f[0], f[1]):
-                break  # no unread row can beat the k-th best
-            arms = (bound(f[0], -math.inf), bound(-math.inf, f[1]))
-            h = 0 if fronts[1] is None or (fronts[0] is not None and arms[0] >= arms[1]) else 1
-            entry = fronts[h]
-            assert entry is not None
-            fronts[h] = next(scans[h], None)
-            row = entry[1]
-            if row in seen:
-                continue
-            seen.add(row)
-            if not eligible(row):
-                continue
-            item = (-value(row), -row)
-            if len(found) < k:
-                heapq.heappush(found, item)
-            elif item > found[0]:
-                heapq.heapreplace(found, item)
-        return sorted((-val, -neg_row) for val, neg_row in found)
+        weights, kvb, hbm, per_seq, per_ctx, peak, overhead = self._consts
+        batch, context, reserved, capacity = (self._batch, self._context, self._reserved,
+                                              self._capacity)
+        ahead_n, ahead_t = self.ahead_n, self.ahead_tokens
+        mem_base = weights + tokens * kvb
+        cmp_base = per_seq + tokens * per_ctx
+        scored: dict[int, tuple[float, bool]] = {}  # row -> (step, has room)
+        start, m = 0, k  # rows read from each order so far, and after this batch
+        while True:
+            for lst in lists:
+                for _, row in lst[start:m]:
+                    if row in scored:
+                        continue
+                    b = int(batch[row]) + int(ahead_n[row])
+                    c = int(context[row]) + int(ahead_t[row])
+                    mem = (mem_base + c * kvb) / hbm
+                    compute = (per_seq * b + per_ctx * c + cmp_base) / peak
+                    cap = int(capacity[row])
+                    scored[row] = (overhead + (mem if mem >= compute else compute),
+                                   cap <= 0 or c + int(reserved[row]) + need <= cap)
+            fits = sorted((st, row) for row, (st, ok) in scored.items() if ok)
+            if m >= total:
+                break
+            if len(fits) >= k:
+                f0, f1 = lists[0][m][0], lists[1][m][0]
+                mem = (mem_base + f0 * kvb) / hbm
+                compute = (f1 + cmp_base) / peak
+                if fits[k - 1][0] <= overhead + max(mem, compute):
+                    break
+            start, m = m, 2 * m
+        if fits:
+            chosen = [row for _, row in fits[:k]]
+        else:  # none has room: the fastest of all (the answer then)
+            chosen = [min(scored.items(), key=lambda item: (item[1][0], item[0]))[0]]
+        out: I64Array = np.array(sorted(chosen), dtype=np.int64)
+        return out
 
 
 def order_of(board: Board, make: Callable[[Board], Any]) -> Any:
