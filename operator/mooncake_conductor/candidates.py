@@ -77,10 +77,16 @@ class _Orders:
         self._at: list[list[tuple[float, int] | None]] = [[None] * rows for _ in range(count)]
 
     def put(self, which: int, row: int, key: float) -> None:
-        self.drop(which, row)
+        at = self._at[which]
+        old = at[row]
+        if old is not None:
+            if old[0] == key:
+                return  # already there (a write that left this key as it was)
+            lst = self.lists[which]
+            del lst[bisect_left(lst, old)]
         entry = (key, row)
         insort(self.lists[which], entry)
-        self._at[which][row] = entry
+        at[row] = entry
 
     def drop(self, which: int, row: int) -> None:
         entry = self._at[which][row]
@@ -89,8 +95,6 @@ class _Orders:
             del lst[bisect_left(lst, entry)]
             self._at[which][row] = None
 
-    def has(self, which: int, row: int) -> bool:
-        return self._at[which][row] is not None
 
 
 class LoadOrder:
@@ -141,7 +145,12 @@ class LoadOrder:
     def touch(self, row: int) -> None:
         """Row ``row``'s load (up, busy until, queued work or queue length) changed."""
         up, a, qlen = bool(self._up[row]), float(self._busy[row]), int(self._qlen[row])
-        was_up, was_a, was_qlen = self._seen[row]
+        seen = self._seen[row]
+        if seen == (up, a, qlen):  # the aggregates stand; the queued work may have moved
+            if up:
+                self._place(row)
+            return
+        was_up, was_a, was_qlen = seen
         if was_up:
             self.live -= 1
             self.waiting -= was_qlen
