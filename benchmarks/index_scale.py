@@ -26,8 +26,11 @@ ids are kept. Then it reports:
   loaded then); the share of ``sync()`` is reported apart, and a fixed pure-Python task
   timed between batches shows how much of the tail is the machine.
 
-Masks are as wide as the highest instance id needs (one 64-bit word up to id 63, 16 words
-at 1,024 instances), so the mirror's bytes per block grow with the fleet. The compiled
+Up to instance id 63 the mirror maps each key to its holder mask (one 64-bit word); past
+it, to the id of its interned holder set (:mod:`mooncake_conductor.holdersets`), whose
+masks are kept once each and counted with the mirror's arrays. The dicts' holder masks
+are Python ints as wide as the highest id, so their bytes per block still grow with the
+fleet. The compiled
 kernels are loaded before the first reading (numba's memory is not the index's). Run one
 size per process: the resident-set deltas are only meaningful in a fresh interpreter.
 """
@@ -147,6 +150,9 @@ def main() -> int:
     mirror = index._mirror
     words = mirror.stored.words if mirror is not None else 0
     mirror_nbytes = table_bytes(mirror.stored) + table_bytes(mirror.pending) if mirror else 0
+    sets = mirror.sets if mirror is not None else None
+    if sets is not None:  # the holder sets' mask rows and counts
+        mirror_nbytes += sets.rows.nbytes + sets.refs.nbytes
     gc.collect()
     gc.freeze()  # as the gateway does once set up
     gc.enable()
@@ -197,6 +203,7 @@ def main() -> int:
     res: dict[str, Any] = {
         "instances": n_inst, "blocks": a.blocks, "distinct_blocks": distinct,
         "entries": entries, "capacity_per_instance": capacity, "mask_words": words,
+        "holder_sets": len(sets) if sets is not None else None,
         "vectorised": mirror is not None, "vector_min_keys": VECTOR_MIN_KEYS,
         "rss_before_mib": rss0 / 2**20, "rss_after_dicts_mib": rss1 / 2**20,
         "rss_after_mirror_mib": rss2 / 2**20, "peak_rss_mib": status_kib("VmHWM") / 1024,
@@ -216,7 +223,9 @@ def main() -> int:
         "fixed_task_p50_us": pct(lat_fixed, 0.5), "fixed_task_p99_us": pct(lat_fixed, 0.99),
     }
     print(f"index: {distinct:,} distinct blocks, {entries:,} entries on {n_inst} instances "
-          f"({capacity:,} blocks each), masks of {words} word(s)")
+          f"({capacity:,} blocks each); mirror: "
+          + (f"holder-set ids, {len(sets):,} sets of {sets.words} word(s)" if sets is not None
+             else f"masks of {words} word(s)"))
     print(f"memory   : {res['bytes_per_block']:6.0f} B/block  (dicts + LRUs "
           f"{res['bytes_per_block_dicts']:.0f}, mirror {res['bytes_per_block_mirror']:.0f}"
           f" by RSS, {res['bytes_per_block_mirror_arrays']:.0f} by its arrays); RSS "
