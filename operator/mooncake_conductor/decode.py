@@ -139,7 +139,7 @@ class TBTSLODecode(DecodeSelector):
         cand = self.candidates
         ahead_n: npt.NDArray[np.int64] | None
         ahead_tokens: npt.NDArray[np.int64] | None
-        if cand.enabled and m >= cand.min_pool:
+        if cand.enabled and m >= cand.min_pool and not board.masked:
             order = self._order(board)
             rows = order.candidates(cand.least_loaded, req.input_tokens, need)
             ahead_n, ahead_tokens = order.ahead_n, order.ahead_tokens

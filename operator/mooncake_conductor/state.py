@@ -56,8 +56,8 @@ class Board:
     through to it (see :func:`_column`), so it is always current; a state bound to
     another board invalidates this one. Get one with :func:`board_of`."""
 
-    __slots__ = ("_live_groups", "_live_mask", "_outside", "columns", "iids", "order",
-                 "states", "valid")
+    __slots__ = ("_live_groups", "_live_mask", "_outside", "columns", "iids", "masked",
+                 "order", "states", "valid")
 
     def __init__(self, states: Sequence[_Instance]) -> None:
         self.states: list[Any] = list(states)
@@ -67,6 +67,9 @@ class Board:
         #: the pool's load order (:mod:`.candidates`), made on first use; every write of
         #: a column it watches touches it
         self.order: Any = None
+        #: how many :meth:`take_down` calls are in force: the order does not see them (a
+        #: decision then takes the full pass)
+        self.masked = 0
         #: per group, the rows of the states up in other groups (until up/group change)
         self._outside: dict[int, npt.NDArray[np.intp]] = {}
         kinds: dict[str, type] = type(states[0]).COLUMNS
@@ -116,7 +119,8 @@ class Board:
         call puts them up again and restores the cached live mask, groups and rows
         outside groups as they were. For one decision that must not see them: the slots
         and the column are written directly (one numpy write, not a property write per
-        state), and the live mask is narrowed rather than recomputed."""
+        state), and the live mask is narrowed rather than recomputed. The load order
+        (:mod:`.candidates`) is not told (:attr:`masked` counts the calls in force)."""
         if not len(rows):
             return _nothing
         saved = (self._live_mask, self._live_groups, self._outside)
@@ -125,7 +129,7 @@ class Board:
         for st in states:
             st._up = False
         up[rows] = False
-        self._touch(rows)
+        self.masked += 1
         if saved[0] is not None:
             gone = sum(1 << iid for iid in self.columns["iid"][rows].tolist())  # distinct
             self._live_mask = saved[0] & ~gone
@@ -136,16 +140,10 @@ class Board:
             for st in states:
                 st._up = True
             up[rows] = True
-            self._touch(rows)
+            self.masked -= 1
             self._live_mask, self._live_groups, self._outside = saved
 
         return undo
-
-    def _touch(self, rows: npt.NDArray[np.intp]) -> None:
-        """Tell the load order (if any) that ``rows`` changed."""
-        if self.order is not None:
-            for row in rows.tolist():
-                self.order.touch(row)
 
     def row_of(self, iid: int) -> int:
         """The row of instance ``iid`` (-1: not on this board); ids are usually rows."""

@@ -69,16 +69,56 @@ def test_load_order_finds_the_instances_that_free_first_and_the_pool_aggregates(
                 assert _wait(pool[j1], now) == _wait(pool[j_full], now)
 
 
-def test_take_down_and_undo_keep_the_order_current() -> None:
+def test_take_down_masks_the_pool_and_a_rollouts_decision_takes_the_full_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Instances taken down for one decision (a rollout's other group) are not told to
+    the order (no work per row); while any are, decisions take the full pass, so a
+    grouped decision on a large pool comes from the instances up, draw for draw."""
     pool = [PrefillState(iid=i, busy_until=float(i)) for i in range(6)]
     board = board_of(pool)
     order: LoadOrder = order_of(board, LoadOrder)
     undo = board.take_down(np.array([0, 1]))
-    assert [row for _, row in order.least(0.0, 3)] == [2, 3, 4]
-    assert order.live == 4
+    assert board.masked == 1
     undo()
-    assert [row for _, row in order.least(0.0, 3)] == [0, 1, 2]
-    assert order.live == 6
+    assert board.masked == 0
+    assert [row for _, row in order.least(0.0, 3)] == [0, 1, 2] and order.live == 6
+    from mooncake_conductor.policies.conductor import ConductorPolicy
+    real_rank, real_cands = ConductorPolicy._rank_candidates, DecodeOrder.candidates
+    current: list[ClusterState] = []
+
+    def rank(self: ConductorPolicy, req: RequestInfo, pool: list[PrefillState],
+             *args: object) -> object:
+        assert not board_of(pool).masked, "prefill candidates with instances down"
+        return real_rank(self, req, pool, *args)  # type: ignore[arg-type]
+
+    def cands(self: DecodeOrder, *args: int) -> object:
+        assert not board_of(current[-1].decode).masked, "decode candidates, some down"
+        return real_cands(self, *args)
+
+    monkeypatch.setattr(ConductorPolicy, "_rank_candidates", rank)
+    monkeypatch.setattr(DecodeOrder, "candidates", cands)
+    r = random.Random(2)
+    for _ in range(20):
+        cluster, req, now = _cluster(r, 40)
+        current.append(cluster)
+        for st in [*cluster.prefill, *cluster.decode]:
+            st.group = st.iid % 2  # two revisions: a rollout
+        if r.random() < 0.5:  # group 1 has no decode instance up: its prefill is left out
+            for d in cluster.decode[1::2]:
+                d.up = False
+        for cand in (CandidatesConfig(enabled=False),
+                     CandidatesConfig(min_pool=2, least_loaded=2, holders=1)):
+            cond = Conductor(ConductorConfig(params={"cpp": {"enabled": False}},
+                                             candidates=cand))
+            d = cond.schedule(req, cluster, now)
+            assert d.placement.prefill is not None and d.decode.decode is not None
+            # the decode instance is of the prefill instance's group
+            assert (cluster.prefill[d.placement.prefill].group
+                    == cluster.decode[d.decode.decode].group)
+        assert not board_of(cluster.prefill).masked and not board_of(cluster.decode).masked
+        for st in [*cluster.prefill, *cluster.decode]:
+            st.group = 0
+            st.up = True
 
 
 def test_decode_order_finds_the_fastest_with_room() -> None:

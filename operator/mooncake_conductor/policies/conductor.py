@@ -320,7 +320,8 @@ class ConductorPolicy(PrefillPolicy):
             # over the candidates of a large pool (:mod:`..candidates`)
             want_cpp = prm.cpp.enabled and self.ctx.cpp
             cand = self.ctx.candidates
-            if cand.enabled and len(cluster.prefill) >= cand.min_pool:
+            if (cand.enabled and len(cluster.prefill) >= cand.min_pool
+                    and not board_of(cluster.prefill).masked):  # (masked: a rollout's)
                 count, kappa, least = self._rank_candidates(
                     req, cluster.prefill, local_view, best_src, best_len, now, spread,
                     shut_rate, slo_s, open_s, prm.cpp.max_group + 1 if want_cpp else 0)
