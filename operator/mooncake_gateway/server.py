@@ -374,42 +374,74 @@ class Gateway:
         return [(rt, i) for rt in self.models.values() for role in Role
                 for i in rt.instances(role) if i.listed]
 
+    def _by_engine(self, healthy_only: bool = False
+                   ) -> dict[str, list[tuple[ModelRuntime, Instance]]]:
+        """The listed instances by engine URL: an engine that serves as a prefill and a
+        decode instance (or for several models) is checked and scraped once a round."""
+        out: dict[str, list[tuple[ModelRuntime, Instance]]] = {}
+        for rt, inst in self._all_instances():
+            if inst.healthy or not healthy_only:
+                out.setdefault(inst.endpoint.url, []).append((rt, inst))
+        return out
+
     async def _health_loop(self) -> None:
         s = self.settings
         while True:
-            await asyncio.gather(*(self._check(rt, i) for rt, i in self._all_instances()))
+            await asyncio.gather(*(self._check_all(url, insts)
+                                   for url, insts in self._by_engine().items()))
             await asyncio.sleep(s.health_interval_s)
 
+    async def _check_all(self, url: str, insts: list[tuple[ModelRuntime, Instance]]) -> None:
+        ok = await self._healthy(url)
+        for rt, inst in insts:
+            rt.mark_health(inst, ok)
+
     async def _check(self, rt: ModelRuntime, inst: Instance) -> None:
+        rt.mark_health(inst, await self._healthy(inst.endpoint.url))
+
+    async def _healthy(self, url: str) -> bool:
+        """Whether the engine at ``url`` answers ``/health`` with 200 in time."""
+        timeout = self.settings.health_timeout_s
+        if self.upstream is not None and self.upstream.supports(url):
+            try:
+                status, _ = await self.upstream.get(url, "/health", timeout)
+            except UpstreamCallError:
+                return False
+            return status == 200
         assert self.session is not None
-        ok = False
         with contextlib.suppress(Exception):
             async with self.session.get(
-                inst.endpoint.url + "/health",
-                timeout=aiohttp.ClientTimeout(total=self.settings.health_timeout_s),
-            ) as resp:
-                ok = resp.status == 200
-        rt.mark_health(inst, ok)
+                url + "/health", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                return resp.status == 200
+        return False
 
     async def _scrape_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self._scrape(rt, i) for rt, i in self._all_instances()
-                                   if i.healthy))
+            await asyncio.gather(*(self._scrape(url, insts) for url, insts
+                                   in self._by_engine(healthy_only=True).items()))
             await asyncio.sleep(self.settings.metrics_interval_s)
 
-    async def _scrape(self, rt: ModelRuntime, inst: Instance) -> None:
-        assert self.session is not None
+    async def _scrape(self, url: str, insts: list[tuple[ModelRuntime, Instance]]) -> None:
+        """One ``/metrics`` page of the engine at ``url``, applied to its ``insts``."""
+        timeout = self.settings.health_timeout_s
         try:
-            async with self.session.get(
-                inst.endpoint.url + "/metrics",
-                timeout=aiohttp.ClientTimeout(total=self.settings.health_timeout_s),
-            ) as resp:
-                if resp.status != 200:
+            if self.upstream is not None and self.upstream.supports(url):
+                status, raw = await self.upstream.get(url, "/metrics", timeout)
+                if status != 200:
                     return
-                text = await resp.text()
+                text = raw.decode("utf-8", "replace")
+            else:
+                assert self.session is not None
+                async with self.session.get(
+                    url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                    if resp.status != 200:
+                        return
+                    text = await resp.text()
         except Exception:
             return
-        rt.apply_stats(inst, parse_engine_metrics(text))
+        stats = parse_engine_metrics(text)
+        for rt, inst in insts:
+            rt.apply_stats(inst, stats)
 
     # -- tokenization ----------------------------------------------------------------------
     async def _remote_tokenize(self, body: dict[str, Any]) -> list[int]:

@@ -4,8 +4,9 @@ The prefill call and a non-streamed decode are one ``POST`` of a JSON body whose
 read whole. aiohttp's client spends about 0.1 ms of CPU per such call in request and
 response objects, header multidicts, URL handling and timers; this client writes the
 request bytes straight to a pooled connection and parses the status line, the headers and
-a ``Content-Length`` or ``chunked`` body from one buffer. Streamed answers, health checks,
-scrapes and ``https`` engines still go through aiohttp.
+a ``Content-Length`` or ``chunked`` body from one buffer. The background health checks and
+``/metrics`` scrapes (``GET``) use it too. Streamed answers and ``https`` engines still go
+through aiohttp.
 
 Like aiohttp, a ``POST`` is never retried here (the engine may have started it): a closed
 or reset connection, a timeout or a malformed answer raises :class:`UpstreamCallError` and
@@ -235,8 +236,29 @@ class UpstreamPool:
             b"Content-Type: ", content_type, b"\r\nContent-Length: ",
             str(len(body)).encode("ascii"), b"\r\nAccept: */*\r\n\r\n", body,
         ))
-        conn = await self._acquire(origin)
-        timer = self.loop.call_later(self.request_timeout_s, conn.timed_out)
+        return await self._call(origin, request, self.request_timeout_s,
+                                self.connect_timeout_s)
+
+    async def get(self, base_url: str, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """``GET`` ``base_url + path`` within ``timeout_s`` (connecting included): the
+        answer's status and whole body. The background health checks and ``/metrics``
+        scrapes: ~0.1 ms of CPU less per call than aiohttp's client, which at hundreds of
+        engines is most of what the gateway spends at rest."""
+        origin, host_header = self._origin(base_url)
+        request = b"".join((b"GET ", path.encode("ascii"), b" HTTP/1.1\r\n", host_header,
+                            b"Accept: */*\r\n\r\n"))
+        started = self.loop.time()
+        return await self._call(origin, request, timeout_s,
+                                min(timeout_s, self.connect_timeout_s), started)
+
+    async def _call(self, origin: tuple[str, int], request: bytes, timeout_s: float,
+                    connect_timeout_s: float, started: float | None = None
+                    ) -> tuple[int, bytes]:
+        """Send ``request`` on a pooled (or new) connection to ``origin``; ``timeout_s``
+        from ``started`` (default: once connected)."""
+        conn = await self._acquire(origin, connect_timeout_s)
+        left = timeout_s if started is None else timeout_s - (self.loop.time() - started)
+        timer = self.loop.call_later(max(0.0, left), conn.timed_out)
         try:
             status, answer = await conn.start(request)
         except BaseException:  # failure, timeout or cancellation: the connection is spent
@@ -251,7 +273,7 @@ class UpstreamPool:
             conn.close()
         return status, answer
 
-    async def _acquire(self, origin: tuple[str, int]) -> _Connection:
+    async def _acquire(self, origin: tuple[str, int], connect_timeout_s: float) -> _Connection:
         idle = self._idle.get(origin)
         if idle:
             oldest_ok = time.monotonic() - self.keepalive_s
@@ -261,7 +283,7 @@ class UpstreamPool:
                     return conn
                 conn.close()
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
+            async with asyncio.timeout(connect_timeout_s):
                 _, proto = await self.loop.create_connection(
                     lambda: _Connection(self, origin), origin[0], origin[1])
         except TimeoutError:

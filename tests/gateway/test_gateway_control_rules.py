@@ -190,6 +190,46 @@ def test_engines_are_scraped_and_checked_in_the_background() -> None:
     asyncio.run(main())
 
 
+class CountingEngine(MetricsEngine):
+    """Counts its health checks too."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.checks = 0
+
+    async def _health(self, r: web.Request) -> web.Response:
+        self.checks += 1
+        return await super()._health(r)
+
+
+def test_an_engine_in_both_roles_is_checked_and_scraped_once_a_round() -> None:
+    """One engine listed as a prefill and as a decode instance (the ``direct`` rule's
+    single-hop setup): one health check and one scrape per round serve both instances."""
+    interval = 0.1
+
+    async def main() -> None:
+        e = CountingEngine("e")
+        await e.start()
+        try:
+            async with running_gateway([model([e], [e])], metrics_interval_s=interval,
+                                       health_interval_s=interval) as gw:
+                async def scraped() -> bool:
+                    st = await gw.state()
+                    return all(st[role][0]["engine"]["running"] == 3.0
+                               for role in ("prefill", "decode"))
+                await until(scraped)
+                checks, scrapes = e.checks, e.scrapes
+                started = time.monotonic()
+                await asyncio.sleep(1.0)
+                rounds = (time.monotonic() - started) / interval + 1  # at most
+                assert 0 < e.checks - checks <= rounds
+                assert 0 < e.scrapes - scrapes <= rounds
+        finally:
+            await e.stop()
+
+    asyncio.run(main())
+
+
 async def _gt(e: MetricsEngine, n: int) -> bool:
     return e.scrapes > n
 

@@ -272,6 +272,48 @@ def test_a_cancelled_call_closes_its_connection(run: Run) -> None:
     run(main())
 
 
+def test_get_reads_health_and_metrics_pages_over_one_connection(run: Run) -> None:
+    """The background checks' GETs: no body sent, answers read whole, the connection kept."""
+    seen: list[bytes] = []
+
+    async def pages(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            seen.append(head)
+            body = b"vllm:num_requests_running 1\n" if b" /metrics " in head else b""
+            writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+                         + body)
+            await writer.drain()
+
+    async def main() -> None:
+        async with _server(pages) as (url, accepted):
+            pool = _pool()
+            assert await pool.get(url, "/health", 1.0) == (200, b"")
+            assert await pool.get(url, "/metrics", 1.0) == (
+                200, b"vllm:num_requests_running 1\n")
+            assert len(accepted) == 1
+            assert seen[0] == (f"GET /health HTTP/1.1\r\nHost: {url[len('http://'):]}\r\n"
+                               "Accept: */*\r\n\r\n").encode()
+            pool.close()
+
+    run(main())
+
+
+def test_a_get_that_hangs_fails_within_its_own_timeout(run: Run) -> None:
+    async def hang(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    async def main() -> None:
+        async with _server(hang) as (url, _):
+            pool = _pool(timeout_s=30.0)  # the pool's own limits are far longer
+            started = time.monotonic()
+            with pytest.raises(UpstreamCallError, match="TimeoutError"):
+                await pool.get(url, "/health", 0.2)
+            assert time.monotonic() - started < 5
+
+    run(main())
+
+
 def test_only_plain_http_engines_use_the_lean_client() -> None:
     assert UpstreamPool.supports("http://10.0.0.1:8000")
     assert not UpstreamPool.supports("https://engine:8443")
