@@ -63,6 +63,22 @@ class _Date:
         return self._value
 
 
+class PlainJson:
+    """A ``200 application/json`` answer for the front end: the engine's bytes as they
+    came, without building an aiohttp ``Response`` (~4 µs) and reading it back (~5 µs);
+    :meth:`FrontServer.encode` writes the same bytes it would have for that ``Response``."""
+
+    __slots__ = ("body",)
+    status = 200
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+
+#: the head of a :class:`PlainJson` answer up to its ``Date`` header
+PLAIN_JSON_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nDate: "
+
+
 class FrontProtocol(asyncio.Protocol):
     def __init__(self, front: FrontServer) -> None:
         self.front = front
@@ -238,7 +254,13 @@ class FrontServer:
     def protocol(self) -> FrontProtocol:
         return FrontProtocol(self)
 
-    def encode(self, resp: web.Response, keep_alive: bool) -> bytes:
+    def encode(self, resp: web.Response | PlainJson, keep_alive: bool) -> bytes:
+        if isinstance(resp, PlainJson):
+            plain = resp.body
+            return b"".join((PLAIN_JSON_HEAD, self._date.get(), b"\r\nContent-Length: ",
+                             str(len(plain)).encode("ascii"),
+                             b"\r\n\r\n" if keep_alive else b"\r\nConnection: close\r\n\r\n",
+                             plain))
         body = resp.body
         if not isinstance(body, bytes | bytearray):
             body = b""

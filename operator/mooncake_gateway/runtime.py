@@ -175,7 +175,7 @@ class ModelRuntime:
         self.slo = SloCounter(metrics.slo_requests, cfg.name, cfg.conductor.slo.ttft_s,
                               cfg.conductor.slo.tbt_s, self.time_scale)
         #: set (and replaced) whenever a decode request ends: held requests wait on it
-        self._decode_room = asyncio.Event()
+        self._decode_room: asyncio.Event | None = None  # made by the first waiter
         self.hot_tokens = self._hot_tokens()
         self.conductor.hot = self.hot_tokens  # the tracker that also keeps tokens
         #: called when an instance joins (the gateway checks its health at once)
@@ -753,13 +753,16 @@ class ModelRuntime:
         d.context_tokens = max(0, d.context_tokens - req.input_tokens)
         d.reserved_tokens = max(0, d.reserved_tokens - req.output_tokens)
         inst.inflight -= 1
-        room, self._decode_room = self._decode_room, asyncio.Event()
-        room.set()  # every request held for room tries again, oldest first
+        room, self._decode_room = self._decode_room, None
+        if room is not None:
+            room.set()  # every request held for room tries again, oldest first
 
     async def wait_decode_room(self, timeout_s: float) -> bool:
         """Wait until a decode request ends (then ``True``) or ``timeout_s`` wall seconds
         pass (``False``)."""
         room = self._decode_room
+        if room is None:
+            room = self._decode_room = asyncio.Event()
         try:
             await asyncio.wait_for(room.wait(), timeout=max(0.0, timeout_s))
         except TimeoutError:

@@ -32,7 +32,7 @@ from . import fastjson
 from .catalog import Catalog, ConfigMapWatch, Conflict, ModelDocument, resolve
 from .enginemetrics import parse_engine_metrics
 from .errors import ApiError, error_body
-from .front import FrontServer
+from .front import FrontServer, PlainJson
 from .handshake import Handshake, Transfer, handshake
 from .metrics import GatewayMetrics, RequestCounter
 from .openapi import openapi_spec
@@ -45,6 +45,8 @@ from .validate import Parsed, parse_request
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: what answers a completion request: aiohttp's response, or the fast front end's own
+Answer = web.StreamResponse | PlainJson
 EXPLAIN_HEADER = "x-conductor-explain"
 DECISION_HEADER = "x-conductor-decision"
 DECODE_ATTEMPTS = 2
@@ -485,10 +487,10 @@ class Gateway:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         explain = request.headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes")
         resp = await self._answer(chat, time.perf_counter(), explain, request=request)
-        assert resp is not None
+        assert isinstance(resp, web.StreamResponse)  # PlainJson only without a request
         return resp
 
-    async def serve_plain(self, raw: bytes, chat: bool) -> web.Response | None:
+    async def serve_plain(self, raw: bytes, chat: bool) -> web.Response | PlainJson | None:
         """The fast front end's entry (``front.py``): a request without ``stream`` nor
         explain header, answered in full; ``None`` (nothing counted, nothing sent upstream)
         when it asks for a stream, which aiohttp's server then serves."""
@@ -503,12 +505,12 @@ class Gateway:
             return ApiError(500, "internal gateway error", code="internal_error").response()
         if resp is None:
             return None
-        assert isinstance(resp, web.Response)
+        assert isinstance(resp, web.Response | PlainJson)
         return resp
 
     async def _answer(self, chat: bool, arrived: float, explain: bool,
                       request: web.Request | None = None,
-                      raw: bytes | None = None) -> web.StreamResponse | None:
+                      raw: bytes | None = None) -> Answer | None:
         """One completion request from ``request`` (aiohttp) or ``raw`` (the fast front end;
         ``None`` is returned for a streamed one)."""
         endpoint = "chat" if chat else "completions"
@@ -553,7 +555,7 @@ class Gateway:
 
     async def _route(self, request: web.Request | None, rt: ModelRuntime,
                      data: dict[str, Any], p: Parsed, arrived: float,
-                     explain: bool) -> web.StreamResponse:
+                     explain: bool) -> Answer:
         cfg = rt.cfg
         tokens = await self._tokens(p)
         if len(tokens) == 0:
@@ -717,7 +719,7 @@ class Gateway:
                                    req: RequestInfo, decision: Decision, data: dict[str, Any],
                                    p: Parsed, record: dict[str, Any], headers: dict[str, str],
                                    arrived: float, explain: bool, group: int, hs: Handshake,
-                                   transfer: Transfer) -> web.StreamResponse:
+                                   transfer: Transfer) -> Answer:
         """Both halves at once (the prefill engine waits for the decode engine to connect):
         one attempt each, since the decode engine is told which prefill engine to meet. A
         failed prefill cancels the decode and answers with the prefill's error."""
@@ -862,7 +864,7 @@ class Gateway:
                       fields: dict[str, Any], record: dict[str, Any],
                       headers: dict[str, str], arrived: float,
                       explain: bool, group: int | None,
-                      attempts: int = DECODE_ATTEMPTS) -> web.StreamResponse:
+                      attempts: int = DECODE_ATTEMPTS) -> Answer:
         """The decode half, with the handshake's ``fields`` spliced into the body."""
         assert self.session is not None
         body = splice_json(p.raw, data, fields) if fields else p.raw
@@ -881,11 +883,13 @@ class Gateway:
             record["decode"] = inst.name
             rt.decode_started(inst, req)
             try:
+                resp: Answer
                 if p.stream:
                     assert request is not None  # the fast front end hands streams to aiohttp
                     resp = await self._stream(request, rt, inst, path, body, headers, arrived)
                 else:
-                    resp = await self._unary(rt, inst, path, body, headers, record, explain)
+                    resp = await self._unary(rt, inst, path, body, headers, record, explain,
+                                             plain=request is None)
                     rt.slo.served(time.perf_counter() - arrived, None)
                 record["outcome"] = "ok"
                 return resp
@@ -910,13 +914,17 @@ class Gateway:
 
     async def _unary(self, rt: ModelRuntime, inst: Instance, path: str, body: bytes,
                      headers: dict[str, str], record: dict[str, Any],
-                     explain: bool) -> web.Response:
+                     explain: bool, plain: bool = False) -> web.Response | PlainJson:
+        """A non-streamed decode; ``plain``: for the fast front end (:class:`PlainJson`
+        when the answer needs no header of its own)."""
         status, resp, raw = await self._post(inst, path, body, parse=explain)
         if status in UPSTREAM_RETRY_STATUSES:
             raise UpstreamError(f"HTTP {status}")
         if status != 200:
             raise _relayed_error(status, resp)
         if not explain:  # the decode answer goes back as it came
+            if plain and not headers:
+                return PlainJson(raw)
             return web.Response(body=raw, content_type="application/json", headers=headers)
         if not isinstance(resp, dict):
             raise UpstreamError("answer is not a JSON object")

@@ -7,7 +7,9 @@ import json
 import socket
 from typing import Any
 
-from mooncake_gateway.front import _parse_head
+import pytest
+from aiohttp import web
+from mooncake_gateway.front import FrontServer, PlainJson, _Date, _parse_head
 
 from .conftest import Cluster
 from .gateway_fixtures import HOST, MODEL
@@ -174,3 +176,15 @@ def test_request_heads_the_front_end_serves_itself() -> None:
                     f"Connection: {value}") == (False, 1, False), value
     assert head("POST /v1/completions HTTP/1.0\r\nContent-Length: 1\r\n"
                 "Connection: x,keep-alive") == (False, 1, True)
+
+
+@pytest.mark.parametrize("keep_alive", [True, False])
+def test_a_plain_json_answer_is_written_as_its_aiohttp_response_would_be(
+        keep_alive: bool) -> None:
+    """The fast path's :class:`PlainJson` skips building an aiohttp ``Response``; the bytes
+    on the wire stay the same."""
+    front = FrontServer.__new__(FrontServer)  # encode() needs the Date header only
+    front._date = _Date()
+    body = b'{"id":"cmpl-1","choices":[{"text":"x"}]}'
+    as_aiohttp = web.Response(body=body, content_type="application/json")
+    assert front.encode(PlainJson(body), keep_alive) == front.encode(as_aiohttp, keep_alive)
