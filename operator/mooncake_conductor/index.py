@@ -73,6 +73,8 @@ def tier_of_medium(medium: str | None) -> int:
     if medium is None:
         return HBM
     return TIER_BY_MEDIUM.get(medium.upper(), STORE)
+#: wide masks remembered before the ones no key holds are forgotten (then twice those held)
+SHARED_MIN = 1 << 12
 #: distinct keys from which matching runs vectorised (below: the dict is cache-resident)
 VECTOR_MIN_KEYS = 1 << 18
 #: the vectorised mirror is dropped again below this share of VECTOR_MIN_KEYS
@@ -229,6 +231,10 @@ class PrefixIndex:
         self._pending_count: dict[tuple[int, int], int] = {}
         self.live_mask = 0
         self.evictions = 0
+        #: one int object per distinct wide mask (instance ids past 63), shared by every
+        #: key with those holders: a mask as wide as the fleet is kept once, not per key
+        self._shared: dict[int, int] = {}
+        self._shared_limit = SHARED_MIN
         for i in range(instances):
             self.add_instance(i)
 
@@ -279,6 +285,7 @@ class PrefixIndex:
         bit = 1 << instance
         holders = self.holders
         get, move = table.get, table.move_to_end
+        share = self._shared.setdefault
         for key in reversed(keys):
             held = get(key)
             if held is not None:
@@ -287,10 +294,14 @@ class PrefixIndex:
                     table[key] = tier
             else:
                 table[key] = tier
-                holders[key] = holders.get(key, 0) | bit
+                mask = holders.get(key, 0) | bit
+                holders[key] = share(mask, mask) if mask >> WORD_BITS else mask
         if self._mirror is not None:
             self._mirror.dirty_stored.update(keys)
-        return self._evict_to(instance, self._capacity[instance])
+        evicted = self._evict_to(instance, self._capacity[instance])
+        if len(self._shared) > self._shared_limit:
+            self._reshare()
+        return evicted
 
     def touch(self, instance: int, keys: Sequence[int]) -> None:
         """Mark the held ones of ``keys`` as just used (roots most recent)."""
@@ -317,12 +328,13 @@ class PrefixIndex:
             return []
         keep = ~(1 << instance)
         holders = self.holders
+        share = self._shared.setdefault
         evicted: list[int] = []
         while len(table) > capacity:
             key, _ = table.popitem(last=False)
             mask = holders[key] & keep
             if mask:
-                holders[key] = mask
+                holders[key] = share(mask, mask) if mask >> WORD_BITS else mask
             else:
                 del holders[key]
             evicted.append(key)
@@ -337,15 +349,26 @@ class PrefixIndex:
             return
         keep = ~(1 << instance)
         dirty = self._mirror.dirty_stored if self._mirror is not None else None
+        share = self._shared.setdefault
         for key in keys:
             if table.pop(key, None) is not None:
                 mask = self.holders[key] & keep
                 if mask:
-                    self.holders[key] = mask
+                    self.holders[key] = share(mask, mask) if mask >> WORD_BITS else mask
                 else:
                     del self.holders[key]
                 if dirty is not None:
                     dirty.add(key)
+
+    def _reshare(self) -> None:
+        """Forget the wide masks no key holds any more (keys keep their objects)."""
+        shared: dict[int, int] = {}
+        for source in (self.holders, self._pending):
+            for key, mask in source.items():
+                if mask >> WORD_BITS:
+                    source[key] = shared.setdefault(mask, mask)
+        self._shared = shared
+        self._shared_limit = max(SHARED_MIN, 2 * len(shared))
 
     def clear(self, instance: int) -> None:
         table = self._held(instance)
@@ -358,12 +381,16 @@ class PrefixIndex:
     # -- pending (in-flight) ---------------------------------------------------------------
     def add_pending(self, instance: int, keys: Sequence[int]) -> None:
         bit = 1 << instance
+        share = self._shared.setdefault
         for key in keys:
             ref = (key, instance)
             self._pending_count[ref] = self._pending_count.get(ref, 0) + 1
-            self._pending[key] = self._pending.get(key, 0) | bit
+            mask = self._pending.get(key, 0) | bit
+            self._pending[key] = share(mask, mask) if mask >> WORD_BITS else mask
         if self._mirror is not None:
             self._mirror.dirty_pending.update(keys)
+        if len(self._shared) > self._shared_limit:
+            self._reshare()
 
     def remove_pending(self, instance: int, keys: Iterable[int]) -> None:
         """One reference of each of ``keys`` on ``instance`` fewer (:meth:`_drop_pending`
@@ -380,7 +407,8 @@ class PrefixIndex:
                 del counts[ref]
                 mask = pending[key] & keep
                 if mask:
-                    pending[key] = mask
+                    pending[key] = self._shared.setdefault(mask, mask) if mask >> WORD_BITS \
+                        else mask
                 else:
                     del pending[key]
                 if dirty is not None:
@@ -397,7 +425,8 @@ class PrefixIndex:
         del self._pending_count[ref]
         mask = self._pending[key] & ~(1 << instance)
         if mask:
-            self._pending[key] = mask
+            self._pending[key] = self._shared.setdefault(mask, mask) if mask >> WORD_BITS \
+                else mask
         else:
             del self._pending[key]
         if self._mirror is not None:

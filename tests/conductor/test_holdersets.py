@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
+from mooncake_conductor import index as index_mod
 from mooncake_conductor.holdersets import HolderSets
 from mooncake_conductor.index import PrefixIndex
 
@@ -60,3 +62,29 @@ def test_a_mirror_of_set_ids_follows_the_dicts_under_churn() -> None:
             assert all(mirror.mask_of(mirror.pending, k) == pend.get(k, 0) for k in keys)
             used = {m for m in ix.holders.values()} | {m for m in pend.values()}
             assert len(mirror.sets) == len(used)  # unused sets are freed
+
+
+def test_wide_masks_are_one_object_per_distinct_holder_set(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys with the same holders past id 63 share one mask int (a mask as wide as the
+    fleet is kept once, not per key); masks no key holds any more are forgotten."""
+    monkeypatch.setattr(index_mod, "SHARED_MIN", 4)
+    ix = PrefixIndex(1000)
+    chain = list(range(1, 201))
+    ix.store(100, chain)
+    ix.store(900, chain[:150])
+    ix.add_pending(700, chain[:10])
+    masks = [ix.holders[k] for k in chain]
+    assert masks[0] == (1 << 100) | (1 << 900)
+    assert all(m is masks[0] for m in masks[:150])  # one object, 150 keys
+    assert all(m is masks[150] for m in masks[150:])
+    pend = [ix._pending[k] for k in chain[:10]]
+    assert all(m is pend[0] for m in pend)
+    for i in range(10):  # many distinct masks come and go: the table is pruned
+        ix.store(200 + i, chain[:1])
+        ix.remove(200 + i, chain[:1])
+    assert len(ix._shared) <= 2 * 4 + 3
+    assert all(ix.holders[k] == m for k, m in zip(chain, masks, strict=True))
+    small = PrefixIndex(10)
+    small.store(3, [1, 2])
+    assert not small._shared  # one-word masks are left as they are
