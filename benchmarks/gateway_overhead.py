@@ -1,7 +1,9 @@
 """Added latency of the gateway over a direct call to a worker, and peak req/s.
 
     python benchmarks/gateway_overhead.py [--requests 2000] [--concurrency 1,16,64]
+        [--rounds 1] [--targets direct,gateway,...] [--json OUT]
         [--routers /path/to/venv/bin]   # where sglang-router / vllm-router live
+        [--baseline TREE]   # also the gateway of another source tree, same run
 
 Two simulated workers (``--time-scale 0``: the engine answers as fast as the CPU allows)
 serve every target. Targets, each driven by the same closed-loop client (aiohttp, N
@@ -19,6 +21,12 @@ highest throughput over the concurrencies. ``cpu us`` = CPU seconds (user + syst
 threads) the target's process spent per request during the measured requests — for
 ``direct`` the worker's, for the others the router's own (the workers' not included): less
 noisy than latency on a shared machine. ``--targets`` picks some of the targets.
+
+Every target is started first; then each concurrency is measured on every target in turn,
+``--rounds`` times over, so a change in the machine's load falls on all of them alike.
+``--baseline TREE`` runs a second gateway from another source tree (its ``operator/`` and
+``worker/`` first on ``PYTHONPATH``) as ``gateway-baseline``: before and after a change in
+one run, e.g. ``git archive OLD operator worker | tar -x -C /tmp/old``.
 """
 
 from __future__ import annotations
@@ -58,8 +66,12 @@ def cpu_seconds(pid: int) -> float:
     return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
-async def drive(url: str, n: int, conc: int, pid: int | None = None) -> dict[str, float]:
-    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS}).encode()
+async def drive(url: str, n: int, conc: int, pid: int | None = None,
+                bodies: list[bytes] | None = None) -> dict[str, float]:
+    """``n`` requests at concurrency ``conc``: the ``bodies`` in turn (default: one
+    :data:`PROMPT`); latency, req/s and CPU µs per request of process ``pid``."""
+    each = bodies or [
+        json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS}).encode()]
     lat: list[float] = []
     errors = 0
     left = n
@@ -68,8 +80,9 @@ async def drive(url: str, n: int, conc: int, pid: int | None = None) -> dict[str
             nonlocal left, errors
             while left > 0:
                 left -= 1
+                req = each[left % len(each)]
                 t = time.perf_counter()
-                async with s.post(url + "/v1/completions", data=body,
+                async with s.post(url + "/v1/completions", data=req,
                                   headers={"Content-Type": "application/json"}) as r:
                     await r.read()
                     if r.status != 200:
@@ -77,7 +90,7 @@ async def drive(url: str, n: int, conc: int, pid: int | None = None) -> dict[str
                 lat.append(time.perf_counter() - t)
 
         for _ in range(min(conc, 8)):  # warm-up
-            async with s.post(url + "/v1/completions", data=body,
+            async with s.post(url + "/v1/completions", data=each[0],
                               headers={"Content-Type": "application/json"}) as r:
                 await r.read()
         cpu0 = cpu_seconds(pid) if pid is not None else 0.0
@@ -129,7 +142,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure every target at every concurrency this many times")
     ap.add_argument("--routers", default=None, help="bin folder with sglang-router/vllm-router")
+    ap.add_argument("--baseline", default=None, metavar="TREE",
+                    help="a source tree (operator/ and worker/, e.g. `git archive` of an "
+                         "older commit) whose gateway runs too, as target gateway-baseline")
     ap.add_argument("--json", dest="json_out", default=None)
     ap.add_argument("--gateway-settings", default="{}",
                     help='extra gateway settings as JSON, e.g. \'{"fast_front": false}\'')
@@ -138,12 +156,13 @@ def main() -> int:
     a = ap.parse_args()
     concs = [int(c) for c in a.concurrency.split(",")]
     wanted = set(a.targets.split(","))
-    if "direct" not in wanted:
-        wanted.add("direct")  # the baseline of every "+" column
+    wanted.add("direct")  # the baseline of every "+" column
+    if a.baseline:
+        wanted.add("gateway-baseline")
     bindir = a.routers
-    results: dict[str, dict[int, dict[str, float]]] = {}
+    results: dict[str, dict[int, list[dict[str, float]]]] = {}
     fast = ("--time-scale", "0", "--max-waiting", "100000")
-    with run_worker(*fast) as w1, run_worker(*fast) as w2:
+    with run_worker(*fast) as w1, run_worker(*fast) as w2, contextlib.ExitStack() as stack:
         urls = [w1.url, w2.url]
         targets: list[tuple[str, Any]] = [
             ("direct", contextlib.nullcontext(Target(w1.url, w1.proc.pid)))]
@@ -151,20 +170,26 @@ def main() -> int:
                               direct={"uncached_tokens_below": 1 << 30})
         pd = model_config([w1], [w2], conductor={"policy": "conductor"})
         extra = json.loads(a.gateway_settings)
-        targets.append(("gateway", run_gateway([single], **extra)))
-        targets.append(("gateway-pd", run_gateway([pd], **extra)))
+        targets.append(("gateway", lambda: run_gateway([single], **extra)))
+        if a.baseline:
+            tree = os.path.abspath(a.baseline)
+            env = {"PYTHONPATH": os.pathsep.join(
+                (os.path.join(tree, "operator"), os.path.join(tree, "worker")))}
+            targets.append(("gateway-baseline",
+                            lambda: run_gateway([single], env=env, **extra)))
+        targets.append(("gateway-pd", lambda: run_gateway([pd], **extra)))
         if bindir:
             sg = os.path.join(bindir, "sglang-router")
             vr = os.path.join(bindir, "vllm-router")
             if shutil.which(sg):
                 p = free_port()
-                targets.append(("sglang-router", router(
+                targets.append(("sglang-router", lambda p=p: router(
                     [sg, "launch", "--worker-urls", *urls, "--policy", "cache_aware",
                      "--host", HOST, "--port", str(p), "--prometheus-host", HOST,
                      "--prometheus-port", str(free_port()), "--log-level", "error"], p)))
             if shutil.which(vr):
                 p = free_port()
-                targets.append(("vllm-router", router(
+                targets.append(("vllm-router", lambda p=p: router(
                     [vr, "--worker-urls", *urls, "--policy", "cache_aware", "--host", HOST,
                      "--port", str(p), "--prometheus-host", HOST,
                      "--prometheus-port", str(free_port())], p)))
@@ -173,26 +198,35 @@ def main() -> int:
             if name in wanted and name not in found:
                 print(f"{name}: not measured; install it (pip install {pkg}) into a venv and "
                       "pass its bin folder with --routers", file=sys.stderr)
-        for name, ctx in targets:
+        # every target up at once, then measured in turn at each concurrency, round after
+        # round: a change in the machine's load falls on all of them alike
+        running: list[tuple[str, Target]] = []
+        for name, make in targets:
+            if name not in wanted:
+                continue
             try:
-                if name not in wanted:
-                    continue
-                with ctx as target:
-                    if not isinstance(target, Target):
-                        target = Target(target.url, target.proc.pid)
-                    results[name] = {c: asyncio.run(drive(target.url, a.requests, c, target.pid))
-                                     for c in concs}
+                target = stack.enter_context(make() if callable(make) else make)
             except RuntimeError as exc:
                 print(f"{name}: {exc}")
+                continue
+            if not isinstance(target, Target):
+                target = Target(target.url, target.proc.pid)
+            running.append((name, target))
+        for _ in range(a.rounds):
+            for c in concs:
+                for name, target in running:
+                    row = asyncio.run(drive(target.url, a.requests, c, target.pid))
+                    results.setdefault(name, {}).setdefault(c, []).append(row)
     base = results.get("direct", {})
-    print(f"{'target':<14} {'conc':>4} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
+    print(f"{'target':<16} {'conc':>4} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} "
           f"{'+p99 ms':>8} {'req/s':>8} {'cpu us':>7} {'errors':>6}")
     for name, rows in results.items():
-        for c, r in rows.items():
-            b = base.get(c, r)
-            print(f"{name:<14} {c:>4} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
-                  f"{r['p50_ms'] - b['p50_ms']:>8.2f} {r['p99_ms'] - b['p99_ms']:>8.2f} "
-                  f"{r['rps']:>8.0f} {r['cpu_us']:>7.0f} {int(r['errors']):>6}")
+        for c, runs in rows.items():
+            for i, r in enumerate(runs):
+                b = base.get(c, runs)[i]
+                print(f"{name:<16} {c:>4} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+                      f"{r['p50_ms'] - b['p50_ms']:>8.2f} {r['p99_ms'] - b['p99_ms']:>8.2f} "
+                      f"{r['rps']:>8.0f} {r['cpu_us']:>7.0f} {int(r['errors']):>6}")
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(results, f, indent=2)
