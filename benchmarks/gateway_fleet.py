@@ -14,7 +14,7 @@ lists every worker as a prefill and as a decode instance with the ``direct`` rul
 (one upstream call per request, as ``gateway`` in ``gateway_overhead.py``: 2 x workers
 instances); ``pd`` splits them half prefill, half decode (two calls per request).
 
-The closed-loop client (``gateway_overhead.drive``) sends ``--requests`` completions at
+The closed-loop client (``mooncake_testbed.load.drive``) sends ``--requests`` completions at
 ``--concurrency``, each one of ``--prompts`` distinct ~200-token prompts in turn (so the
 prefix index holds that many prompts spread over the fleet), after one unmeasured pass
 over them. Reported: req/s and latency, the gateway's CPU (user + system, all threads,
@@ -41,26 +41,16 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from gateway_overhead import cpu_seconds, drive
+from mooncake_testbed.load import cpu_seconds, drive, rss_bytes
 from mooncake_testbed.procs import HOST, MODEL, free_port, run_gateway, stop_process
 
 HOST_READY = "ready"
 START_TIMEOUT_S = 120.0
 REST_S = 5.0
 REGISTER_TIMEOUT_S = 120.0
-KIB = 1024
 MIB = 1 << 20
 US = 1e6
 WORKER_ARGS = {"time_scale": 0, "max_waiting": 100000}
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process (``VmRSS`` of ``/proc/PID/status``)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * KIB
-    return 0
 
 
 # -- worker hosts ------------------------------------------------------------------------------
