@@ -12,8 +12,10 @@ of at least ``min_pool`` instances, a prefill choice is priced over
 
 and a decode choice over the ``least_loaded`` instances with the smallest predicted step
 for the request that have KV room for it. Every other instance matches no more of the
-prompt than these and waits at least as long, so the full scan picks one of them unless
-a fetch or a tie band changes the order (measured in ``docs/results/fleet-scale.md``).
+prompt than the holders priced and waits at least as long as the least loaded, so the
+full pass picks one of them unless the price of work, a fetch or a tie band changes the
+order (measured in ``docs/results/fleet-decisions.md``: choices worse beyond the tie
+band no more often than between two full passes).
 
 How the least loaded are found: each pool keeps its rows in sorted lists, one per load
 key, updated whenever a row's load changes (:class:`~.state.Board` calls
