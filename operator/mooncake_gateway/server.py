@@ -93,7 +93,6 @@ class Gateway:
             self._remote_tokenize if settings.tokenizer is TokenizerMode.ENGINE else None,
         )
         self._tasks: list[asyncio.Task[None]] = []
-        self._gc_threshold: tuple[int, int, int] | None = None  # to restore at cleanup
         self._started = False
         self.app = self._build_app()
 
@@ -141,9 +140,6 @@ class Gateway:
         if s.gc_freeze:  # what lives now lives for good: full collections skip it
             gc.collect()
             gc.freeze()
-        if s.gc_young_threshold:
-            self._gc_threshold = gc.get_threshold()
-            gc.set_threshold(s.gc_young_threshold, *self._gc_threshold[1:])
         self._started = True
 
     async def _on_cleanup(self, _app: web.Application) -> None:
@@ -167,9 +163,6 @@ class Gateway:
             self.upstream.close()
         if self.settings.gc_freeze:
             gc.unfreeze()  # back to the collector (several gateways in one process)
-        if self._gc_threshold is not None:
-            gc.set_threshold(*self._gc_threshold)
-            self._gc_threshold = None
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:

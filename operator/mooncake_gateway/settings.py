@@ -232,13 +232,6 @@ class GatewaySettings(BaseSettings):
         "generation (gc.freeze): full collections then skip the ~200k start-up objects and "
         "the index's tables instead of pausing the loop for tens of milliseconds",
     )
-    gc_young_threshold: int = Field(
-        50_000, ge=0, description="while serving, the garbage collector's first-generation "
-        "threshold (net new container objects between young collections; Python's default "
-        "is 700). At concurrency 64 the default ran a young collection every ~30 requests, "
-        "each walking every request in flight: ~5% of the gateway's CPU. Only reference "
-        "cycles wait longer to be freed. 0: leave the interpreter's threshold as it is",
-    )
     warm_kernels: bool = Field(
         True, description="compile (or load from numba's cache) the core's compiled loops "
         "at startup, so the first long prompt or large index does not pay for it "

@@ -218,27 +218,3 @@ def test_gc_freeze_at_startup_and_unfreeze_at_cleanup() -> None:
     assert asyncio.run(run(False)) == (0, 0)
     frozen, after = asyncio.run(run(True))
     assert frozen > 10_000 and after == 0
-
-
-def test_gc_young_threshold_while_serving_and_restored_at_cleanup() -> None:
-    import gc
-
-    from aiohttp.test_utils import TestServer
-    from mooncake_gateway.server import Gateway
-    from mooncake_gateway.settings import GatewaySettings
-
-    async def run(threshold: int) -> tuple[int, int]:
-        gw = Gateway(GatewaySettings(
-            models=[{"name": "m", "prefill": [{"url": "http://127.0.0.1:9"}],
-                     "decode": [{"url": "http://127.0.0.1:9"}]}],
-            warm_kernels=False, gc_freeze=False, gc_young_threshold=threshold))
-        server = TestServer(gw.app, host="127.0.0.1")
-        await server.start_server()
-        serving = gc.get_threshold()[0]
-        await server.close()
-        return serving, gc.get_threshold()[0]
-
-    before = gc.get_threshold()
-    assert asyncio.run(run(12_345)) == (12_345, before[0])
-    assert gc.get_threshold() == before
-    assert asyncio.run(run(0)) == (before[0], before[0])
