@@ -14,10 +14,10 @@ home's count is non-zero. Deleting a key just empties its slot.
 Queries: the compiled walks of :mod:`mooncake_conductor.kernels` read the rows
 directly, with no per-key Python work (a Python ``dict`` pays a dependent cache
 miss per key, one after another); :meth:`KeyMaskTable.mask_of` answers one key.
-Batches of changes are applied by a compiled upsert from :data:`COMPILED_MIN_BATCH`
-keys (:func:`.kernels.upsert_keys` for one-word masks,
-:func:`.kernels_index.upsert_wide_keys` for several words), smaller ones by vectorised
-numpy; Python ints become mask rows in bulk (:func:`masks_to_words`).
+Batches of one-word masks are applied by a compiled upsert
+(:func:`.kernels.upsert_keys`) from :data:`COMPILED_MIN_BATCH` keys, the rest by
+vectorised numpy (the index's mirror holds one word a key: masks, or holder-set ids);
+Python ints become mask rows in bulk (:func:`masks_to_words`).
 
 Masks are ``words`` unsigned 64-bit words (bit ``i`` of the mask is bit
 ``i % 64`` of word ``i // 64``); a zero mask means "no holder" and the key
@@ -39,7 +39,6 @@ import numpy as np
 import numpy.typing as npt
 
 from .kernels import upsert_keys
-from .kernels_index import upsert_wide_keys
 
 SLOTS = 4  #: slots per bucket (keys + one-word masks: one 64-byte cache line)
 MAX_LOAD = 0.4  #: keys per slot before the table doubles (keeps overflows rare)
@@ -251,13 +250,12 @@ class KeyMaskTable:
             self._zero = masks[zero][-1].copy()
             self._meta = None
             keys, masks = keys[~zero], masks[~zero]
-        if len(keys) >= COMPILED_MIN_BATCH:
+        if self.words == 1 and len(keys) >= COMPILED_MIN_BATCH:
             # one compiled pass: update, delete, place home or away; the rest below
             self.reserve(len(keys))
-            upsert = upsert_keys if self.words == 1 else upsert_wide_keys
-            delta, left = upsert(self._rows, self._overflowed, self._shift,
-                                 self.kernel_view()[3], keys,
-                                 np.ascontiguousarray(masks[:, 0] if self.words == 1 else masks))
+            delta, left = upsert_keys(self._rows, self._overflowed, self._shift,
+                                      self.kernel_view()[3], keys,
+                                      np.ascontiguousarray(masks[:, 0]))
             self.count += delta
             stashed = left == 2
             if stashed.any():

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mooncake_conductor import kernels, kernels_index, keytable
+from mooncake_conductor import kernels, keytable
 from mooncake_conductor.keytable import (
     KeyMaskTable,
     _aligned_zeros,
@@ -424,21 +424,9 @@ def test_batches_from_the_compiled_minimum_use_the_compiled_upsert(
     t.assign(u64(keys[n - 1 : 2 * n - 1]), col([2] * n))
     assert calls == [n]
     assert [t.mask_of(x) for x in keys[: 2 * n]] == [1] * (n - 1) + [2] * n + [0]
-    wide_calls: list[int] = []
-    real_wide = kernels_index.upsert_wide_keys
-
-    def counted_wide(*args: Any) -> Any:
-        wide_calls.append(len(args[4]))
-        assert args[5].shape == (len(args[4]), 2) and args[5].flags.c_contiguous
-        return real_wide(*args)
-
-    monkeypatch.setattr(keytable, "upsert_wide_keys", counted_wide)
-    wide = KeyMaskTable(words=2)
-    wide.assign(u64(keys[: n - 1]), np.ones((n - 1, 2), dtype=np.uint64))  # numpy
-    assert wide_calls == []
-    masks = [(5 << 64) | 3] * n  # two words: the wide compiled upsert
-    wide.assign(u64(keys[n - 1 : 2 * n - 1]), masks_to_words(masks, 2))
-    assert wide_calls == [n] and calls == [n]
-    assert [wide.mask_of(x) for x in keys[: 2 * n]] == \
-        [1 << 64 | 1] * (n - 1) + [(5 << 64) | 3] * n + [0]
+    wide = KeyMaskTable(words=2)  # several words: numpy, whatever the batch
+    masks = [(5 << 64) | 3] * n
+    wide.assign(u64(keys[:n]), masks_to_words(masks, 2))
+    assert calls == [n]
+    assert [wide.mask_of(x) for x in keys[: n + 1]] == [(5 << 64) | 3] * n + [0]
     assert_counts_exact(wide)
