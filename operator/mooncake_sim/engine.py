@@ -758,6 +758,10 @@ class Simulation:
             "replicated_tokens": self.replicated_tokens,
             "steals": self.steals,
             "held": self.held,
+            # trace indices of the requests not served (what the rejected work and the
+            # served requests' reuse ceiling are computed from)
+            "rejected_ids": [r.info.rid for r in self.reqs
+                             if r.decision is None or r.decision.rejected],
             "long_prompts": self._long_prompts(served),
             "simulated_seconds": max((r.info.arrival for r in self.reqs), default=0.0),
             "wall_seconds": wall,
