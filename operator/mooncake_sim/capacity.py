@@ -10,20 +10,22 @@ Next to it stands the *compute-bound limit* of the trace on the prefill pool: th
 which the pool would be busy all the time computing each prompt with ideal reuse (every
 prefix block any earlier request produced is reused, the unbounded global cache of
 :func:`~mooncake_sim.trace.reuse_ceiling`), priced by the same cost model. No scheduler
-can sustain more prefill work than that, so ``capacity / limit`` says how much of the pool a
-policy turns into served, in-SLO requests. Two caveats, both visible in the numbers: the
-metric counts requests, not tokens, so a policy that rejects the longest prompts (up to
-``1 - target`` of the requests) sheds far more than that share of the work and can pass the
-all-requests limit; and on a short trace the TTFT SLO lets a backlog outlive the last
-arrival, which a long trace (the bundled one spans an hour) makes negligible.
-:func:`compute_bound_speed` with ``share=target, drain_s=ttft_slo`` is the bound that holds
-for both (``limit_target_speed`` in the output).
+can serve all requests faster than that. It is not a bound on the capacity, and
+``capacity / limit`` is no efficiency: the metric counts requests, not tokens, so a policy
+that rejects the longest prompts (up to ``1 - target`` of the requests) sheds far more than
+that share of the work and passes the all-requests limit (conductor reached 213% of it);
+and on a short trace the TTFT SLO lets a backlog outlive the last arrival.
+:func:`compute_bound_speed` with ``share=target, drain_s=ttft_slo`` (and the run's
+execution factors) is the bound that holds for both: ``limit_target_speed`` in the
+output, and ``of_bound`` the capacity over it (never above 100%). Beside it,
+``rejected_work_share``: the share of the ideal-reuse work the requests rejected at
+capacity carry.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from mooncake_conductor.cost import CostModel, CostModelConfig
@@ -42,13 +44,19 @@ DEFAULT_MAX_PROBES = 24
 
 def ideal_reuse_prefill_times(
     records: list[TraceRecord], cost: CostModel | None = None,
-    block_tokens: int = TRACE_BLOCK_TOKENS,
+    block_tokens: int = TRACE_BLOCK_TOKENS, factors: Sequence[float] | None = None,
 ) -> list[float]:
     """Each request's prefill GPU seconds when it reuses every leading block any earlier
-    request held (unbounded global cache, no transfer cost)."""
+    request held (unbounded global cache, no transfer cost); times its execution factor
+    when ``factors`` are given (:func:`~mooncake_sim.bound.execution_factors`)."""
     cm = cost or CostModel(CostModelConfig())
-    return [cm.prefill_compute_time(r.input_length, min(k * block_tokens, r.input_length))
-            for r, k in seen_prefix_blocks(records)]
+    times = [cm.prefill_compute_time(r.input_length, min(k * block_tokens, r.input_length))
+             for r, k in seen_prefix_blocks(records)]
+    if factors is None:
+        return times
+    if len(factors) != len(times):
+        raise ValueError("one factor per request, please")
+    return [t * f for t, f in zip(times, factors, strict=True)]
 
 
 def ideal_reuse_prefill_seconds(
@@ -69,6 +77,7 @@ def trace_span_s(records: list[TraceRecord]) -> float:
 def compute_bound_speed(
     records: list[TraceRecord], prefill: int, cost: CostModel | None = None,
     block_tokens: int = TRACE_BLOCK_TOKENS, share: float = 1.0, drain_s: float = 0.0,
+    factors: Sequence[float] | None = None,
 ) -> float:
     """Replay speed at which ``prefill`` instances are busy all the time with the trace's
     ideal-reuse prefill work (``inf`` for a trace with no span or no work).
@@ -78,10 +87,11 @@ def compute_bound_speed(
     longest prompts, whose prefill dominates the work. ``drain_s`` (the TTFT SLO) lets
     the work run on past the last arrival by that much, as a served request may start its
     first token that late. With both, the result is a true upper bound on the capacity
-    of any policy that serves the ``share`` target."""
+    of any policy that serves the ``share`` target (with ``factors``, the execution
+    factors of the replays it bounds, when they have any)."""
     if not 0 < share <= 1:
         raise ValueError("share must be in (0, 1]")
-    times = ideal_reuse_prefill_times(records, cost, block_tokens)
+    times = ideal_reuse_prefill_times(records, cost, block_tokens, factors)
     if share < 1:
         times = sorted(times)[: math.ceil(share * len(times))]
     busy_s = sum(times) / prefill  # wall seconds the pool needs, all instances busy

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+#: ``--capabilities``: every design offered what it can use, or each its own defaults
+CAPABILITIES = ("equal", "own")
+
 DEFAULT_COMPARE = (
     "random,round-robin,least-load,local-cache-aware,score,sglang-cache-aware,dynamo-kv,"
     "llm-d,aibrix-prefix-cache,aibrix-conductor,kvcache-centric,mooncake-paper,conductor"
@@ -49,17 +52,22 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing-only", action="store_true",
                    help="equal capability: every policy on local caches only (no KV fetch, "
                    "no CPP, no admission, no replication)")
+    p.add_argument("--capabilities", choices=CAPABILITIES, default=None,
+                   help="equal: overload shedding, work stealing and holding on for every "
+                   "design that can use them (shedding and holding: those with admission); "
+                   "own: each design's defaults (conductor has all three, the others none). "
+                   "Default: equal for capacity, own for simulate (a full-system comparison); "
+                   "--shedding, --stealing and --holding override it")
     p.add_argument("--shedding", action=argparse.BooleanOptionalAction, default=None,
-                   help="overload shedding for every policy with admission (default: the "
-                   "policy's own: conductor on, the others off)")
+                   help="overload shedding for every policy with admission (default: as "
+                   "--capabilities)")
     p.add_argument("--stealing", action=argparse.BooleanOptionalAction, default=None,
                    help="idle prefill instances take prompts queued on others, for every "
-                   "policy (default: the policy's own: conductor on, the others off; never "
-                   "with --routing-only)")
+                   "policy (default: as --capabilities; never with --routing-only)")
     p.add_argument("--holding", action=argparse.BooleanOptionalAction, default=None,
                    help="requests refused only for decode room wait for it while they can "
-                   "still meet the TTFT SLO, for every policy with admission (default: the "
-                   "policy's own: conductor on, the others off)")
+                   "still meet the TTFT SLO, for every policy with admission (default: as "
+                   "--capabilities)")
     p.add_argument("--jobs", type=int, default=None, help="parallel processes")
     p.add_argument("--json", dest="json_out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="write a PNG chart of the results")
@@ -149,6 +157,7 @@ class _Setup:
     shedding: bool | None = None
     stealing: bool | None = None
     holding: bool | None = None
+    capabilities: str = "own"
 
     def config(self, policy: str, speed: float, seed: int, own_params: bool,
                prefill: int | None = None, decode: int | None = None) -> dict[str, Any]:
@@ -195,6 +204,7 @@ class _Setup:
             "shedding": self.shedding,  # null: each policy's own
             "stealing": self.stealing,  # null: each policy's own
             "holding": self.holding,  # null: each policy's own
+            "capabilities": self.capabilities,
             "ttft_mean_charged": "rejected requests charged the TTFT SLO",
         }
 
@@ -212,8 +222,9 @@ def _policies(spec: str, known: list[str]) -> list[str] | str:
     return policies
 
 
-def _setup(args: argparse.Namespace) -> _Setup | str:
-    """Validate the shared flags and load the trace; an error message on bad input."""
+def _setup(args: argparse.Namespace, capabilities: str = "own") -> _Setup | str:
+    """Validate the shared flags and load the trace; an error message on bad input.
+    ``capabilities`` is the default of ``--capabilities``."""
     from .presets import PRESETS
     from .trace import TraceError, load_trace
 
@@ -245,6 +256,8 @@ def _setup(args: argparse.Namespace) -> _Setup | str:
         v = getattr(args, flag, None)
         if v is not None and (not math.isfinite(v) or v <= 0):
             return f"--{flag.replace('_', '-')} must be a positive number"
+    caps = args.capabilities or capabilities
+    equal = True if caps == "equal" else None  # None: each policy's own
     path = _trace_path(args.trace)
     try:
         records = load_trace(path, limit=args.limit)
@@ -266,9 +279,10 @@ def _setup(args: argparse.Namespace) -> _Setup | str:
         event_lag_ms=_pick(args.event_lag_ms, preset, "event_lag_ms", 0.0),
         nic_contention=bool(_pick(args.nic_contention, preset, "nic_contention", False)),
         routing_only=bool(args.routing_only),
-        shedding=args.shedding,
-        stealing=args.stealing,
-        holding=args.holding,
+        shedding=equal if args.shedding is None else args.shedding,
+        stealing=equal if args.stealing is None else args.stealing,
+        holding=equal if args.holding is None else args.holding,
+        capabilities=caps,
     )
 
 
@@ -284,7 +298,22 @@ def _realism_line(setup: _Setup) -> str:
             f"event lag {setup.event_lag_ms:g} ms, NIC contention "
             f"{'on' if setup.nic_contention else 'off'}"
             + (" | routing only (no fetch, CPP, admission, replication)"
-               if setup.routing_only else ""))
+               if setup.routing_only else "") + " | " + _capabilities_line(setup))
+
+
+def _capabilities_line(setup: _Setup) -> str:
+    """Which reading of the designs' capabilities a run uses, in words."""
+    def state(name: str, on: bool | None) -> str:
+        return f"{name} {'own' if on is None else 'on' if on else 'off'}"
+
+    switches = ", ".join(state(n, v) for n, v in (("shedding", setup.shedding),
+                                                   ("stealing", setup.stealing),
+                                                   ("holding", setup.holding)))
+    if setup.capabilities == "equal":
+        head = "capabilities equal (every design offered what it can use)"
+    else:
+        head = "capabilities: each design's own (conductor's not offered to the others)"
+    return f"{head}: {switches}"
 
 
 def _validate(cfgs: list[dict[str, Any]]) -> str | None:
@@ -364,6 +393,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             results = [f.result() for f in futures]
     else:
         results = [_run_one(w) for w in work]
+    _add_bound(records, configs, results, setup.ttft_s)
     print(format_table(results))
     if args.json_out:
         Path(args.json_out).write_text(
@@ -377,6 +407,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             return _fail("--plot needs matplotlib: pip install 'mooncake-operator[plot]'")
         plot_results(results, settings, Path(args.plot))
     return 0
+
+
+def _add_bound(records: list[Any], cfgs: list[dict[str, Any]], results: list[dict[str, Any]],
+               ttft_s: float) -> None:
+    """Each result's ``ttft_lower_bound_s`` (one bound for every design compared,
+    :mod:`.bound`) and its charged mean TTFT over it."""
+    from .bound import bounds_for, ttft_lower_bound
+    from .engine import SimConfig
+
+    bound = ttft_lower_bound(bounds_for(records, [SimConfig.model_validate(c) for c in cfgs]),
+                             ttft_s)
+    for r in results:
+        r["ttft_lower_bound_s"] = bound
+        r["ttft_charged_over_bound"] = r["ttft_mean_charged_s"] / bound if bound else math.nan
 
 
 #: the trace a capacity worker process replays (sent once, by the pool's initializer)
@@ -464,14 +508,23 @@ def _capacity_one(job: tuple[dict[str, Any], float, float, float], width: int,
                    for p in found.probes],
         "at_capacity": None if at is None else {
             k: at[k] for k in ("completed", "rejected", "ttft_mean_s", "ttft_p90_s",
-                               "ttft_p99_s", "tbt_p90_ms", "slo_attainment", "token_hit_ratio")},
+                               "ttft_p99_s", "tbt_p90_ms", "slo_attainment", "token_hit_ratio",
+                               "rejected_ids")},
     }
 
 
 def cmd_capacity(args: argparse.Namespace) -> int:
     from mooncake_conductor.policies import policy_names
 
-    from .capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, compute_bound_speed, pd_splits
+    from .bound import execution_factors, rejected_work_share
+    from .capacity import (
+        DEFAULT_REL_TOL,
+        DEFAULT_TARGET,
+        compute_bound_speed,
+        ideal_reuse_prefill_times,
+        pd_splits,
+    )
+    from .engine import SimConfig
 
     chosen = _policies(args.policy, policy_names())
     if isinstance(chosen, str):
@@ -486,16 +539,22 @@ def cmd_capacity(args: argparse.Namespace) -> int:
         return _fail("--pd-sweep needs at least 2 instances")
     if args.pd_step <= 0:
         return _fail("--pd-step must be positive")
-    setup = _setup(args)
+    setup = _setup(args, "equal")
     if isinstance(setup, str):
         return _fail(setup)
     if len(setup.records) < 2:
         return _fail("the trace needs at least 2 requests to have a rate")
     splits = (pd_splits(args.pd_sweep, args.pd_step) if args.pd_sweep
               else [(setup.prefill, setup.decode)])
+    # the replays' execution factors (prediction error, bias): the same for every policy
+    factors = execution_factors(
+        SimConfig.model_validate(setup.config(chosen[0], 1.0, args.seed, False)),
+        len(setup.records))
+    work = ideal_reuse_prefill_times(setup.records, factors=factors)
     limits = {p: compute_bound_speed(setup.records, p) for p, _ in splits}
     served_limits = {p: compute_bound_speed(setup.records, p, share=target,
-                                            drain_s=setup.ttft_s) for p, _ in splits}
+                                            drain_s=setup.ttft_s, factors=factors)
+                     for p, _ in splits}
     jobs_in: list[tuple[dict[str, Any], float, float, float]] = []
     for pol in chosen:
         for p, d in splits:
@@ -538,10 +597,13 @@ def cmd_capacity(args: argparse.Namespace) -> int:
                   f"capacity {r['capacity_speed']:.4g}x", file=sys.stderr)
             results.append(r)
     for r in results:
-        limit = limits[r["prefill"]]
-        r["limit_speed"] = limit
-        r["limit_target_speed"] = served_limits[r["prefill"]]
-        r["ratio"] = r["capacity_speed"] / limit if math.isfinite(limit) and limit else None
+        r["limit_speed"] = limits[r["prefill"]]
+        bound = served_limits[r["prefill"]]
+        r["limit_target_speed"] = bound
+        r["of_bound"] = r["capacity_speed"] / bound if math.isfinite(bound) and bound else None
+        at = r["at_capacity"]
+        r["rejected_work_share"] = (None if at is None
+                                    else rejected_work_share(work, at.pop("rejected_ids")))
     best: dict[str, dict[str, Any]] = {}
     for r in results:
         b = best.get(r["policy"])
@@ -551,9 +613,14 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     settings = setup.settings(args.preset, args.seed)
     settings.update({"target": target, "tolerance": tol, "pd_sweep": args.pd_sweep,
                      "pd_step": args.pd_step,
-                     "limit": "ideal-reuse prefill compute of all requests over the prefill pool",
+                     "limit": "ideal-reuse prefill compute of all requests over the prefill "
+                     "pool: where the search starts, not a bound (rejecting the costliest "
+                     "requests passes it)",
                      "limit_target": "the same for the cheapest target share of requests, "
-                     "with the TTFT SLO to drain after the last arrival: an upper bound"})
+                     "with the TTFT SLO to drain after the last arrival and the replays' "
+                     "execution factors: an upper bound (of_bound = capacity over it)",
+                     "rejected_work_share": "ideal-reuse prefill seconds of the requests "
+                     "rejected at capacity over all requests'"})
     if args.pd_sweep:
         print("best split: " + ", ".join(
             f"{pol} {b['prefill']}P+{b['decode']}D ({b['capacity_speed']:.4g}x)"
@@ -575,9 +642,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
 
 def format_capacity(results: list[dict[str, Any]], sweep: bool) -> str:
     """A readable table of capacity results (one row per policy, or per policy and split)."""
-    cols = ["policy", *(["P", "D"] if sweep else []), "capacity", "limit", "of limit",
-            "limit@target",
-            "SLO ok @cap", "TTFT p90 @cap", "note"]
+    cols = ["policy", *(["P", "D"] if sweep else []), "capacity", "bound", "of bound",
+            "work rejected @cap", "SLO ok @cap", "TTFT p90 @cap", "note"]
     rows = []
     for r in results:
         at = r["at_capacity"] or {}
@@ -585,13 +651,15 @@ def format_capacity(results: list[dict[str, Any]], sweep: bool) -> str:
                                           else "lower bound")
         rows.append([
             r["policy"], *([str(r["prefill"]), str(r["decode"])] if sweep else []),
-            f"{r['capacity_speed']:.4g}x", f"{r['limit_speed']:.4g}x",
-            "–" if r["ratio"] is None else f"{100 * r['ratio']:.1f}%",
-            f"{r['limit_target_speed']:.4g}x",
+            f"{r['capacity_speed']:.4g}x", f"{r['limit_target_speed']:.4g}x",
+            "–" if r["of_bound"] is None else f"{100 * r['of_bound']:.1f}%",
+            "–" if r["rejected_work_share"] is None else f"{100 * r['rejected_work_share']:.1f}%",
             f"{100 * at['slo_attainment']:.1f}%" if at else "–",
             f"{at['ttft_p90_s']:.2f} s" if at else "–", note,
         ])
-    return _columns(cols, rows)
+    return (_columns(cols, rows) + "\nbound: the highest speed at which the pool could "
+            "compute the cheapest target share of the requests with ideal reuse (the rest "
+            "rejected), draining within the TTFT SLO; no design can pass it")
 
 
 def _columns(cols: list[str], rows: list[list[str]]) -> str:
@@ -613,7 +681,7 @@ def _nan(x: Any) -> Any:
 def format_table(results: list[dict[str, Any]]) -> str:
     ref = next((r for r in results if r["policy"] == "conductor"), None)
     cols = ["policy", "done", "rej", "TTFT mean", "wait", "charged", "p50", "p90", "p99",
-            "TBT p90", "SLO ok", "hit", "GPU s", "charged/cond"]
+            "TBT p90", "SLO ok", "hit", "GPU s", "charged/cond", "charged/bound"]
     rows = []
     for r in results:
         key = "ttft_mean_charged_s"
@@ -627,10 +695,16 @@ def format_table(results: list[dict[str, Any]]) -> str:
             f"{r['ttft_p99_s']:.2f}", f"{r['tbt_p90_ms']:.1f} ms",
             f"{100 * r['slo_attainment']:.2f}%", f"{100 * r['token_hit_ratio']:.1f}%",
             f"{r['prefill_gpu_seconds']:,.0f}", ratio,
+            f"{r['ttft_charged_over_bound']:.2f}x" if "ttft_charged_over_bound" in r else "–",
         ])
+    bound = next((r["ttft_lower_bound_s"] for r in results if "ttft_lower_bound_s" in r), None)
     return (_columns(cols, rows) + "\nTTFT mean: served requests; wait: the part of it spent "
             "before the prefill ran (queue, fetch, hold); charged: all requests, each "
-            "rejected one charged the TTFT SLO")
+            "rejected one charged the TTFT SLO"
+            + ("" if bound is None else
+               f"\nbound: {bound:.3f} s, a lower bound on the charged mean TTFT (each "
+               "prompt's compute under ideal reuse, with CPP over idle instances where a "
+               "design may form a group, no queueing or transfer; not a target)"))
 
 
 def cmd_trace_stats(args: argparse.Namespace) -> int:

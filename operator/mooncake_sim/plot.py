@@ -37,7 +37,7 @@ def plot_results(results: list[dict[str, Any]], settings: dict[str, Any], out: P
 
 
 def plot_capacity(results: list[dict[str, Any]], settings: dict[str, Any], out: Path) -> None:
-    """Capacity per policy against the compute-bound limit; with a P/D sweep, capacity per
+    """Capacity per policy against the upper bound at the target; with a P/D sweep, capacity per
     prefill count, one line per policy."""
     title = (f"{Path(str(settings['trace'])).name}: effective capacity "
              f"({100 * settings['target']:g}% of all requests within both SLOs)")
@@ -52,7 +52,7 @@ def plot_capacity(results: list[dict[str, Any]], settings: dict[str, Any], out: 
                     marker="o", label=name)
         limit_rows = sorted({(r["prefill"], r["limit_speed"]) for r in results})
         ax.plot([p for p, _ in limit_rows], [v for _, v in limit_rows], "k--",
-                label="compute-bound limit, all requests")
+                label="ideal-reuse compute of all requests (not a bound)")
         bound_rows = sorted({(r["prefill"], r["limit_target_speed"]) for r in results})
         ax.plot([p for p, _ in bound_rows], [v for _, v in bound_rows], "k:",
                 label="upper bound at the target (cheapest share, SLO drain)")
@@ -65,12 +65,13 @@ def plot_capacity(results: list[dict[str, Any]], settings: dict[str, Any], out: 
         colors = ["#d62728" if n == "conductor" else "#1f77b4" for n in names]
         ax.barh(names, vals, color=colors)
         limit = results[0]["limit_speed"] if results else 0.0
-        ax.axvline(limit, color="k", linestyle="--", label="compute-bound limit, all requests")
+        ax.axvline(limit, color="k", linestyle="--",
+                   label="ideal-reuse compute of all requests (not a bound)")
         if results:
             ax.axvline(results[0]["limit_target_speed"], color="k", linestyle=":",
                        label="upper bound at the target")
         for i, r in enumerate(results):
-            pct = "" if r["ratio"] is None else f" ({100 * r['ratio']:.0f}% of limit)"
+            pct = "" if r["of_bound"] is None else f" ({100 * r['of_bound']:.0f}% of bound)"
             ax.text(vals[i], i, f" {vals[i]:.3g}x{pct}", va="center", fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel("capacity (replay speed, x)")

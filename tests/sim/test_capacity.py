@@ -201,10 +201,14 @@ def test_capacity_cli_json(small_trace: Path, tmp_path: Path,
     assert doc["settings"]["target"] == 0.9 and doc["settings"]["requests"] == 150
     assert [r["policy"] for r in doc["results"]] == ["round-robin", "conductor"]
     for r in doc["results"]:
-        for key in ("policy", "capacity_speed", "limit_speed", "ratio", "limit_target_speed",
-                    "probes", "bracketed", "at_capacity"):
+        for key in ("policy", "capacity_speed", "limit_speed", "of_bound", "limit_target_speed",
+                    "rejected_work_share", "probes", "bracketed", "at_capacity"):
             assert key in r
-        assert r["ratio"] == pytest.approx(r["capacity_speed"] / r["limit_speed"])
+        assert "ratio" not in r  # capacity over the all-requests limit can pass 100%
+        assert r["of_bound"] == pytest.approx(r["capacity_speed"] / r["limit_target_speed"])
+        assert 0 <= r["rejected_work_share"] <= 1
+        assert (r["rejected_work_share"] > 0) == (r["at_capacity"]["rejected"] > 0)
+        assert "rejected_ids" not in r["at_capacity"]
         ok = [p["speed"] for p in r["probes"] if p["ok"]]
         miss = [p["speed"] for p in r["probes"] if not p["ok"]]
         assert r["capacity_speed"] == max(ok)
@@ -213,10 +217,43 @@ def test_capacity_cli_json(small_trace: Path, tmp_path: Path,
         assert r["at_capacity"]["slo_attainment"] >= 0.9
         # no policy beats the bound: the cheapest 90% with ideal reuse, drained within the SLO
         assert r["capacity_speed"] <= r["limit_target_speed"]
+        assert r["of_bound"] <= 1.0
     # the same pool, the same limit, whatever the policy
     assert doc["results"][0]["limit_speed"] == doc["results"][1]["limit_speed"]
     table = capsys.readouterr().out
     assert "capacity" in table and "conductor" in table
+    assert "of bound" in table and "of limit" not in table
+    # the fair reading by default: every design offered shedding, stealing and holding
+    assert doc["settings"]["capabilities"] == "equal"
+    assert (doc["settings"]["shedding"], doc["settings"]["stealing"],
+            doc["settings"]["holding"]) == (True, True, True)
+
+
+def test_capacity_can_still_give_each_design_its_own_capabilities(
+        small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "own.json"
+    assert main(["capacity", "--trace", str(small_trace), "--policy", "kvcache-centric",
+                 "--prefill", "2", "--decode", "2", "--tolerance", "0.1", "--jobs", "1",
+                 "--capabilities", "own", "--holding", "--json", str(out)]) == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["capabilities"] == "own"
+    assert (settings["shedding"], settings["stealing"], settings["holding"]) == (None, None, True)
+    assert "each design's own" in capsys.readouterr().err
+
+
+def test_the_bound_holds_for_every_admission_design_on_a_loaded_pool(
+        small_trace: Path, tmp_path: Path) -> None:
+    # one prefill instance: the designs that shed reject the costliest prompts at capacity,
+    # where capacity over the all-requests limit passed 100%; over the bound it cannot
+    out = tmp_path / "one.json"
+    assert main(["capacity", "--trace", str(small_trace), "--policy",
+                 "kvcache-centric,mooncake-paper,conductor", "--prefill", "1", "--decode", "2",
+                 "--tolerance", "0.05", "--jobs", "1", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert any(r["capacity_speed"] > r["limit_speed"] for r in results)  # past "100%"
+    for r in results:
+        assert 0 < r["of_bound"] <= 1.0, r["policy"]
+        assert r["capacity_speed"] <= r["limit_target_speed"]
 
 
 def test_one_search_on_two_processes_probes_two_speeds_a_round(small_trace: Path,

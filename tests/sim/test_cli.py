@@ -83,6 +83,37 @@ def test_shedding_flag_reaches_every_policy_and_the_settings(small_trace: Path,
     assert setting is False and "overload" not in ours and "overload" not in paper
     setting, ours, paper = run("--shedding")
     assert setting is True and ours.get("overload", 0) > 0 and paper.get("overload", 0) > 0
+    # --capabilities equal offers shedding (and stealing, holding) to every design
+    setting, ours, paper = run("--capabilities", "equal")
+    assert setting is True and paper.get("overload", 0) > 0
+    doc = json.loads(out.read_text())["settings"]
+    assert (doc["capabilities"], doc["stealing"], doc["holding"]) == ("equal", True, True)
+    # ... and an explicit flag still wins over it
+    setting, _, paper = run("--capabilities", "equal", "--no-shedding")
+    assert setting is False and "overload" not in paper
+
+
+def test_simulate_reports_charged_ttft_over_the_lower_bound(
+        small_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    args = ["simulate", "--trace", str(small_trace), "--prefill", "4", "--decode", "4",
+            "--speed", "2", "--jobs", "1", "--json", str(out)]
+    bounds = {}
+    for policies in ("least-load,conductor", "least-load"):
+        assert main([*args, "--compare", policies]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["settings"]["capabilities"] == "own"  # simulate's default reading
+        rows = doc["results"]
+        # one bound for every design compared, never above a charged mean
+        assert len({r["ttft_lower_bound_s"] for r in rows}) == 1
+        for r in rows:
+            assert r["ttft_charged_over_bound"] == pytest.approx(
+                r["ttft_mean_charged_s"] / r["ttft_lower_bound_s"])
+            assert r["ttft_charged_over_bound"] >= 1.0
+        bounds[policies] = rows[0]["ttft_lower_bound_s"]
+        assert "charged/bound" in capsys.readouterr().out
+    # with conductor compared, CPP may split long prompts: the bound is lower
+    assert bounds["least-load,conductor"] < bounds["least-load"]
 
 
 def test_stealing_flag_reaches_every_policy_and_the_settings(small_trace: Path,
