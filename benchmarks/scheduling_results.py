@@ -14,7 +14,10 @@ Sections (each can be skipped with ``--skip``):
   replication) and an *equal-capability* table (``routing_only``: local caches only, no
   CPP, no admission, no replication). Ratios are the best other policy's charged mean
   TTFT over ``conductor``'s (> 1.10 is the issue's target), SLO attainment against
-  every other, and ``conductor``'s token hit ratio as a share of the workload's ceiling.
+  every other, ``conductor``'s token hit ratio as a share of the reuse ceiling of the
+  requests it served, and every design's charged mean TTFT over the TTFT lower bound
+  (:mod:`mooncake_sim.bound`; goal: conductor within 1.25x at 80% load), with where
+  conductor's excess goes (wait, prefill beyond the ideal, rejections).
 - ``seeds``: the full-system table's ratio again with other seeds (``--seeds``: the
   Conductor's random draws and every request's prediction error drawn anew), so a margin
   is read against its spread from one draw to the next.
@@ -30,7 +33,9 @@ Sections (each can be skipped with ``--skip``):
   ``conductor`` against its earlier CPP defaults and against both readings of
   ``mooncake-paper`` (CPP from 8,192 or 2,048 new tokens).
 - ``capacity``: effective request capacity on the conversation trace (``mooncake-operator
-  capacity``), against the compute-bound limit.
+  capacity``, every design offered shedding, stealing and holding), against the upper
+  bound at the target, with the share of work rejected at capacity; ``mooncake-paper``
+  with its own capabilities and conductor without shedding beside it.
 - ``calibration``: hardware 25% slower than the model, with and without online
   calibration, against a Conductor told the truth: the prediction error per 200 prefills
   and the TTFT ratio.
@@ -44,7 +49,9 @@ Sections (each can be skipped with ``--skip``):
 - ``speed``: wall time of one whole-trace replay in a fresh process, start-up included.
 
 Every section prints as it goes (a progress bar on a terminal, plain lines in logs) and
-the run ends with a summary that says which targets are met and which are not.
+the run ends with a summary that says which targets are met and which are not. With
+``--merge EARLIER.json`` the sections run replace that run's, the others are kept, and
+the report says which run each section comes from.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_conductor.policies import policy_names
+from mooncake_sim.bound import bounds_for, loss_split, served_reuse_ceiling, ttft_lower_bound
 from mooncake_sim.capacity import compute_bound_speed
 from mooncake_sim.engine import SimConfig, simulate
 from mooncake_sim.presets import PRESETS, speed_for_utilization
@@ -136,8 +144,13 @@ SYNTH_SEED = 11
 #: the issue's targets
 TTFT_MARGIN = 1.10
 CAPACITY_MARGIN = 1.10
-CAPACITY_OF_LIMIT = 0.85
 HIT_OF_CEILING = 0.95
+#: conductor's charged mean TTFT over the TTFT lower bound, at BOUND_LOAD
+BOUND_GOAL = 1.25
+BOUND_LOAD = 0.8
+#: what conductor has on by default and the other designs do not (the full-system tables)
+CONDUCTOR_EXTRAS = ("overload shedding, work stealing, holding, hot-prefix replication, "
+                    "online calibration and overrun re-estimation")
 CALIBRATED_ERROR = 0.10
 CALIBRATED_TTFT = 1.05
 BIAS = 0.25
@@ -236,6 +249,12 @@ def tables(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
     loads = args.loads
     data = table_workloads(args.requests)
     ceilings = {n: trace_stats(r).reuse_ceiling_tokens for n, r in data.items()}
+    # the TTFT lower bound of each workload and mode: one for every design of the table
+    # (CPP as far as any of them may form it; none in routing-only); load does not enter
+    bounds = {(n, mode): bounds_for(recs, [sim_config(pol, 1.0,
+                                                      routing_only=mode == "routing-only")
+                                           for pol in policies])
+              for n, recs in data.items() for mode in ("full", "routing-only")}
     jobs = []
     for n, recs in data.items():
         for load in loads:
@@ -250,7 +269,8 @@ def tables(args: argparse.Namespace, policies: list[str]) -> dict[str, Any]:
         for load in loads:
             for mode in ("full", "routing-only"):
                 rows = {p: res[f"{n}|{load}|{mode}|{p}"] for p in policies}
-                runs.append(_compare(n, load, mode, rows, ceilings[n]))
+                runs.append(_compare(n, load, mode, rows, ceilings[n], data[n],
+                                     bounds[(n, mode)]))
     return {"workloads": {n: {"requests": len(r), "reuse_ceiling": ceilings[n]}
                           for n, r in data.items()}, "runs": runs}
 
@@ -397,12 +417,24 @@ def _seed_row(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def _compare(name: str, load: float, mode: str, rows: dict[str, dict[str, Any]],
-             ceiling: float) -> dict[str, Any]:
+             ceiling: float, records: list[TraceRecord] | None = None,
+             bounds: list[float] | None = None) -> dict[str, Any]:
+    """One table: the rows, conductor against the best other; with ``records``, the hit
+    ratio against the served requests' ceiling, and with ``bounds`` (per request), every
+    row's charged TTFT over the TTFT lower bound and where conductor's excess goes."""
     keep = ("ttft_mean_charged_s", "ttft_mean_s", "prefill_exec_mean_s", "ttft_wait_mean_s",
             "ttft_p90_s", "ttft_p99_s", "tbt_p90_ms", "slo_attainment", "token_hit_ratio",
             "rejected", "wall_seconds")
     out: dict[str, Any] = {"workload": name, "load": load, "mode": mode,
                            "results": {p: {k: r[k] for k in keep} for p, r in rows.items()}}
+    slo = PRESET.ttft_slo_s
+    if bounds is not None:
+        bound = ttft_lower_bound(bounds, slo)
+        out["ttft_lower_bound_s"] = bound
+        for p, r in rows.items():
+            out["results"][p]["ttft_over_bound"] = r["ttft_mean_charged_s"] / bound
+        if "conductor" in rows:
+            out["conductor_excess_s"] = loss_split(rows["conductor"], bounds, slo)
     c = rows.get("conductor")
     others = {p: r for p, r in rows.items() if p != "conductor"}
     if c and others:
@@ -412,6 +444,9 @@ def _compare(name: str, load: float, mode: str, rows: dict[str, dict[str, Any]],
         top = max(others, key=lambda p: others[p]["slo_attainment"])
         out["best_slo_other"] = top
         out["slo_margin"] = c["slo_attainment"] - others[top]["slo_attainment"]
+        if records is not None:  # the ceiling of what the hit ratio measures: the served
+            ceiling = served_reuse_ceiling(records, c["rejected_ids"])
+            out["served_reuse_ceiling"] = ceiling
         out["hit_of_ceiling"] = c["token_hit_ratio"] / ceiling if ceiling else math.nan
     return out
 
@@ -428,11 +463,23 @@ def _capacity_cli(args: argparse.Namespace, policies: str, *flags: str) -> dict[
     return {r["policy"]: r for r in doc["results"]}
 
 
+#: designs whose own capabilities differ from the equal reading in a way that matters
+#: (admission without conductor's shedding and holding): shown with their own too
+CAPACITY_OWN = ("kvcache-centric", "mooncake-paper")
+
+
 def capacity(args: argparse.Namespace) -> dict[str, Any]:
+    """Every design offered shedding, stealing and holding (``capacity``'s default); the
+    admission designs also with their own capabilities, and conductor without shedding."""
     rows = _capacity_cli(args, args.capacity_policies)
-    out_doc: dict[str, Any] = {"results": {
-        p: {k: r[k] for k in ("capacity_speed", "limit_speed", "ratio", "bracketed",
-                              "limit_target_speed")} for p, r in rows.items()}}
+    keep = ("capacity_speed", "limit_target_speed", "of_bound", "rejected_work_share",
+            "bracketed")
+    out_doc: dict[str, Any] = {"capabilities": "equal", "results": {
+        p: {k: r[k] for k in keep} for p, r in rows.items()}}
+    own = [p for p in CAPACITY_OWN if p in rows]
+    if own:
+        own_rows = _capacity_cli(args, ",".join(own), "--capabilities", "own")
+        out_doc["own_capabilities"] = {p: {k: r[k] for k in keep} for p, r in own_rows.items()}
     if "conductor" in rows:
         others = {p: r for p, r in rows.items() if p != "conductor"}
         if others:
@@ -440,9 +487,7 @@ def capacity(args: argparse.Namespace) -> dict[str, Any]:
             out_doc["best_other"] = best
             out_doc["ratio_to_best"] = (rows["conductor"]["capacity_speed"]
                                         / others[best]["capacity_speed"])
-        out_doc["of_limit"] = rows["conductor"]["ratio"]
-        out_doc["of_limit_target"] = (rows["conductor"]["capacity_speed"]
-                                      / rows["conductor"]["limit_target_speed"])
+        out_doc["of_bound"] = rows["conductor"]["of_bound"]
         unshed = _capacity_cli(args, "conductor", "--no-shedding")
         out_doc["without_shedding"] = unshed["conductor"]["capacity_speed"]
     return out_doc
@@ -581,8 +626,15 @@ def _at_load(key: str) -> str:
 
 
 def markdown(doc: dict[str, Any]) -> str:
+    runs = doc.get("sections_run")
+    when = (f"One run of `benchmarks/scheduling_results.py` ({doc['started']}, "
+            if not runs else
+            "Sections of `benchmarks/scheduling_results.py` from more than one run ("
+            + "; ".join(f"{', '.join(k for k, v in runs.items() if v == at)}: {at}"
+                        for at in sorted(set(runs.values()), reverse=True)) + "; ")
+    t = doc.get("tables")
     lines = ["# Scheduling results", "",
-             f"One run of `benchmarks/scheduling_results.py` ({doc['started']}, "
+             f"{when}"
              f"{doc['settings']['cpus']} cores, load average at the end "
              f"{doc['settings']['load_end']:.1f}). paper-fig5 pools (16P+16D, 3M-token local "
              "caches, TTFT SLO 30 s, TBT SLO 100 ms), prediction error sigma 0.2, NIC "
@@ -592,49 +644,81 @@ def markdown(doc: dict[str, Any]) -> str:
              "conductor's. Served TTFT = `prefill s` (the prefill's own execution, a CPP "
              "group's makespan) + `wait s` (queueing, fetches, decode holds: the part "
              "scheduling controls).", ""]
-    t = doc.get("tables")
+    if t and "ttft_lower_bound_s" in next(iter(t["runs"]), {}):
+        lines += ["`÷ bound`: charged TTFT over the TTFT lower bound (`mooncake_sim.bound`): "
+                  "each prompt's prefill compute on the tokens no earlier request could have "
+                  "left cached, with CPP over idle instances up to the largest group any "
+                  "design of the table may form (none in routing-only), no queueing, no "
+                  "fetch or transfer, each rejected request counted at most the SLO. It does "
+                  "not depend on load: a bound, not a target. `excess`: conductor's charged "
+                  "TTFT above the bound, per request, split into wait, prefill beyond the "
+                  "ideal (cache misses, smaller or no CPP groups) and rejections.", ""]
     if t:
         for mode, title in (("full", "Full system (each design's own capabilities)"),
                             ("routing-only", "Equal capability (routing only: local caches, "
                              "no CPP, no admission, no replication)")):
             lines += [f"## {title}", ""]
+            if mode == "full":
+                lines += [f"Conductor alone runs with {CONDUCTOR_EXTRAS}; the others with "
+                          "admission (kvcache-centric, mooncake-paper) have none of them. So "
+                          "these ratios include what those extras win; the equal-capability "
+                          "tables below and the capacity section (every design offered "
+                          "shedding, stealing and holding) do not.", ""]
             for run in (r for r in t["runs"] if r["mode"] == mode):
                 w = t["workloads"][run["workload"]]
                 lines += [f"### {run['workload']} at {100 * run['load']:.0f}% load "
                           f"({w['requests']} requests, reuse ceiling "
                           f"{100 * w['reuse_ceiling']:.1f}%)", ""]
                 lines += _table(
-                    ["policy", "charged TTFT s", "served TTFT s", "prefill s", "wait s",
-                     "p90 s", "p99 s", "SLO", "hit", "rejected"],
-                    [[p, f"{r['ttft_mean_charged_s']:.3f}", f"{r['ttft_mean_s']:.3f}",
+                    ["policy", "charged TTFT s", "÷ bound", "served TTFT s", "prefill s",
+                     "wait s", "p90 s", "p99 s", "SLO", "hit", "rejected"],
+                    [[p, f"{r['ttft_mean_charged_s']:.3f}",
+                      f"{r['ttft_over_bound']:.2f}x" if "ttft_over_bound" in r else "–",
+                      f"{r['ttft_mean_s']:.3f}",
                       f"{r['prefill_exec_mean_s']:.3f}", f"{r['ttft_wait_mean_s']:.3f}",
                       f"{r['ttft_p90_s']:.2f}", f"{r['ttft_p99_s']:.2f}",
                       _pct(r["slo_attainment"]), _pct(r["token_hit_ratio"]),
                       str(r["rejected"])] for p, r in run["results"].items()])[:-1]
                 if "ttft_ratio" in run:
+                    served = ("of the served requests' ceiling "
+                              f"({_pct(run['served_reuse_ceiling'])})"
+                              if "served_reuse_ceiling" in run else "of ceiling")
                     lines += ["", f"Best other: {run['best_other']}, ratio "
                               f"**{run['ttft_ratio']:.3f}x**; conductor SLO "
                               f"{'≥' if run['slo_margin'] >= 0 else '<'} every other "
                               f"({100 * run['slo_margin']:+.2f} points vs "
                               f"{run['best_slo_other']}); hit "
-                              f"{_pct(run['hit_of_ceiling'])} of ceiling."]
+                              f"{_pct(run['hit_of_ceiling'])} {served}."]
+                if "ttft_lower_bound_s" in run:
+                    lines += ["", f"TTFT lower bound {run['ttft_lower_bound_s']:.3f} s"
+                              + (f"; conductor's excess over it {_excess(run)}"
+                                 if "conductor_excess_s" in run else "") + "."]
                 lines.append("")
     c = doc.get("capacity")
-    if c:
+    if c and "of_bound" in next(iter(c["results"].values()), {}):
+        own = c.get("own_capabilities", {})
         lines += ["## Effective capacity, conversation trace", "",
-                  "Highest replay speed with ≥ 90% of all requests within both SLOs; limit: "
-                  "ideal-reuse prefill compute over the pool.", ""]
-        lines += _table(["policy", "capacity", "limit", "of limit"],
-                        [[p, f"{r['capacity_speed']:.3g}x", f"{r['limit_speed']:.3g}x",
-                          _pct(r["ratio"])] for p, r in c["results"].items()])
+                  "Highest replay speed with ≥ 90% of all requests within both SLOs, every "
+                  "design offered overload shedding, work stealing and holding (those with "
+                  "admission use all three; `capacity`'s default). Bound: the highest speed "
+                  "at which the pool could compute the cheapest 90% of the requests with "
+                  "ideal reuse, draining within the TTFT SLO (no design can pass it). Work "
+                  "rejected: the ideal-reuse prefill seconds of the requests rejected at "
+                  "capacity, as a share of all.", ""]
+        lines += _table(["policy", "capacity", "of bound", "work rejected",
+                         "own capabilities: capacity"],
+                        [[p, f"{r['capacity_speed']:.3g}x", _pct(r["of_bound"]),
+                          _pct(r["rejected_work_share"]),
+                          f"{own[p]['capacity_speed']:.3g}x" if p in own else "as equal"]
+                         for p, r in c["results"].items()])
         if "ratio_to_best" in c:
             conductor = c["results"]["conductor"]
             lines[-1:] = ["", f"conductor / best other ({c['best_other']}): "
                           f"**{c['ratio_to_best']:.3f}x**; conductor at "
-                          f"{_pct(c['of_limit'])} of the limit for all requests, and at "
-                          f"{_pct(c.get('of_limit_target'))} of "
-                          f"{conductor['limit_target_speed']:.3g}x, the limit when the "
-                          "costliest 10% may be dropped (the target allows that).", ""]
+                          f"{_pct(c['of_bound'])} of the bound "
+                          f"({conductor['limit_target_speed']:.3g}x). Conductor's own "
+                          "capabilities are the equal reading's, so the last column changes "
+                          "only the others.", ""]
         if c.get("without_shedding"):
             lines[-1:] = ["", f"Without overload shedding the conductor's capacity is "
                           f"{c['without_shedding']:.3g}x (with: "
@@ -804,9 +888,24 @@ def verdicts(doc: dict[str, Any]) -> list[str]:
                                    + _split(r["results"]["conductor"]) + " against "
                                    + _split(r["results"][r["best_other"]]) for r in short))
                 hits = [r["hit_of_ceiling"] for r in runs]
-                out.append(f"hit ratio ≥ {100 * HIT_OF_CEILING:.0f}% of ceiling in "
-                           f"{sum(h >= HIT_OF_CEILING for h in hits)}/{len(hits)} full-system "
-                           f"runs (lowest {100 * min(hits):.1f}%)")
+                out.append(f"hit ratio ≥ {100 * HIT_OF_CEILING:.0f}% of the served requests' "
+                           f"ceiling in {sum(h >= HIT_OF_CEILING for h in hits)}/{len(hits)} "
+                           f"full-system runs (lowest {100 * min(hits):.1f}%)")
+                out.append(f"full-system ratios include conductor's extras ({CONDUCTOR_EXTRAS}), "
+                           "which the others do not have; the routing-only ratios and the "
+                           "capacity do not")
+        bounded = [r for r in t["runs"] if "conductor_excess_s" in r
+                   and r["load"] == BOUND_LOAD]
+        if bounded:
+            near = [r for r in bounded
+                    if r["results"]["conductor"]["ttft_over_bound"] <= BOUND_GOAL]
+            far = [r for r in bounded if r not in near]
+            out.append(f"TTFT lower bound: conductor within {BOUND_GOAL:.2f}x of it at "
+                       f"{100 * BOUND_LOAD:.0f}% load in {len(near)}/{len(bounded)} runs"
+                       + ("; where not, the most is lost to: " + "; ".join(
+                           f"{r['workload']} {r['mode']} "
+                           f"{r['results']['conductor']['ttft_over_bound']:.2f}x, "
+                           f"{_lost(r)} ({_excess(r)})" for r in far) if far else ""))
     sd = doc.get("seeds")
     if sd:
         cells = [x for r in sd["runs"] for x in r["seeds"].values() if "ttft_ratio" in x]
@@ -851,14 +950,12 @@ def verdicts(doc: dict[str, Any]) -> list[str]:
                    f"{low['vs_paper']:.3f}x ({low['prefill']}P {low['workload']} at "
                    f"{100 * low['load']:.0f}%)")
     c = doc.get("capacity")
-    if c and "ratio_to_best" in c:
-        ok = c["ratio_to_best"] >= CAPACITY_MARGIN and (c["of_limit"] or 0) >= CAPACITY_OF_LIMIT
-        out.append(f"capacity: {c['ratio_to_best']:.3f}x the best other ({c['best_other']}), "
-                   f"{_pct(c['of_limit'])} of the all-requests limit "
-                   f"({_pct(c.get('of_limit_target'))} of the limit with the costliest 10% "
-                   "dropped): "
-                   f"{'met' if ok else 'not met'} (targets {CAPACITY_MARGIN:.2f}x and "
-                   f"{100 * CAPACITY_OF_LIMIT:.0f}%)")
+    if c and "ratio_to_best" in c and "of_bound" in c:
+        ok = c["ratio_to_best"] >= CAPACITY_MARGIN
+        out.append(f"capacity, every design offered shedding, stealing and holding: "
+                   f"{c['ratio_to_best']:.3f}x the best other ({c['best_other']}), "
+                   f"{_pct(c['of_bound'])} of the bound at the target: "
+                   f"{'met' if ok else 'not met'} (target {CAPACITY_MARGIN:.2f}x)")
     cal = doc.get("calibration")
     if cal:
         r = cal["runs"]["calibrated"]
@@ -890,9 +987,37 @@ def _slo_cell(run: dict[str, Any]) -> str:
     return f"{100 * low['slo_margin']:+.2f} points vs {low['best_slo_other']}"
 
 
+def _excess(run: dict[str, Any]) -> str:
+    """Conductor's charged TTFT above the bound, per request, by where it went."""
+    e = run["conductor_excess_s"]
+    return (f"{sum(e.values()):.3f} s: wait {e['wait']:.3f} s, prefill beyond the ideal "
+            f"{e['prefill']:.3f} s, rejections {e['rejected']:.3f} s")
+
+
+def _lost(run: dict[str, Any]) -> str:
+    """The largest part of conductor's excess over the bound, in words."""
+    names = {"wait": "queueing (wait: queue, fetches, holds)",
+             "prefill": "prefill beyond the ideal (cache misses, CPP)",
+             "rejected": "rejections"}
+    e = run["conductor_excess_s"]
+    return names[max(e, key=lambda k: e[k])]
+
+
 def _split(r: dict[str, Any]) -> str:
     """A result's served TTFT as ``prefill + wait``."""
     return f"{r['prefill_exec_mean_s']:.2f} + {r['ttft_wait_mean_s']:.2f} s"
+
+
+def _merge(doc: dict[str, Any], earlier: dict[str, Any], ran: list[str]) -> None:
+    """``earlier``'s sections that did not run now go into ``doc``; ``sections_run`` says
+    when each section ran."""
+    when = dict(earlier.get("sections_run")
+                or {n: earlier["started"] for n in SECTIONS if n in earlier})
+    for name in SECTIONS:
+        if name not in ran and name in earlier:
+            doc[name] = earlier[name]
+    when.update({n: doc["started"] for n in ran})
+    doc["sections_run"] = {n: when[n] for n in SECTIONS if n in doc}
 
 
 def _seeds(text: str) -> list[int]:
@@ -942,6 +1067,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1)
     ap.add_argument("--json", default=None, help="write every number as JSON")
     ap.add_argument("--markdown", default=None, help="write the tables as Markdown")
+    ap.add_argument("--merge", default=None, metavar="EARLIER.json",
+                    help="keep the sections skipped here from this earlier run's JSON (the "
+                    "report says which run each section comes from)")
     args = ap.parse_args()
     skip = {s for s in args.skip.split(",") if s}
     if skip - set(SECTIONS):
@@ -969,6 +1097,9 @@ def main() -> None:
                      ("ablation", lambda: ablation(args)), ("speed", lambda: speed(args))):
         if name not in skip:
             doc[name] = fn()
+    if args.merge:
+        _merge(doc, json.loads(Path(args.merge).read_text()),
+               [n for n in SECTIONS if n not in skip])
     doc["settings"]["load_end"] = os.getloadavg()[0]
     doc["settings"]["wall_seconds"] = time.perf_counter() - t0
     doc["verdicts"] = verdicts(doc)
