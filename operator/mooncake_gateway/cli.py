@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,8 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_OUTPUT = 64
 EXIT_BAD_INPUT = 2
+#: the replay's API key for a locked gateway (from the environment: never on a command line)
+API_KEY_ENV = "MOONCAKE_API_KEY"
 
 
 def register(subparsers: Any) -> None:
@@ -38,7 +41,8 @@ def register(subparsers: Any) -> None:
         "replay", help="replay a Mooncake trace against a live gateway, measured client-side",
         description="Send a Mooncake-format trace's requests (token-id prompts sharing the "
         "trace's prefixes) to a gateway on the trace's clock; report TTFT/TBT/SLO attainment "
-        "with the same JSON keys as `simulate`.")
+        "with the same JSON keys as `simulate`. A gateway that asks for API keys: put one "
+        f"in ${API_KEY_ENV} (an admin key also reads the hit ratio from /conductor/state).")
     r.add_argument("--trace", default=None, help="trace file (default: bundled conversation)")
     r.add_argument("--url", required=True, help="gateway base URL, e.g. http://127.0.0.1:8080")
     r.add_argument("--speed", type=float, default=1.0, help="replay speed (x the trace's clock)")
@@ -119,7 +123,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
     from mooncake_sim.trace import TraceError, bundled_trace, load_trace
 
-    from .replay import ReplayConfig, replay
+    from .replay import ReplayConfig, ReplayError, replay
 
     if args.speed <= 0 or args.time_scale <= 0 or args.max_output_tokens <= 0:
         print("--speed, --time-scale and --max-output-tokens must be positive", file=sys.stderr)
@@ -132,11 +136,15 @@ def run_replay(args: argparse.Namespace) -> int:
     cfg = ReplayConfig(url=args.url.rstrip("/"), model=args.model, speed=args.speed,
                        max_output_tokens=args.max_output_tokens, time_scale=args.time_scale,
                        ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo / 1000.0,
-                       timeout_s=args.timeout)
+                       timeout_s=args.timeout,
+                       api_key=os.environ.get(API_KEY_ENV) or None)
     try:
         res = asyncio.run(replay(records, cfg))
     except OSError as exc:
         print(f"cannot reach the gateway: {exc}", file=sys.stderr)
+        return 1
+    except ReplayError as exc:
+        print(f"replay: {exc}", file=sys.stderr)
         return 1
     settings = {"trace": str(args.trace or "bundled:conversation"), "url": cfg.url,
                 "model": cfg.model, "speed": cfg.speed, "limit": args.limit,

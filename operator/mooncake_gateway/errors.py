@@ -8,7 +8,8 @@ from typing import Any
 from aiohttp import web
 
 TYPE_BY_STATUS = {
-    400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error",
     413: "invalid_request_error", 429: "rate_limit_error", 502: "upstream_error",
     503: "service_unavailable", 504: "timeout_error",
 }

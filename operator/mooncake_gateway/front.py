@@ -145,18 +145,19 @@ class FrontProtocol(asyncio.Protocol):
         if parsed is None:
             self._hand_over()
             return
-        chat, length, keep_alive = parsed
+        chat, length, keep_alive, authorization = parsed
         start = end + len(HEAD_END)
         if len(buf) < start + length:
             return  # the body is still coming
         body = bytes(buf[start : start + length])
         self.idle_since = 0.0  # busy
         self._task = self.front.loop.create_task(
-            self._serve(body, chat, keep_alive, start + length))
+            self._serve(body, chat, keep_alive, start + length, authorization))
 
-    async def _serve(self, body: bytes, chat: bool, keep_alive: bool, consumed: int) -> None:
+    async def _serve(self, body: bytes, chat: bool, keep_alive: bool, consumed: int,
+                     authorization: str | None) -> None:
         try:
-            resp = await self.front.gateway.serve_plain(body, chat)
+            resp = await self.front.gateway.serve_plain(body, chat, authorization)
             self._task = None
             transport = self.transport
             if transport is None or transport.is_closing():
@@ -192,8 +193,10 @@ class FrontProtocol(asyncio.Protocol):
             handler.eof_received()
 
 
-def _parse_head(head: bytes, max_body: int) -> tuple[bool, int, bool] | None:
-    """(chat, body length, keep-alive) of a request the front end serves, else ``None``."""
+def _parse_head(head: bytes,
+                max_body: int) -> tuple[bool, int, bool, str | None] | None:
+    """(chat, body length, keep-alive, ``Authorization`` value) of a request the front end
+    serves, else ``None``."""
     lines = head.split(CRLF)
     parts = lines[0].split(b" ")
     if len(parts) != 3 or parts[0] != b"POST" or parts[2] not in (b"HTTP/1.1", b"HTTP/1.0"):
@@ -203,6 +206,7 @@ def _parse_head(head: bytes, max_body: int) -> tuple[bool, int, bool] | None:
         return None
     keep_alive = parts[2] == b"HTTP/1.1"
     length: int | None = None
+    authorization: str | None = None
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
         if not sep or not name or name[-1:].isspace() or line[:1].isspace():
@@ -213,6 +217,10 @@ def _parse_head(head: bytes, max_body: int) -> tuple[bool, int, bool] | None:
             if length is not None or not value.isdigit():
                 return None
             length = int(value)
+        elif key == b"authorization":
+            if authorization is not None:
+                return None  # two credentials: aiohttp decides
+            authorization = value.strip().decode("latin-1")
         elif key in HAND_OVER_HEADERS:
             return None
         elif key == b"connection":
@@ -225,7 +233,7 @@ def _parse_head(head: bytes, max_body: int) -> tuple[bool, int, bool] | None:
                 return None
     if length is None or length > max_body:
         return None
-    return chat, length, keep_alive
+    return chat, length, keep_alive, authorization
 
 
 class FrontServer:

@@ -25,7 +25,9 @@ DECISION_BUCKETS = (2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
 REJECT_REASONS = ("ttft-slo", "tbt-slo", "overload", "no-prefill-instance",
                   "no-decode-instance")
 #: ``requests_total`` outcomes of the completion endpoints, exported from 0 likewise
-OUTCOMES = ("ok", "rejected", "error", "bad_request", "not_found", "too_large", "cancelled")
+#: (``limited``: the client's key was over its own limit, see ``auth.py``)
+OUTCOMES = ("ok", "rejected", "limited", "error", "bad_request", "not_found", "too_large",
+            "cancelled")
 ENDPOINTS = ("completions", "chat")
 
 
@@ -56,6 +58,12 @@ class GatewayMetrics:
         self.engine_prompt_tokens = Counter(
             "mooncake_gateway_engine_prompt_tokens",
             "Prompt tokens of prefills the engines answered", ["model"], registry=r)
+        self.auth_denied = Counter(
+            "mooncake_gateway_auth_denied", "Requests refused by the front door (401/403), by "
+            "code", ["code"], registry=r)
+        self.key_limited = Counter(
+            "mooncake_gateway_key_limited", "Requests refused (429) for being over their "
+            "key's own limit, by code", ["code"], registry=r)
         self.rejections = Counter(
             "mooncake_gateway_rejections", "Requests answered 429, by reason",
             ["model", "reason"], registry=r)

@@ -78,11 +78,28 @@ class ReplayConfig:
     on_done: Callable[[int], None] | None = None
     #: add each served request's TTFT (``ttft_samples_s``) to the results
     keep_samples: bool = False
+    #: sent as ``Authorization: Bearer`` on every call (a locked gateway; an admin key
+    #: for the hit ratio, which ``/conductor/state`` gives)
+    api_key: str | None = None
+
+
+class ReplayError(Exception):
+    """The gateway refused what the replay needs before it starts (a key, a model)."""
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str,
+                    params: dict[str, str] | None = None) -> Any:
+    async with session.get(url, params=params) as r:
+        if r.status != 200:
+            hint = (" (a locked gateway: put a key in MOONCAKE_API_KEY, an admin key for "
+                    "/conductor/state)" if r.status in (401, 403) else "")
+            raise ReplayError(f"GET {url} answered {r.status}{hint}: "
+                              f"{(await r.read())[:200]!r}")
+        return await r.json()
 
 
 async def _state(session: aiohttp.ClientSession, url: str, model: str) -> dict[str, Any]:
-    async with session.get(f"{url}/conductor/state", params={"model": model}) as r:
-        data = await r.json()
+    data = await _get_json(session, f"{url}/conductor/state", {"model": model})
     return dict(data["models"][0])
 
 
@@ -135,12 +152,12 @@ async def _one(session: aiohttp.ClientSession, cfg: ReplayConfig, body: bytes,
 
 async def replay(records: list[TraceRecord], cfg: ReplayConfig) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=timeout) as session:
+                                     timeout=timeout, headers=headers) as session:
         model = cfg.model
         if model is None:
-            async with session.get(f"{cfg.url}/v1/models") as r:
-                model = str((await r.json())["data"][0]["id"])
+            model = str((await _get_json(session, f"{cfg.url}/v1/models"))["data"][0]["id"])
         cache: dict[int, np.ndarray[Any, Any]] = {}
         bodies = [
             json.dumps({"model": model, "prompt": prompt_tokens(rec, cache, cfg.salt),

@@ -29,6 +29,7 @@ from mooncake_conductor.state import RequestInfo
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import fastjson
+from .auth import KeyLimiter, KeyRing, LimitExceeded, Principal
 from .catalog import Catalog, ConfigMapWatch, Conflict, ModelDocument, resolve
 from .enginemetrics import parse_engine_metrics
 from .errors import ApiError, error_body
@@ -56,6 +57,8 @@ SSE_DONE = b"data: [DONE]"
 MICRO = 1e6
 DECISIONS_DEFAULT_LIMIT = 50
 UNKNOWN_MODEL = "unknown"
+#: who an aiohttp request runs as (absent: no keys configured, or an open route)
+PRINCIPAL = web.RequestKey("principal", Principal)
 OUTCOME_BY_STATUS = {400: "bad_request", 404: "not_found", 413: "too_large", 429: "rejected"}
 
 
@@ -94,11 +97,13 @@ class Gateway:
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._started = False
+        self.keys = KeyRing(settings.auth)
+        self.limits = KeyLimiter(settings.auth)
         self.app = self._build_app()
 
     # -- app -------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors],
+        app = web.Application(middlewares=[self._errors, self._auth],
                               client_max_size=self.settings.max_body_bytes)
         r = app.router
         r.add_get("/v1/models", self.list_models)
@@ -182,6 +187,18 @@ class Gateway:
         except Exception:
             log.exception("internal error on %s %s", request.method, request.path)
             return ApiError(500, "internal gateway error", code="internal_error").response()
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The front door (``auth.py``): who the request runs as, or 401/403."""
+        try:
+            principal = self.keys.authorize(request.path, request.headers.get("Authorization"))
+        except ApiError as exc:
+            self.metrics.auth_denied.labels(exc.code or "denied").inc()
+            raise
+        if principal is not None:
+            request[PRINCIPAL] = principal
+        return await handler(request)
 
     # -- small endpoints -------------------------------------------------------------------
     async def health(self, _r: web.Request) -> web.Response:
@@ -486,16 +503,26 @@ class Gateway:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         explain = request.headers.get(EXPLAIN_HEADER, "").lower() in ("1", "true", "yes")
-        resp = await self._answer(chat, time.perf_counter(), explain, request=request)
+        resp = await self._answer(chat, time.perf_counter(), explain, request=request,
+                                  principal=request.get(PRINCIPAL))
         assert isinstance(resp, web.StreamResponse)  # PlainJson only without a request
         return resp
 
-    async def serve_plain(self, raw: bytes, chat: bool) -> web.Response | PlainJson | None:
+    async def serve_plain(self, raw: bytes, chat: bool,
+                          authorization: str | None = None) -> web.Response | PlainJson | None:
         """The fast front end's entry (``front.py``): a request without ``stream`` nor
         explain header, answered in full; ``None`` (nothing counted, nothing sent upstream)
-        when it asks for a stream, which aiohttp's server then serves."""
+        when it asks for a stream, which aiohttp's server then serves. ``authorization``
+        is the request's ``Authorization`` header, checked as the aiohttp path checks it."""
         try:
-            resp = await self._answer(chat, time.perf_counter(), False, raw=raw)
+            principal = self.keys.authorize(
+                "/v1/chat/completions" if chat else "/v1/completions", authorization)
+        except ApiError as exc:
+            self.metrics.auth_denied.labels(exc.code or "denied").inc()
+            return exc.response()
+        try:
+            resp = await self._answer(chat, time.perf_counter(), False, raw=raw,
+                                      principal=principal)
         except ApiError as exc:
             return exc.response()
         except asyncio.CancelledError:
@@ -509,10 +536,11 @@ class Gateway:
         return resp
 
     async def _answer(self, chat: bool, arrived: float, explain: bool,
-                      request: web.Request | None = None,
-                      raw: bytes | None = None) -> Answer | None:
+                      request: web.Request | None = None, raw: bytes | None = None,
+                      principal: Principal | None = None) -> Answer | None:
         """One completion request from ``request`` (aiohttp) or ``raw`` (the fast front end;
-        ``None`` is returned for a streamed one)."""
+        ``None`` is returned for a streamed one), run as ``principal`` (``None``: no keys
+        configured)."""
         endpoint = "chat" if chat else "completions"
         model = UNKNOWN_MODEL  # label for requests that name no served model
         outcome: str | None = "error"
@@ -535,9 +563,14 @@ class Gateway:
                 raise ApiError(404, f"The model `{p.model}` does not exist.", "model",
                                "model_not_found")
             model = p.model
-            resp = await self._route(request, rt, data, p, arrived, explain)
+            self.limits.request(principal)
+            resp = await self._route(request, rt, data, p, arrived, explain, principal)
             outcome = "ok"
             return resp
+        except LimitExceeded as exc:
+            outcome = "limited"  # the key's budget, not the cluster: no SLO miss
+            self.metrics.key_limited.labels(exc.code or "limit").inc()
+            raise
         except ApiError as exc:
             outcome = OUTCOME_BY_STATUS.get(exc.status, "error")
             if model in self.models and (exc.status == 429 or exc.status >= 500):
@@ -555,7 +588,7 @@ class Gateway:
 
     async def _route(self, request: web.Request | None, rt: ModelRuntime,
                      data: dict[str, Any], p: Parsed, arrived: float,
-                     explain: bool) -> Answer:
+                     explain: bool, principal: Principal | None) -> Answer:
         cfg = rt.cfg
         tokens = await self._tokens(p)
         if len(tokens) == 0:
@@ -565,6 +598,7 @@ class Gateway:
             raise ApiError(400, f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) "
                            f"exceeds the context window ({cfg.max_model_len})",
                            "max_tokens", "context_length_exceeded")
+        self.limits.tokens(principal, len(tokens) + max_tokens)
         t0 = time.perf_counter()
         key_array = block_keys_array(tokens, cfg.block_size, rt.seed)
         req = rt.request_info(len(tokens), key_array, max_tokens)

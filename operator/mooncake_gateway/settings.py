@@ -160,6 +160,29 @@ class ModelSettings(BaseModel):
         return data
 
 
+class AuthSettings(BaseModel):
+    """Where the API keys live and what each may spend (``GatewaySettings.auth``; the
+    rules are in ``auth.py``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    keys_dir: Path | None = Field(
+        None, description="directory of API keys, one file per key (a mounted Secret); "
+        "None with admin_keys_dir None: no key is asked for")
+    admin_keys_dir: Path | None = Field(
+        None, description="directory of admin keys: these may also call /conductor/*")
+    reload_s: float = Field(10.0, gt=0, description="read the key directories again at "
+                            "most this often (rotation without a restart)")
+    requests_per_minute: float = Field(0.0, ge=0, description="requests per key per minute "
+                                       "(0: no limit)")
+    tokens_per_minute: float = Field(0.0, ge=0, description="prompt + max_tokens per key per "
+                                     "minute (0: no limit)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.keys_dir is not None or self.admin_keys_dir is not None
+
+
 class GatewaySettings(BaseSettings):
     """Settings of one gateway process."""
 
@@ -193,6 +216,8 @@ class GatewaySettings(BaseSettings):
         "take it (e.g. 1); 0, the default: every prefill is sent at once, nothing is stolen",
     )
     max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body")
+    auth: AuthSettings = Field(default_factory=AuthSettings,
+                               description="API keys and per-key limits (auth.py)")
     decisions_kept: int = Field(1000, gt=0, description="recent decisions kept for inspection")
     explain_top: int = Field(5, gt=0, description="candidates shown per explained decision")
     replay_timeout_s: float = Field(2.0, gt=0, description="KV-event replay request timeout")

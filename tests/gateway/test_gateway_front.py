@@ -142,7 +142,11 @@ def test_request_heads_the_front_end_serves_itself() -> None:
     big = 1000
 
     def head(text: str) -> tuple[bool, int, bool] | None:
-        return _parse_head(text.encode(), big)
+        parsed = _parse_head(text.encode(), big)
+        if parsed is None:
+            return None
+        assert parsed[3] is None  # no credential sent
+        return parsed[:3]
 
     assert head("POST /v1/completions HTTP/1.1\r\nContent-Length: 10") == (False, 10, True)
     assert head("POST /v1/chat/completions HTTP/1.0\r\ncontent-length: 5\r\n"
@@ -176,6 +180,11 @@ def test_request_heads_the_front_end_serves_itself() -> None:
                     f"Connection: {value}") == (False, 1, False), value
     assert head("POST /v1/completions HTTP/1.0\r\nContent-Length: 1\r\n"
                 "Connection: x,keep-alive") == (False, 1, True)
+    # the credential travels with the request; two of them go to aiohttp
+    assert _parse_head(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\n"
+                       b"Authorization:  Bearer k-1 ", big) == (False, 1, True, "Bearer k-1")
+    assert _parse_head(b"POST /v1/completions HTTP/1.1\r\nContent-Length: 1\r\n"
+                       b"Authorization: Bearer a\r\nauthorization: Bearer b", big) is None
 
 
 @pytest.mark.parametrize("keep_alive", [True, False])
