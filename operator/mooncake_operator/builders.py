@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 from mooncake_contract import conventions as c
 
-from . import engines, names
+from . import engines, names, netpol
 from .names import ClusterRef
 from .settings import OperatorSettings
 from .spec import EngineKind, MooncakeClusterSpec, Toleration
@@ -378,4 +378,7 @@ def children(ref: ClusterRef, spec: MooncakeClusterSpec,
             out.append(config)
     if spec.gateway.enabled:
         out.append(gateway_configmap(ref, spec))
+    policy = netpol.network_policy(ref, spec, settings)
+    if policy is not None:
+        out.append(_stamp(policy))
     return out

@@ -29,6 +29,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Event": ("/api/v1", "events"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "DaemonSet": ("/apis/apps/v1", "daemonsets"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     crd.KIND: (f"/apis/{crd.GROUP}/{crd.VERSION}", crd.PLURAL),
 }
 

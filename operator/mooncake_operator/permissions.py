@@ -12,7 +12,9 @@ miss a permission the code needs nor keep one it no longer uses.
 
 What is deliberately absent:
 
-- Secrets: no code reads one (the gateway has no authentication yet).
+- Secrets: no code reads one through the API. The gateway's API keys arrive as Secret
+  volumes (``gateway.auth`` in the chart), which the kubelet mounts, not our service
+  account.
 - CustomResourceDefinitions, in the default namespaced mode: the CRD comes from the chart's
   ``crds/`` (or ``kubectl apply --server-side -f crds/``); ``operator run --install-crd``
   is for local runs with an admin kubeconfig. kopf finds the CRD through API discovery,
@@ -72,6 +74,9 @@ RULES: tuple[Rule, ...] = (
     Rule("apps", "daemonsets", ("get", "list", "watch", "create", "patch", "delete"),
          "kopf watches them (handlers.child_changed); reconcile.Reconciler._apply_children: "
          "the store-node DaemonSet"),
+    Rule("networking.k8s.io", "networkpolicies", ("get", "list", "create", "patch", "delete"),
+         "reconcile.Reconciler._apply_children: each cluster's NetworkPolicy (netpol.py; "
+         "get, create, patch when its hash changed, list + delete when no longer wanted)"),
     Rule("", "events", ("create",),
          "kopf posts the Events handlers emit (kopf.event in handlers._emitter)"),
 )

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 JsonDict = dict[str, Any]
 #: emit(type "Normal"|"Warning", reason, message): a Kubernetes Event on the cluster
 Emit = Callable[[str, str, str], None]
-CHILD_KINDS = ("Service", "Deployment", "DaemonSet", "ConfigMap")
+CHILD_KINDS = ("Service", "Deployment", "DaemonSet", "ConfigMap", "NetworkPolicy")
 #: Degraded reason: a real engine release or combination the builders do not make pods for
 UNSUPPORTED_ENGINE = "UnsupportedEngine"
 

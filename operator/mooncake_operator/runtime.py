@@ -60,7 +60,8 @@ class OperatorState:
     @classmethod
     def create(cls, settings: OperatorSettings, api_client: Any) -> OperatorState:
         kube = Kube(api_client, settings.field_manager)
-        gateway = GatewayClient(settings.gateway_url, settings.gateway_timeout_s)
+        gateway = GatewayClient(settings.gateway_url, settings.gateway_timeout_s,
+                                settings.gateway_admin_keys_dir)
         return cls(settings, kube, gateway, Reconciler(kube, gateway, settings))
 
     def stop(self, key: str) -> None:

@@ -7,6 +7,8 @@ reconcile, the names kopf uses for its own bookkeeping.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -35,6 +37,16 @@ class OperatorSettings(BaseSettings):
         "the gateway's address as users reach it, written into status (default: "
         "gateway_url)"))
     gateway_timeout_s: float = Field(2.0, gt=0, description="timeout of one gateway call")
+    gateway_namespace: str = Field("", description=(
+        "the namespace of the gateway's pods (the chart: the operator's own); with "
+        "gateway_pod_labels, what each cluster's NetworkPolicy admits"))
+    gateway_pod_labels: dict[str, str] = Field(default_factory=dict, description=(
+        "labels that select the gateway's pods (JSON in the environment); empty: the "
+        "operator makes no NetworkPolicy, as it cannot tell the gateway's traffic apart"))
+    gateway_admin_keys_dir: Path | None = Field(None, description=(
+        "the gateway's admin keys (a mounted Secret, one file per key): the operator sends "
+        "the first, by file name, to /conductor/*, read again on every call so a rotated "
+        "key is used at once (None: the gateway asks for none)"))
     resync_interval_s: float = Field(10.0, gt=0, description=(
         "reconcile every cluster at least this often (level-based: status follows the pods "
         "even without events)"))

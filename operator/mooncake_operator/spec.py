@@ -450,6 +450,24 @@ class GatewaySpec(_Model):
         "max_tokens for requests that omit it."))
 
 
+#: a namespace name (DNS-1123 label)
+NAMESPACE_PATTERN = r"^[a-z0-9]$|^[a-z0-9][-a-z0-9]{0,61}[a-z0-9]$"
+
+
+class NetworkPolicySpec(_Model):
+    """Which pods may reach this cluster's pods: engines, workers and the store."""
+
+    enabled: bool = Field(True, description=(
+        "Admit traffic to the cluster's pods only from each other (KV transfer, the store) "
+        "and from the gateway's pods, with a NetworkPolicy. Made only when the operator "
+        "knows the gateway's pods (the chart tells it); enforced only by a network plugin "
+        "that implements NetworkPolicy."))
+    allowed_namespaces: list[Annotated[str, Field(pattern=NAMESPACE_PATTERN)]] = Field(
+        default_factory=list, max_length=16, description=(
+            "Namespaces whose pods may also reach every port, e.g. the one where Prometheus "
+            "scrapes the engines."))
+
+
 class RolloutSpec(_Model):
     """How a changed engine revision replaces the pods of both pools."""
 
@@ -486,6 +504,8 @@ class MooncakeClusterSpec(_Model):
         "How the model is exposed."))
     rollout: RolloutSpec = Field(default_factory=RolloutSpec, description=(
         "How changes roll through the pools."))
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec, description="Who may reach the cluster's pods.")
 
     def pool(self, role: str) -> PoolSpec:
         return self.prefill if role == "prefill" else self.decode

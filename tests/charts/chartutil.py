@@ -28,6 +28,8 @@ ALL_ON: dict[str, Any] = {
                 "prometheusRule": {"enabled": True}},
     "dashboard": {"enabled": True},
     "podDisruptionBudget": {"enabled": True},
+    "gateway": {"auth": {"secretName": "api-keys", "adminSecretName": "admin-keys",
+                         "requestsPerMinute": 600, "tokensPerMinute": 1000000}},
 }
 
 

@@ -38,6 +38,12 @@ def _container(dep: dict[str, Any], name: str) -> dict[str, Any]:
     return out
 
 
+def dep_labels(dep: dict[str, Any]) -> dict[str, str]:
+    """The labels of the Deployment's pods."""
+    labels: dict[str, str] = dep["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
 def _env(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in container.get("env") or []}
 
@@ -117,7 +123,7 @@ def _cli(args: list[str]) -> Any:
     return build_parser().parse_args(args)
 
 
-def test_operator_container_namespaced() -> None:
+def test_operator_container_namespaced(monkeypatch: pytest.MonkeyPatch) -> None:
     c = _container(_deployment(), "operator")
     assert "command" not in c  # the image's ENTRYPOINT is mooncake-operator
     args = _cli(c["args"])
@@ -132,7 +138,11 @@ def test_operator_container_namespaced() -> None:
     fields = {k.removeprefix("MOONCAKE_OPERATOR_").lower(): v for k, v in env.items()
               if k.startswith("MOONCAKE_OPERATOR_")}
     assert set(fields) <= set(OperatorSettings.model_fields), set(fields)
-    settings = OperatorSettings(**fields)  # type: ignore[arg-type]
+    for k, v in env.items():  # read as the process reads them: from its environment
+        if k.startswith("MOONCAKE_OPERATOR_"):
+            monkeypatch.setenv(k, v)
+    settings = OperatorSettings()
+    assert settings.gateway_pod_labels == dep_labels(_deployment())
     assert (settings.metrics_host, settings.metrics_port) == ("0.0.0.0", 9095)
     # kopf's liveness endpoint is the port the probes use
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -159,6 +169,40 @@ def test_gateway_container_namespaced() -> None:
                   kube_api=object()).app
     routes = {r.canonical for r in app.router.resources()}
     assert {"/health", "/ready", "/metrics"} <= routes
+
+
+def test_api_key_secrets_reach_the_gateway_and_the_operator_as_settings(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``gateway.auth`` set, the Secrets are mounted read-only where the environment
+    says, and the environment parses as the real settings of both processes."""
+    dep = _deployment(ALL_ON)
+    pod = dep["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["gateway-keys"]["secret"]["secretName"] == "api-keys"
+    assert volumes["gateway-admin-keys"]["secret"]["secretName"] == "admin-keys"
+    gw, op = _container(dep, "gateway"), _container(dep, "operator")
+    mounts = {m["name"]: m for m in gw["volumeMounts"]}
+    env = _env(gw)
+    for name, var in (("gateway-keys", "KEYS_DIR"), ("gateway-admin-keys", "ADMIN_KEYS_DIR")):
+        assert mounts[name]["readOnly"] is True
+        assert env[f"MOONCAKE_GATEWAY_AUTH__{var}"] == mounts[name]["mountPath"]
+    for k, v in env.items():
+        if k.startswith("MOONCAKE_GATEWAY_"):
+            monkeypatch.setenv(k, v)
+    auth = GatewaySettings().auth
+    assert auth.enabled and (auth.requests_per_minute, auth.tokens_per_minute) == (600, 1e6)
+    (op_mount,) = [m for m in op["volumeMounts"] if m["name"] == "gateway-admin-keys"]
+    for k, v in _env(op).items():
+        if k.startswith("MOONCAKE_OPERATOR_"):
+            monkeypatch.setenv(k, v)
+    settings = OperatorSettings()
+    assert str(settings.gateway_admin_keys_dir) == op_mount["mountPath"] \
+        == str(auth.admin_keys_dir)
+    # off by default: nothing mounted, no key directory set
+    plain = _deployment()
+    assert [v["name"] for v in plain["spec"]["template"]["spec"]["volumes"]] == ["tmp"]
+    assert not any(k.endswith("KEYS_DIR") for c in ("gateway", "operator")
+                   for k in _env(_container(plain, c)))
 
 
 def test_cluster_wide_watches_every_namespace() -> None:
@@ -229,6 +273,9 @@ def test_pdb_max_unavailable() -> None:
     ({"gateway": {"resources": {"limits": {"memory": None}}}}, "/gateway/resources/limits"),
     ({"metrics": {"serviceMonitor": {"interval": "often"}}},
      "/metrics/serviceMonitor/interval"),
+    ({"gateway": {"auth": {"reloadSeconds": 0}}}, "/gateway/auth/reloadSeconds"),
+    ({"gateway": {"auth": {"secretName": "Not_A_Name"}}}, "/gateway/auth/secretName"),
+    ({"gateway": {"auth": {"apiKey": "sk-1"}}}, "apiKey"),  # never a key in values
 ])
 def test_schema_rejects(values: dict[str, Any], field: str, tmp_path: Path) -> None:
     f = tmp_path / "bad.yaml"

@@ -121,7 +121,8 @@ def _cluster(name: str, spec: dict[str, Any]) -> dict[str, Any]:
 def reconciler_needs() -> set[Triple]:
     """Run the reconciler through every kind of write against the recording fake."""
     kube = RecordingKube()
-    rec = Reconciler(kube, None, OperatorSettings())
+    # the chart tells the operator the gateway's pods: each cluster gets a NetworkPolicy
+    rec = Reconciler(kube, None, OperatorSettings(gateway_pod_labels={"app": "gateway"}))
     _, spec_model = example("simulated")
     spec = spec_model.model_dump(by_alias=True, mode="json", exclude_none=True)
     events: list[tuple[str, str, str]] = []
@@ -138,8 +139,10 @@ def reconciler_needs() -> set[Triple]:
         changed = replaced(spec, "store.master.rpcPort", 50061)
         changed = replaced(changed, "store.segmentSize", "32Mi")
         changed = replaced(changed, "gateway.defaultMaxTokens", 17)
+        changed = replaced(changed, "networkPolicy.allowedNamespaces", ["monitoring"])
         await step(changed)  # every child patched (its hash changed)
         no_store = replaced(replaced(changed, "store.enabled", False), "gateway.enabled", False)
+        no_store = replaced(no_store, "networkPolicy.enabled", False)
         await step(no_store)  # children deleted, engine pods created
         for pod in kube.all("", "pods", NS).values():
             pod["status"] = {"phase": "Running", "conditions": [

@@ -58,6 +58,9 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
      "spec.engine.extraArgs", "flags the operator owns"),
     ("ports clash", _with("spec.engine.ports", {"http": 5557}), "spec.engine.ports",
      "must differ"),
+    ("allowed namespace not a name", _with("spec.networkPolicy.allowedNamespaces",
+                                           ["Monitoring"]),
+     "spec.networkPolicy.allowedNamespaces[0]", "should match"),
     ("GPUs in resources", _with("spec.prefill.resources", {"limits": {"nvidia.com/gpu": 8}}),
      "spec.prefill.resources", "gpusPerReplica"),
     ("segment above limit", _many(("spec.store.segmentSize", "8Gi"),
@@ -143,3 +146,22 @@ def test_examples_are_accepted(api: KubeHttp, name: str) -> None:
     # the API server filled the defaults the operator relies on
     assert out["spec"]["engine"]["ports"]["kvEvents"] == 5557
     assert out["spec"]["rollout"]["maxSurge"] == "25%"
+
+
+def test_the_network_policy_the_operator_builds_is_accepted(api: KubeHttp) -> None:
+    """The API server's own validation (strict fields, dry run) of ``netpol.py``'s object."""
+    from mooncake_operator import netpol
+    from mooncake_operator.names import ClusterRef
+    from mooncake_operator.settings import OperatorSettings
+    from mooncake_operator.spec import MooncakeClusterSpec
+
+    settings = OperatorSettings(gateway_namespace="mooncake-system",
+                                gateway_pod_labels={"app.kubernetes.io/name": "mc"})
+    spec = MooncakeClusterSpec.model_validate(
+        {"model": {"name": "m"}, "networkPolicy": {"allowedNamespaces": ["monitoring"]}})
+    policy = netpol.network_policy(ClusterRef("ok", NS, "uid-1"), spec, settings)
+    assert policy is not None
+    policy["metadata"].pop("ownerReferences")  # no such owner in this namespace
+    got = api.post(f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"
+                   "?fieldValidation=Strict&dryRun=All", policy)
+    assert got["spec"]["ingress"] == policy["spec"]["ingress"]
