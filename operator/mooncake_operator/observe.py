@@ -45,13 +45,25 @@ class PodView:
     drain_since: float | None = None
     unschedulable: str | None = None  # the scheduler's message, when it could not place it
     restarts: int = 0
-    crash_looping: bool = False
+    crash_looping: bool = False  # a container waits in CrashLoopBackOff now
+    last_crash_at: float | None = None  # the latest container termination's finishedAt
     node: str = ""
     replicas_annotation: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.phase in ("Succeeded", "Failed")
+
+
+def _timestamp(value: object) -> float | None:
+    """Seconds since the epoch of an RFC 3339 time as the API writes it (``None`` if
+    absent or unreadable)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
 
 
 def pod_view(pod: JsonDict) -> PodView | None:
@@ -73,11 +85,16 @@ def pod_view(pod: JsonDict) -> PodView | None:
         unschedulable = str(sched.get("message") or "unschedulable")
     restarts = 0
     crash = False
+    last_crash: float | None = None
     for cs in status.get("containerStatuses") or []:
         restarts = max(restarts, int(cs.get("restartCount") or 0))
         waiting = (cs.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") == "CrashLoopBackOff":
             crash = True
+        ended = _timestamp(((cs.get("lastState") or {}).get("terminated") or {})
+                           .get("finishedAt"))
+        if ended is not None and (last_crash is None or ended > last_crash):
+            last_crash = ended
     ann = meta.get("annotations") or {}
     since = ann.get(DRAIN_SINCE_ANNOTATION)
     try:
@@ -90,6 +107,7 @@ def pod_view(pod: JsonDict) -> PodView | None:
         terminating=bool(meta.get("deletionTimestamp")),
         draining=ann.get(c.ANNOTATION_DRAIN) == "true", drain_since=drain_since,
         unschedulable=unschedulable, restarts=restarts, crash_looping=crash,
+        last_crash_at=last_crash,
         node=(pod.get("spec") or {}).get("nodeName") or "",
         replicas_annotation=ann.get(c.ANNOTATION_REPLICAS),
     )

@@ -25,6 +25,7 @@ from mooncake_contract import conventions as c
 from pydantic import ValidationError
 
 from . import builders, engines, names, observe, rollout, status
+from .crashes import CrashHistory
 from .gatewayclient import GatewayClient
 from .kube import Kube
 from .metrics import ERRORS, READY_PODS, RECONCILE_SECONDS, RECONCILES, publish_conditions
@@ -110,6 +111,7 @@ class Reconciler:
         self.gateway = gateway
         self.settings = settings
         self.clock = clock
+        self.crashes = CrashHistory(settings.crash_loop_window_s, settings.crash_loop_restarts)
 
     # -- children -------------------------------------------------------------------------------
     async def _apply_children(self, ref: ClusterRef, spec: MooncakeClusterSpec
@@ -217,7 +219,9 @@ class Reconciler:
                           f"{spec.store.master.rpc_port}",
             plan=plan, invalid=conflict, hot_prefixes=list(before.hot_prefixes),
             previous=before, gpu_resource=self.settings.gpu_resource,
-            crash_restarts=self.settings.crash_loop_restarts, now=now))
+            crash_restarts=self.settings.crash_loop_restarts,
+            crash_window_s=self.settings.crash_loop_window_s,
+            recent_crashes=self.crashes.observe(pods, now), now=now))
         if before.rollout is None and st.rollout is not None:
             emit("Normal", "RolloutStarted",
                  f"rolling both pools to revision {rev} in {st.rollout.steps} step(s)")

@@ -58,7 +58,11 @@ class OperatorSettings(BaseSettings):
         "pod creations in flight at once (a 32+32 cluster is made in a few round trips, "
         "not 64 in a row)"))
     crash_loop_restarts: int = Field(3, ge=1, description=(
-        "an engine container restarted this often is reported as crash-looping (Degraded)"))
+        "an engine pod that crashed this often within crash_loop_window_s is reported as "
+        "crash-looping (Degraded); crashes.py"))
+    crash_loop_window_s: float = Field(600.0, gt=0, description=(
+        "the window crashes are counted over: the kubelet forgets a container's crashes "
+        "once it has run 10 minutes without one"))
     annotations_mount: str = Field("/etc/mooncake/podinfo", description=(
         "where engine pods mount their downward-API files (annotations, labels)"))
     gpu_resource: str = Field("nvidia.com/gpu", description="extended resource of a GPU")

@@ -77,11 +77,15 @@ def scheduling_problem(pods: list[PodView], gpu_resource: str) -> Problem | None
     return None
 
 
-def crash_problem(pods: list[PodView], restarts: int) -> Problem | None:
+def crash_problem(pods: list[PodView], recent: dict[str, int], threshold: int,
+                  window_s: float) -> Problem | None:
+    """The first pod with ``threshold`` crashes or more in the window (``crashes.py``)."""
     for p in pods:
-        if not p.terminating and (p.crash_looping or p.restarts >= restarts):
+        n = recent.get(p.uid, 0)
+        if not p.terminating and n >= threshold:
             return Problem("EngineCrashLooping",
-                           f"{p.name} restarted {p.restarts} times; see its logs")
+                           f"{p.name} crashed {n} times in the last {window_s / 60:g} min "
+                           f"({p.restarts} restarts in all); see its logs")
     return None
 
 
@@ -134,7 +138,10 @@ class StatusInput:
     hot_prefixes: list[HotPrefixStatus]
     previous: MooncakeClusterStatus
     gpu_resource: str
-    crash_restarts: int
+    crash_restarts: int  # crashes in the window that make a pod crash-looping
+    crash_window_s: float
+    #: each pod's crashes in the last crash_window_s, by uid (crashes.CrashHistory)
+    recent_crashes: dict[str, int]
     now: float
 
 
@@ -144,7 +151,9 @@ def compute(inp: StatusInput) -> MooncakeClusterStatus:
     old_left = any(p.revision != inp.revision and not p.terminating and not p.finished
                    for p in inp.pods)
     degraded = (inp.invalid or scheduling_problem(inp.pods, inp.gpu_resource)
-                or crash_problem(inp.pods, inp.crash_restarts) or store_problem(inp.store))
+                or crash_problem(inp.pods, inp.recent_crashes, inp.crash_restarts,
+                                 inp.crash_window_s)
+                or store_problem(inp.store))
     at_target = all(pools[r].registered == pools[r].desired == pools[r].current
                     if inp.gateway_gate else pools[r].ready == pools[r].desired == pools[r].current
                     for r in ro.ROLES)

@@ -20,7 +20,8 @@ def compute(pods: list, **kw: object) -> MooncakeClusterStatus:  # type: ignore[
                 gateway_gate=True, gateway_endpoint="http://gw:8080", served_model="m",
                 store=READY_STORE, store_address="c-store.ns.svc:50051", plan=ro.PoolPlan(),
                 invalid=None, hot_prefixes=[], previous=MooncakeClusterStatus(),
-                gpu_resource="nvidia.com/gpu", crash_restarts=3, now=1000.0)
+                gpu_resource="nvidia.com/gpu", crash_restarts=3, crash_window_s=600.0,
+                recent_crashes={}, now=1000.0)
     base.update(kw)
     return st.compute(st.StatusInput(**base))  # type: ignore[arg-type]
 
@@ -69,7 +70,13 @@ def test_selector_matching_nothing() -> None:
 def test_crash_loop_and_store() -> None:
     pods = serving()
     pods[1] = dataclasses.replace(pods[1], ready=False, crash_looping=True, restarts=4)
-    assert cond(compute(pods), "Ready") == ("False", "EngineCrashLooping")
+    s = compute(pods, recent_crashes={pods[1].uid: 3})
+    assert cond(s, "Ready") == ("False", "EngineCrashLooping")
+    degraded = next(c for c in s.conditions if c.type == "Degraded")
+    assert "crashed 3 times in the last 10 min (4 restarts in all)" in degraded.message
+    # crashes outside the window (or too few) are not crash-looping, whatever the lifetime
+    # count: a healed pod clears Degraded
+    assert cond(compute(pods, recent_crashes={pods[1].uid: 2}), "Degraded")[0] == "False"
     s = compute(serving(), store=StoreView(enabled=True, master_ready=False))
     assert cond(s, "Ready") == ("False", "StoreNotReady") and s.store.state == "Pending"
     bad = StoreView(enabled=True, master_problem="m-0: crash-looping")
