@@ -88,6 +88,8 @@ class FrontProtocol(asyncio.Protocol):
         self._delegate: asyncio.Protocol | None = None
         self._eof = False
         self.idle_since = front.loop.time()
+        #: bytes of the current request's body reserved from the gateway's cap (bodies.py)
+        self._reserved: int | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -113,6 +115,8 @@ class FrontProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.front.connections.discard(self)
+        if self._task is None:
+            self._release()  # a body that never arrived whole (a running task releases)
         if self._delegate is not None:
             self._delegate.connection_lost(exc)
             return
@@ -146,6 +150,11 @@ class FrontProtocol(asyncio.Protocol):
             self._hand_over()
             return
         chat, length, keep_alive, authorization = parsed
+        if self._reserved is None:
+            if not self.front.gateway.bodies.take(length):
+                self._hand_over()  # aiohttp's middleware answers 503, the body unread
+                return
+            self._reserved = length
         start = end + len(HEAD_END)
         if len(buf) < start + length:
             return  # the body is still coming
@@ -154,10 +163,18 @@ class FrontProtocol(asyncio.Protocol):
         self._task = self.front.loop.create_task(
             self._serve(body, chat, keep_alive, start + length, authorization))
 
+    def _release(self) -> None:
+        if self._reserved is not None:
+            self.front.gateway.bodies.give(self._reserved)
+            self._reserved = None
+
     async def _serve(self, body: bytes, chat: bool, keep_alive: bool, consumed: int,
                      authorization: str | None) -> None:
         try:
-            resp = await self.front.gateway.serve_plain(body, chat, authorization)
+            try:
+                resp = await self.front.gateway.serve_plain(body, chat, authorization)
+            finally:
+                self._release()
             self._task = None
             transport = self.transport
             if transport is None or transport.is_closing():
@@ -179,6 +196,7 @@ class FrontProtocol(asyncio.Protocol):
                 self.transport.close()
 
     def _hand_over(self) -> None:
+        self._release()  # aiohttp's middleware reserves the body again
         transport = self.transport
         if transport is None or transport.is_closing():
             return

@@ -64,6 +64,12 @@ class GatewayMetrics:
         self.key_limited = Counter(
             "mooncake_gateway_key_limited", "Requests refused (429) for being over their "
             "key's own limit, by code", ["code"], registry=r)
+        self.buffered_bytes = Gauge(
+            "mooncake_gateway_buffered_request_bytes", "Request body bytes held now (reserved "
+            "against max_buffered_bytes)", registry=r)
+        self.buffer_refusals = Counter(
+            "mooncake_gateway_buffer_refusals", "Requests refused (503) because the request "
+            "bodies held at once reached max_buffered_bytes", registry=r)
         self.rejections = Counter(
             "mooncake_gateway_rejections", "Requests answered 429, by reason",
             ["model", "reason"], registry=r)

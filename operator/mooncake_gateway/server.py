@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import fastjson
 from .auth import KeyLimiter, KeyRing, LimitExceeded, Principal
+from .bodies import BodyBudget
 from .catalog import Catalog, ConfigMapWatch, Conflict, ModelDocument, resolve
 from .enginemetrics import parse_engine_metrics
 from .errors import ApiError, error_body
@@ -99,11 +100,12 @@ class Gateway:
         self._started = False
         self.keys = KeyRing(settings.auth)
         self.limits = KeyLimiter(settings.auth)
+        self.bodies = BodyBudget(settings.max_buffered_bytes)
         self.app = self._build_app()
 
     # -- app -------------------------------------------------------------------------------
     def _build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth],
+        app = web.Application(middlewares=[self._errors, self._auth, self._buffered],
                               client_max_size=self.settings.max_body_bytes)
         r = app.router
         r.add_get("/v1/models", self.list_models)
@@ -200,6 +202,27 @@ class Gateway:
             request[PRINCIPAL] = principal
         return await handler(request)
 
+    @web.middleware
+    async def _buffered(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Reserve the request's body from the gateway-wide cap (``bodies.py``) before it
+        is read; 503 when it does not fit."""
+        if not request.body_exists:
+            return await handler(request)
+        size = request.content_length
+        if size is not None and size > self.settings.max_body_bytes:
+            raise ApiError(413, f"the request body ({size} bytes) is larger than the limit "
+                           f"({self.settings.max_body_bytes} bytes)", code="request_too_large")
+        size = self.settings.max_body_bytes if size is None else size
+        if not self.bodies.take(size):
+            self.metrics.buffer_refusals.inc()
+            raise ApiError(503, f"the gateway holds {self.bodies.held >> 20} MiB of request "
+                           "bodies, its limit; retry shortly", code="server_busy",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        try:
+            return await handler(request)
+        finally:
+            self.bodies.give(size)
+
     # -- small endpoints -------------------------------------------------------------------
     async def health(self, _r: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -229,6 +252,7 @@ class Gateway:
         return web.json_response({"object": "list", "data": data})
 
     async def metrics_handler(self, _r: web.Request) -> web.Response:
+        self.metrics.buffered_bytes.set(self.bodies.held)
         for name, rt in self.models.items():
             self.metrics.index_blocks.labels(name).set(len(rt.index))
             rt.publish_gauges()

@@ -216,6 +216,10 @@ class GatewaySettings(BaseSettings):
         "take it (e.g. 1); 0, the default: every prefill is sent at once, nothing is stolen",
     )
     max_body_bytes: int = Field(64 << 20, gt=0, description="largest request body")
+    max_buffered_bytes: int = Field(
+        256 << 20, gt=0, description="request bodies held at once, every connection "
+        "together; a body that does not fit is refused (503, Retry-After) before it is read "
+        "(bodies.py). At least max_body_bytes")
     auth: AuthSettings = Field(default_factory=AuthSettings,
                                description="API keys and per-key limits (auth.py)")
     decisions_kept: int = Field(1000, gt=0, description="recent decisions kept for inspection")
@@ -278,6 +282,14 @@ class GatewaySettings(BaseSettings):
         2.0, gt=0, description="idle seconds after which a pooled engine connection is not "
         "reused (below the engines' own keep-alive: uvicorn closes after 5 s)",
     )
+
+    @model_validator(mode="after")
+    def _buffer_holds_a_body(self) -> GatewaySettings:
+        if self.max_buffered_bytes < self.max_body_bytes:
+            raise ValueError(f"max_buffered_bytes ({self.max_buffered_bytes}) must be at least "
+                             f"max_body_bytes ({self.max_body_bytes}): such a body could never "
+                             "be served")
+        return self
 
     @model_validator(mode="after")
     def _unique_models(self) -> GatewaySettings:
