@@ -8,12 +8,18 @@ min(output_length, --max-output-tokens)`` at ``timestamp / speed``. TTFT is the 
 to the first streamed token; a request's TBT is the mean of the longest
 ``tbt_top_share`` of its chunk intervals (the simulator's definition). Output has the
 same keys as ``simulate --json``; the token hit ratio and prefill GPU seconds come from
-the gateway's ``/conductor/state`` (before/after difference).
+the gateway's ``/conductor/state`` counters, read before, every ``sample_s`` during and
+after the run. Each read names who counts (``counters.id``) and since when; the increase is
+summed per counter owner, the way Prometheus' ``increase()`` treats a reset: a gateway that
+restarts (or a replica seen for the first time, started after the run began) counts from
+zero, so a restart mid-run loses at most the counts since the last read, and never makes a
+total negative.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import time
@@ -78,6 +84,8 @@ class ReplayConfig:
     on_done: Callable[[int], None] | None = None
     #: add each served request's TTFT (``ttft_samples_s``) to the results
     keep_samples: bool = False
+    #: seconds between reads of the gateway's counters during the run
+    sample_s: float = 2.0
     #: sent as ``Authorization: Bearer`` on every call (a locked gateway; an admin key
     #: for the hit ratio, which ``/conductor/state`` gives)
     api_key: str | None = None
@@ -101,6 +109,37 @@ async def _get_json(session: aiohttp.ClientSession, url: str,
 async def _state(session: aiohttp.ClientSession, url: str, model: str) -> dict[str, Any]:
     data = await _get_json(session, f"{url}/conductor/state", {"model": model})
     return dict(data["models"][0])
+
+
+#: the ``/conductor/state`` token counters the results read
+COUNTERS = ("prompt", "reused_predicted", "engine_prompt", "engine_cached", "prefill_seconds")
+
+
+class CounterIncrease:
+    """How much the gateway's token counters grew since ``started`` (wall clock), summed
+    over every counter owner read (a gateway process, a model's runtime)."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self._first: dict[str, dict[str, float]] = {}
+        self._last: dict[str, dict[str, float]] = {}
+        self.policy = ""
+
+    def add(self, state: dict[str, Any]) -> None:
+        owner = state.get("counters") or {"id": "", "since": -math.inf}
+        values = {k: float(state["tokens"][k]) for k in COUNTERS}
+        oid = str(owner["id"])
+        if oid not in self._first:
+            # one that began counting after the run started counted only the run
+            since = float(owner["since"])
+            self._first[oid] = (dict.fromkeys(COUNTERS, 0.0) if since >= self.started
+                                else values)
+        self._last[oid] = values
+        self.policy = str(state["policy"])
+
+    def total(self) -> dict[str, float]:
+        return {k: sum(self._last[o][k] - self._first[o][k] for o in self._last)
+                for k in COUNTERS}
 
 
 async def _one(session: aiohttp.ClientSession, cfg: ReplayConfig, body: bytes,
@@ -166,7 +205,8 @@ async def replay(records: list[TraceRecord], cfg: ReplayConfig) -> dict[str, Any
                        separators=(",", ":")).encode()
             for rec in records
         ]
-        before = await _state(session, cfg.url, model)
+        counted = CounterIncrease(time.time())
+        counted.add(await _state(session, cfg.url, model))
         outs = [Outcome() for _ in records]
         t0 = time.perf_counter() + 0.1
         base = records[0].timestamp_ms if records else 0.0
@@ -180,30 +220,41 @@ async def replay(records: list[TraceRecord], cfg: ReplayConfig) -> dict[str, Any
             if cfg.on_done is not None:
                 cfg.on_done(finished)
 
-        await asyncio.gather(*(
-            one(body, t0 + (rec.timestamp_ms - base) / 1000.0 / cfg.speed, out)
-            for rec, body, out in zip(records, bodies, outs, strict=True)
-        ))
+        async def sample() -> None:
+            while True:
+                await asyncio.sleep(cfg.sample_s)
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, ReplayError,
+                                         ValueError, KeyError):
+                    counted.add(await _state(session, cfg.url, model))
+
+        sampler = asyncio.get_running_loop().create_task(sample())
+        try:
+            await asyncio.gather(*(
+                one(body, t0 + (rec.timestamp_ms - base) / 1000.0 / cfg.speed, out)
+                for rec, body, out in zip(records, bodies, outs, strict=True)
+            ))
+        finally:
+            sampler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampler
         wall = time.perf_counter() - started
-        after = await _state(session, cfg.url, model)
-    return results(records, outs, before, after, cfg, wall)
+        counted.add(await _state(session, cfg.url, model))
+    return results(records, outs, counted.total(), counted.policy, cfg, wall)
 
 
-def results(records: list[TraceRecord], outs: list[Outcome], before: dict[str, Any],
-            after: dict[str, Any], cfg: ReplayConfig, wall: float) -> dict[str, Any]:
+def results(records: list[TraceRecord], outs: list[Outcome], counted: dict[str, float],
+            policy: str, cfg: ReplayConfig, wall: float) -> dict[str, Any]:
+    """The run's summary; ``counted``: the increase of each of :data:`COUNTERS`."""
     served = [o for o in outs if o.status == "ok"]
     n = len(records)
-    tb, ta = before["tokens"], after["tokens"]
-    eng_prompt = ta["engine_prompt"] - tb["engine_prompt"]
-    eng_cached = ta["engine_cached"] - tb["engine_cached"]
-    pred_prompt = ta["prompt"] - tb["prompt"]
-    pred_reused = ta["reused_predicted"] - tb["reused_predicted"]
+    eng_prompt, eng_cached = counted["engine_prompt"], counted["engine_cached"]
+    pred_prompt, pred_reused = counted["prompt"], counted["reused_predicted"]
     errors: dict[str, int] = {}
     for o in outs:
         if o.status == "failed":
             errors[o.error] = errors.get(o.error, 0) + 1
     return {
-        "policy": after["policy"],
+        "policy": policy,
         "requests": n,
         "completed": len(served),
         "rejected": sum(1 for o in outs if o.status == "rejected"),
@@ -213,7 +264,7 @@ def results(records: list[TraceRecord], outs: list[Outcome], before: dict[str, A
                           cfg.tbt_slo_s),
         "token_hit_ratio": eng_cached / eng_prompt if eng_prompt else 0.0,
         "token_hit_ratio_predicted": pred_reused / pred_prompt if pred_prompt else 0.0,
-        "prefill_gpu_seconds": ta["prefill_seconds"] - tb["prefill_seconds"],
+        "prefill_gpu_seconds": counted["prefill_seconds"],
         "wall_seconds": wall,
         **({"ttft_samples_s": [o.ttft_s for o in served]} if cfg.keep_samples else {}),
     }

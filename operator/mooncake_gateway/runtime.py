@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from bisect import insort
 from collections import deque
 from collections.abc import Callable
@@ -161,6 +162,10 @@ class ModelRuntime:
                  source: str | None = None) -> None:
         self.cfg = cfg
         self.gw = gw
+        #: who counts this runtime's token counters, and since when (wall clock): a client
+        #: that sees another id knows the counters started again from zero (replay.py)
+        self.counters_id = uuid.uuid4().hex
+        self.counters_since = time.time()
         #: wall seconds per modelled second of this model's engines
         self.time_scale = cfg.time_scale or gw.time_scale
         self.metrics = metrics
@@ -830,6 +835,7 @@ class ModelRuntime:
             "decode_index": {"blocks": len(self.decode_index),
                              "entries": self.decode_index.size(),
                              "events": self.decode_feeder.events_total},
+            "counters": {"id": self.counters_id, "since": self.counters_since},
             "tokens": {
                 "prompt": self.prompt_tokens, "reused_predicted": self.reused_tokens,
                 "hit_ratio_predicted": (self.reused_tokens / self.prompt_tokens
