@@ -93,8 +93,10 @@ def register(sub: Any) -> None:
         help="effective request capacity of policies on a trace (the paper's headline metric)",
         description="Highest replay speed at which >= 90%% of ALL requests (rejections count "
         "as misses) meet both the TTFT and the TBT SLO, found by bisection over simulated "
-        "replays, next to the trace's compute-bound limit on the prefill pool. With "
-        "--pd-sweep N: capacity of every prefill/decode split of N instances.",
+        "replays, next to the upper bound no design can pass and the share of work "
+        "rejected at capacity. Every design is offered overload shedding, work stealing "
+        "and holding unless --capabilities own. With --pd-sweep N: capacity of every "
+        "prefill/decode split of N instances.",
     )
     c.add_argument("--policy", default="conductor", metavar="P[,P...]",
                    help="one or more policies, comma-separated")
