@@ -23,12 +23,13 @@ win at most; :func:`loss_split` says where a run's excess went.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from mooncake_conductor.cost import CostModel
-from mooncake_conductor.cpp import ChunkPricer, CPPConfig
+from mooncake_conductor.cpp import CPPConfig
 
 from .engine import ERROR_SEED_OFFSET, SimConfig
 from .trace import TRACE_BLOCK_TOKENS, TraceRecord, reuse_ceiling, seen_prefix_blocks
@@ -69,18 +70,65 @@ def request_bounds(
         raise ValueError("max_group must be at least 1")
     if factors is not None and len(factors) != len(records):
         raise ValueError("one factor per request, please")
-    sizes = tuple(sorted(set(chunk_sizes)))
-    pipeline = CPPConfig(chunk_choices=sizes) if sizes and max_group > 1 else None
-    out = []
-    for i, (r, k) in enumerate(seen_prefix_blocks(records)):
+    sizes = sorted(set(chunk_sizes))
+    if any(size < 1 for size in sizes):
+        raise ValueError("chunk sizes must be positive")
+    ns, cached = [], []
+    best = []
+    for r, k in seen_prefix_blocks(records):
         n = r.input_length
-        cached = min(k * block_tokens, n)
-        best = cost.prefill_compute_time(n, cached)
-        if pipeline is not None and n > cached:
-            pricer = ChunkPricer(cost, n, cached, pipeline)
-            for g in range(2, max_group + 1):
-                best = min(best, pricer.choose(g)[1])
-        out.append(best * (factors[i] if factors is not None else 1.0))
+        c = min(k * block_tokens, n)
+        ns.append(n)
+        cached.append(c)
+        best.append(cost.prefill_compute_time(n, c))
+    out = np.array(best, dtype=float)
+    if sizes and max_group > 1 and len(out):
+        n_arr = np.array(ns, dtype=float)
+        c_arr = np.array(cached, dtype=float)
+        todo = n_arr > c_arr
+        groups = list(range(2, max_group + 1))
+        for size in sizes:
+            spans = pipeline_makespans(cost, n_arr[todo], c_arr[todo], groups, size)
+            out[todo] = np.minimum(out[todo], spans.min(axis=0))
+    if factors is not None:
+        out *= np.asarray(factors, dtype=float)
+    return [float(x) for x in out]
+
+
+def pipeline_makespans(cost: CostModel, n: npt.NDArray[np.float64],
+                       cached: npt.NDArray[np.float64], groups: Sequence[int],
+                       chunk_tokens: int) -> npt.NDArray[np.float64]:
+    """:func:`mooncake_conductor.cpp.cpp_makespan` of many prompts at once (each with
+    ``n > cached``), one row per group size of ``groups`` (each at least 2): the chunks'
+    compute on one node over the group, plus the activations each stage hands on, plus
+    ``group - 1`` times the longest stage (the last full chunk, or the shorter last
+    one). The same arithmetic, element by element."""
+    m, hw = cost.config.model, cost.config.hardware
+    nic = hw.nic_bytes_per_s * cost.config.efficiency.transfer_efficiency
+    per_token = m.d_model * m.elem_bytes / nic
+    ovh = cost.prefill_overhead_s
+    flops: Callable[[Any], Any] = cost.flops  # a*n*n + b*n: element by element too
+    new = n - cached
+    full = np.floor_divide(new, chunk_tokens)
+    rest = new - full * chunk_tokens
+    end = cached + full * chunk_tokens
+    rate = cost.prefill_flops_rate(chunk_tokens)
+    has_full = full > 0
+    compute = np.where(has_full, full * ovh + (flops(end) - flops(cached)) / rate,
+                       0.0)
+    last = np.where(has_full, ovh + (flops(end) - flops(end - chunk_tokens)) / rate,
+                    0.0)
+    has_rest = rest > 0
+    kinds, where = np.unique(rest, return_inverse=True)
+    rates = np.array([cost.prefill_flops_rate(float(x)) for x in kinds])[where]
+    tail = np.where(has_rest, ovh + (flops(n) - flops(end)) / rates, 0.0)
+    compute = compute + tail
+    rows = []
+    for group in groups:
+        top = np.maximum(np.where(has_full, last / group + chunk_tokens * per_token, 0.0),
+                         np.where(has_rest, tail / group + rest * per_token, 0.0))
+        rows.append(compute / group + new * per_token + (group - 1) * top)
+    out: npt.NDArray[np.float64] = np.array(rows, dtype=float).reshape(len(groups), len(n))
     return out
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from mooncake_conductor.cost import CostModel, CostModelConfig
+from mooncake_conductor.cpp import ChunkPricer, CPPConfig
 from mooncake_conductor.policies import policy_names
 from mooncake_sim.bound import (
     bounds_for,
@@ -17,7 +20,7 @@ from mooncake_sim.bound import (
 )
 from mooncake_sim.engine import SimConfig, Simulation
 from mooncake_sim.synth import generate
-from mooncake_sim.trace import TraceRecord, bundled_trace, load_trace
+from mooncake_sim.trace import TraceRecord, bundled_trace, load_trace, seen_prefix_blocks
 
 BLOCK = 512
 COST = CostModel(CostModelConfig())
@@ -99,6 +102,36 @@ def test_cpp_over_more_instances_lowers_the_bound_of_a_long_prompt() -> None:
     # a short prompt gains nothing from a pipeline: the bound stays its compute time
     short = [TraceRecord(0.0, 600, 10, (1, 2))]
     assert request_bounds(short, COST, 4, sizes) == [COST.prefill_compute_time(600, 0)]
+
+
+def test_the_pipelines_are_priced_as_the_cpp_planner_prices_them() -> None:
+    # the bound prices every prompt's pipelines at once; the planner one by one
+    rng = random.Random(4)
+    records = []
+    for i in range(300):
+        n = rng.choice([300, 1024, 2048, 5000, 9000, 40_000, 130_000])
+        shared = rng.randint(0, n // 512)
+        ids = tuple(range(shared)) + tuple(10_000 * (i + 1) + j
+                                           for j in range(-(-n // 512) - shared))
+        records.append(TraceRecord(float(i), n, 10, ids))
+    sizes = (1024, 2048, 4096, 8192)
+    got = request_bounds(records, COST, 4, sizes)
+    want = []
+    cfg = CPPConfig(chunk_choices=sizes)
+    for r, k in zip(records, _seen(records), strict=True):
+        cached = min(k * BLOCK, r.input_length)
+        best = COST.prefill_compute_time(r.input_length, cached)
+        if r.input_length > cached:
+            pricer = ChunkPricer(COST, r.input_length, cached, cfg)
+            best = min(best, *(pricer.choose(g)[1] for g in (2, 3, 4)))
+        want.append(best)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert any(g < COST.prefill_compute_time(r.input_length, 0)
+               for g, r in zip(got, records, strict=True) if r.input_length > 40_000)
+
+
+def _seen(records: list[TraceRecord]) -> list[int]:
+    return [k for _, k in seen_prefix_blocks(records)]
 
 
 def test_the_charged_bound_caps_each_request_at_the_slo() -> None:
