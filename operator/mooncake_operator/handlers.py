@@ -4,12 +4,15 @@
   Conductor controller);
 - pod, Deployment, DaemonSet and MooncakeCluster events wake that cluster's daemon
   (watch events, not list calls; no handler state is persisted, so kopf writes nothing of
-  its own but its finalizer).
+  its own but its finalizer, which every replica adds alike);
+- every replica watches; only the holder of the leader Lease reconciles and writes
+  (``leader.py``, :meth:`~.runtime.OperatorState.follow_leadership`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +27,8 @@ from .settings import OperatorSettings
 
 log = logging.getLogger(__name__)
 STATE: OperatorState | None = None
+#: this replica's part in the leader election (OperatorState.follow_leadership)
+ELECTION: asyncio.Task[None] | None = None
 OUR_LABELS = {c.LABEL_MANAGED_BY: c.MANAGED_BY}
 #: seconds kopf gives a daemon to see its stop flag and return before cancelling it
 DAEMON_STOP_GRACE_S = 5.0
@@ -76,12 +81,19 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
 
         start_http_server(ours.metrics_port, addr=ours.metrics_host)
     STATE = OperatorState.create(ours, api_client_from_env())
+    global ELECTION
+    ELECTION = asyncio.get_running_loop().create_task(STATE.follow_leadership())
     log.info("mooncake-operator started; gateway at %s", ours.gateway_url)
 
 
 @kopf.on.cleanup()
 async def cleanup(**_: Any) -> None:
-    global STATE
+    global STATE, ELECTION
+    if ELECTION is not None:
+        ELECTION.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ELECTION
+        ELECTION = None
     if STATE is not None:
         await STATE.close()
         STATE = None

@@ -11,6 +11,7 @@ import asyncio
 import json
 import urllib.parse
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from . import crd
@@ -30,8 +31,13 @@ KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "DaemonSet": ("/apis/apps/v1", "daemonsets"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     crd.KIND: (f"/apis/{crd.GROUP}/{crd.VERSION}", crd.PLURAL),
 }
+
+
+class NotLeader(Exception):
+    """A write refused by this replica itself: another replica leads (``leader.py``)."""
 
 
 class KubeError(Exception):
@@ -79,6 +85,8 @@ class Kube:
         self.api = api_client
         self.field_manager = field_manager
         self.writes: Counter[tuple[str, str]] = Counter()
+        #: whether this replica may write now (None: always); the Lease is always written
+        self.may_write: Callable[[], bool] | None = None
 
     def _call(self, method: str, url: str, body: Any = None,
               content_type: str = "application/json",
@@ -125,6 +133,8 @@ class Kube:
         return await asyncio.to_thread(self._call, method, url, body, content_type, query)
 
     def _count(self, verb: str, kind: str) -> None:
+        if kind != "Lease" and self.may_write is not None and not self.may_write():
+            raise NotLeader(f"{verb} {kind}: this replica does not hold the lease")
         self.writes[(verb, kind)] += 1
         WRITES.labels(verb, kind).inc()
 

@@ -20,6 +20,8 @@ REPLICA_PATCHES = Counter("mooncake_operator_replica_patches_total",
 HOT_PREFIXES = Gauge("mooncake_operator_hot_prefixes",
                      "Hot prefixes replicated now", ["cluster"])
 CLUSTERS = Gauge("mooncake_operator_clusters", "MooncakeClusters handled")
+LEADER = Gauge("mooncake_operator_leader",
+               "1 while this replica holds the leader Lease and may write (leader.py)")
 READY_PODS = Gauge("mooncake_operator_ready_pods", "Ready engine pods by cluster and role",
                    ["cluster", "role"])
 FAILURES_IN_A_ROW = Gauge("mooncake_operator_reconcile_failures_in_a_row",

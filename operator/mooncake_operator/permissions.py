@@ -21,8 +21,8 @@ What is deliberately absent:
   which every authenticated user may read; in namespaced mode it does not scan
   namespaces or watch CRDs (:func:`~.handlers.configure_kopf` turns scanning off), so
   the operator needs nothing cluster-scoped.
-- Namespaces, nodes, leases, kopf's peering objects: ``operator run`` is
-  ``--standalone`` (no peering) and the chart runs exactly one replica.
+- Namespaces, nodes, kopf's peering objects: ``operator run`` is ``--standalone`` (no
+  kopf peering); replicas elect a leader on a Lease of their own (``leader.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +77,9 @@ RULES: tuple[Rule, ...] = (
     Rule("networking.k8s.io", "networkpolicies", ("get", "list", "create", "patch", "delete"),
          "reconcile.Reconciler._apply_children: each cluster's NetworkPolicy (netpol.py; "
          "get, create, patch when its hash changed, list + delete when no longer wanted)"),
+    Rule("coordination.k8s.io", "leases", ("get", "create", "patch"),
+         "leader.LeaderElector: read the leader Lease, create it once, renew or take it over "
+         "(patches carry its resourceVersion) and release it on shutdown"),
     Rule("", "events", ("create",),
          "kopf posts the Events handlers emit (kopf.event in handlers._emitter)"),
 )

@@ -12,6 +12,8 @@ import asyncio
 import contextlib
 import copy
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,7 +23,8 @@ from mooncake_contract import conventions as c
 
 from . import hotprefix, names, observe, status
 from .gatewayclient import GatewayClient
-from .kube import Kube, KubeError
+from .kube import Kube, KubeError, NotLeader
+from .leader import LeaderElector
 from .metrics import (
     CLUSTERS,
     ERRORS,
@@ -52,6 +55,8 @@ class OperatorState:
     kube: Kube
     gateway: GatewayClient | None
     reconciler: Reconciler
+    #: the election this replica takes part in (None: it always writes)
+    leader: LeaderElector | None = None
     wakeups: dict[str, asyncio.Event] = field(default_factory=dict)
     #: per cluster: the (prefix, pods) pairs last written to status.hotPrefixes
     hot_written: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = field(
@@ -62,7 +67,38 @@ class OperatorState:
         kube = Kube(api_client, settings.field_manager)
         gateway = GatewayClient(settings.gateway_url, settings.gateway_timeout_s,
                                 settings.gateway_admin_keys_dir)
-        return cls(settings, kube, gateway, Reconciler(kube, gateway, settings))
+        leader = None
+        if settings.leader_election:
+            leader = LeaderElector(
+                kube, settings.lease_namespace or os.environ.get("POD_NAMESPACE") or "default",
+                settings.lease_name, settings.identity or os.environ.get("POD_NAME")
+                or f"{socket.gethostname()}-{os.getpid()}",
+                lease_s=settings.lease_duration_s, renew_deadline_s=settings.renew_deadline_s,
+                retry_s=settings.lease_retry_s)
+            kube.may_write = lambda: leader.leading
+        return cls(settings, kube, gateway, Reconciler(kube, gateway, settings), leader)
+
+    @property
+    def leading(self) -> bool:
+        """Whether this replica may write (and so reconcile) now."""
+        return self.leader is None or self.leader.leading
+
+    async def follow_leadership(self) -> None:
+        """Take part in the election until cancelled; wake every cluster's loop when this
+        replica starts or stops leading."""
+        if self.leader is None:
+            return
+        election = asyncio.get_running_loop().create_task(self.leader.run())
+        try:
+            while True:
+                await self.leader.changed.wait()
+                self.leader.changed.clear()
+                for ev in self.wakeups.values():
+                    ev.set()
+        finally:
+            election.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await election
 
     def stop(self, key: str) -> None:
         """Wake a cluster's loop to see its stop flag."""
@@ -77,6 +113,8 @@ class OperatorState:
                 ev.set()
 
     async def close(self) -> None:
+        if self.leader is not None:
+            await self.leader.release()
         if self.gateway is not None:
             await self.gateway.close()
 
@@ -141,6 +179,15 @@ async def _report_forbidden(state: OperatorState, body: JsonDict, exc: Exception
     return True
 
 
+def _only_leading(state: OperatorState, emit: Emit) -> Emit:
+    """Events are writes too: none from a replica that stopped leading mid-reconcile."""
+    def gated(kind: str, reason: str, message: str) -> None:
+        if state.leading:
+            emit(kind, reason, message)
+
+    return gated
+
+
 async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: Stopped,
                       emit_for: Callable[[Mapping[str, Any]], Emit],
                       clock: Callable[[], float] = time.monotonic) -> None:
@@ -157,8 +204,11 @@ async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: St
     try:
         while not stopped:
             wake.clear()
+            if not state.leading:  # another replica writes; ours keeps its watches warm
+                await _sleep(wake, s.resync_interval_s, 0.0)
+                continue
             snapshot = copy.deepcopy(dict(body))
-            emit = emit_for(body)
+            emit = _only_leading(state, emit_for(body))
             interval = s.resync_interval_s
             try:
                 outcome = await state.reconciler.reconcile(snapshot, emit)
@@ -172,6 +222,8 @@ async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: St
                     await controller_round(state, ref, outcome, emit)
             except asyncio.CancelledError:
                 raise
+            except NotLeader:
+                continue  # leadership lost mid-reconcile: wait for it, as a follower
             except Exception as exc:  # the API server restarts, a patch conflicts, ...
                 failures += 1
                 ERRORS.labels(type(exc).__name__).inc()

@@ -57,6 +57,20 @@ class OperatorSettings(BaseSettings):
     max_parallel_writes: int = Field(16, ge=1, description=(
         "pod creations in flight at once (a 32+32 cluster is made in a few round trips, "
         "not 64 in a row)"))
+    leader_election: bool = Field(True, description=(
+        "run only while holding the leader Lease (leader.py): several replicas, one writer"))
+    lease_name: str = Field("mooncake-operator", description="the leader Lease's name")
+    lease_namespace: str = Field("", description=(
+        "the leader Lease's namespace (the chart: the release namespace); empty: the "
+        "pod's own (POD_NAMESPACE), else default"))
+    identity: str = Field("", description=(
+        "this replica's name in the Lease (empty: POD_NAME, else host name and process id)"))
+    lease_duration_s: float = Field(15.0, gt=0, description=(
+        "how long a Lease not renewed stays another replica's (client-go's default)"))
+    renew_deadline_s: float = Field(10.0, gt=0, description=(
+        "a leader that has not renewed for this long stops writing (client-go's default)"))
+    lease_retry_s: float = Field(2.0, gt=0, description=(
+        "how often each replica tries to acquire or renew (client-go's default)"))
     crash_loop_restarts: int = Field(3, ge=1, description=(
         "an engine pod that crashed this often within crash_loop_window_s is reported as "
         "crash-looping (Degraded); crashes.py"))

@@ -57,10 +57,12 @@ class RecordingKube(Kube):
         self.objects: dict[tuple[str, str, str], dict[str, JsonDict]] = {}
         self.used: set[tuple[str, str, str]] = set()
         self._uids = itertools.count(1)
+        self._versions = itertools.count(1)
 
     def put(self, group: str, plural: str, obj: JsonDict) -> JsonDict:
         meta = obj["metadata"]
         meta.setdefault("uid", f"uid-{next(self._uids)}")
+        meta["resourceVersion"] = str(next(self._versions))
         self.objects.setdefault((group, plural, meta["namespace"]), {})[meta["name"]] = obj
         return obj
 
@@ -88,7 +90,11 @@ class RecordingKube(Kube):
         if method == "GET":
             return copy.deepcopy(store[name])
         if method == "PATCH":
+            want = ((body or {}).get("metadata") or {}).get("resourceVersion")
+            if want not in (None, store[name]["metadata"].get("resourceVersion")):
+                raise KubeError(409, "the object has been modified")
             store[name] = merge_patch(store[name], body)
+            store[name]["metadata"]["resourceVersion"] = str(next(self._versions))
             return copy.deepcopy(store[name])
         pre = (body or {}).get("preconditions") or {}
         if pre.get("uid") not in (None, store[name]["metadata"]["uid"]):

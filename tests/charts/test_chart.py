@@ -100,7 +100,10 @@ def test_default_render() -> None:
         assert o["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
     dep = find(objs, "Deployment")
     assert dep["spec"]["replicas"] == 1
-    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    # the new pod first: the gateway Service never empties during an upgrade
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {
+        "maxSurge": 1, "maxUnavailable": 0}}
+    assert _deployment({"replicas": 3})["spec"]["replicas"] == 3
     pod = dep["spec"]["template"]["spec"]
     assert [c["name"] for c in pod["containers"]] == ["operator", "gateway"]
     assert pod["serviceAccountName"] == find(objs, "ServiceAccount")["metadata"]["name"]
@@ -267,7 +270,7 @@ def test_pdb_max_unavailable() -> None:
     ({"rbac": {"clusterWide": "yes"}}, "/rbac/clusterWide"),
     ({"operator": {"image": {"pullPolicy": "Sometimes"}}}, "/operator/image/pullPolicy"),
     ({"operator": {"bogus": 1}}, "bogus"),
-    ({"replicas": 2}, "replicas"),
+    ({"replicas": 0}, "/replicas"),
     ({"worker": {"image": {"repository": ""}}}, "/worker/image/repository"),
     # limits are required (null removes the default)
     ({"gateway": {"resources": {"limits": {"memory": None}}}}, "/gateway/resources/limits"),

@@ -261,13 +261,16 @@ def test_operator_pod_runs_with_its_own_token_and_role(install: Install) -> None
             ("get", "", "secrets", NS), ("list", "", "secrets", NS), ("watch", "", "secrets", NS),
             ("create", "", "pods/exec", NS), ("create", "", "pods", "default"),
             ("list", "", "namespaces", ""), ("list", "", "nodes", ""),
-            ("create", "coordination.k8s.io", "leases", NS),
+            ("create", "coordination.k8s.io", "leases", "default"),
             ("patch", "apiextensions.k8s.io", "customresourcedefinitions", "")):
         assert not install.can(verb, group, resource, namespace), (verb, resource, namespace)
     # and as kubectl puts it
     out = install.kubectl("auth", "can-i", "get", "secrets", f"--as={SA_USER}", "-n", NS,
                           check=False)
     assert out.strip() == "no", out
+    # the one replica leads: the chart's Lease names its pod
+    lease = install.http.get(f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/{FULLNAME}")
+    assert lease["spec"]["holderIdentity"] == pod["metadata"]["name"], lease["spec"]
 
 
 # -- 2. the example reconciles and serves -----------------------------------------------------

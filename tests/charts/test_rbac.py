@@ -221,8 +221,28 @@ def gateway_needs() -> set[Triple]:
     return used
 
 
+def leader_needs() -> set[Triple]:
+    """An election round by round: create the Lease, renew it, release it."""
+    from mooncake_operator.leader import LeaderElector
+
+    kube = RecordingKube()
+    clock = [0.0]
+    elector = LeaderElector(kube, NS, "mooncake-operator", "replica-a", lease_s=15,
+                            renew_deadline_s=10, retry_s=2, clock=lambda: clock[0])
+
+    async def rounds() -> None:
+        assert await elector.try_acquire_or_renew()  # created
+        clock[0] += 2
+        assert await elector.try_acquire_or_renew()  # renewed
+        await elector.release()
+
+    asyncio.run(rounds())
+    return kube.used
+
+
 def test_namespaced_mode_needs_exactly_the_table() -> None:
-    derived = kopf_needs(clusterwide=False) | reconciler_needs() | gateway_needs()
+    derived = (kopf_needs(clusterwide=False) | reconciler_needs() | gateway_needs()
+               | leader_needs())
     table = permissions.triples(permissions.RULES)
     assert derived - table == set(), f"the code needs more: {sorted(derived - table)}"
     assert table - derived == set(), f"granted but unused: {sorted(table - derived)}"
