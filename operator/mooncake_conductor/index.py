@@ -31,7 +31,7 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from itertools import accumulate, repeat, takewhile
-from operator import and_, neg
+from operator import and_, neg, or_
 from typing import Any
 
 import numpy as np
@@ -228,7 +228,8 @@ class PrefixIndex:
         self._lru: list[OrderedDict[int, int] | None] = []
         self._capacity: list[int] = []
         self._pending: dict[int, int] = {}
-        self._pending_count: dict[tuple[int, int], int] = {}
+        #: per instance, its in-flight prefills' references to each pending key
+        self._pending_count: dict[int, dict[int, int]] = {}
         self.live_mask = 0
         self.evictions = 0
         #: one int object per distinct wide mask (instance ids past 63), shared by every
@@ -374,19 +375,24 @@ class PrefixIndex:
         table = self._held(instance)
         if table is not None:
             self.remove(instance, list(table))
-        for (key, inst), _ in list(self._pending_count.items()):
-            if inst == instance:
-                self._drop_pending(key, inst, all_refs=True)
+        for key in list(self._pending_count.get(instance, ())):
+            self._drop_pending(key, instance, all_refs=True)
 
     # -- pending (in-flight) ---------------------------------------------------------------
     def add_pending(self, instance: int, keys: Sequence[int]) -> None:
+        """One reference more to each of ``keys`` on ``instance``; a key's pending mask
+        gains the instance's bit with its first reference (later ones leave it as is)."""
         bit = 1 << instance
         share = self._shared.setdefault
+        counts = self._pending_count.setdefault(instance, {})
+        count_of = counts.get
+        pending = self._pending
         for key in keys:
-            ref = (key, instance)
-            self._pending_count[ref] = self._pending_count.get(ref, 0) + 1
-            mask = self._pending.get(key, 0) | bit
-            self._pending[key] = share(mask, mask) if mask >> WORD_BITS else mask
+            count = count_of(key, 0)
+            counts[key] = count + 1
+            if not count:
+                mask = pending.get(key, 0) | bit
+                pending[key] = share(mask, mask) if mask >> WORD_BITS else mask
         if self._mirror is not None:
             self._mirror.dirty_pending.update(keys)
         if len(self._shared) > self._shared_limit:
@@ -395,16 +401,19 @@ class PrefixIndex:
     def remove_pending(self, instance: int, keys: Iterable[int]) -> None:
         """One reference of each of ``keys`` on ``instance`` fewer (:meth:`_drop_pending`
         with ``all_refs=False``, inlined: a simulated trace drops every key it added)."""
-        counts, pending = self._pending_count, self._pending
+        counts = self._pending_count.get(instance)
+        if counts is None:
+            return
+        pending = self._pending
         dirty = self._mirror.dirty_pending if self._mirror is not None else None
         keep = ~(1 << instance)
+        count_of = counts.get
         for key in keys:
-            ref = (key, instance)
-            count = counts.get(ref, 0)
+            count = count_of(key, 0)
             if count > 1:
-                counts[ref] = count - 1
+                counts[key] = count - 1
             elif count:
-                del counts[ref]
+                del counts[key]
                 mask = pending[key] & keep
                 if mask:
                     pending[key] = self._shared.setdefault(mask, mask) if mask >> WORD_BITS \
@@ -413,16 +422,20 @@ class PrefixIndex:
                     del pending[key]
                 if dirty is not None:
                     dirty.add(key)
+        if not counts:  # an instance with nothing in flight keeps no table
+            del self._pending_count[instance]
 
     def _drop_pending(self, key: int, instance: int, all_refs: bool) -> None:
-        ref = (key, instance)
-        count = self._pending_count.get(ref, 0)
+        counts = self._pending_count.get(instance, {})
+        count = counts.get(key, 0)
         if count == 0:
             return
         if count > 1 and not all_refs:
-            self._pending_count[ref] = count - 1
+            counts[key] = count - 1
             return
-        del self._pending_count[ref]
+        del counts[key]
+        if not counts:
+            del self._pending_count[instance]
         mask = self._pending[key] & ~(1 << instance)
         if mask:
             self._pending[key] = self._shared.setdefault(mask, mask) if mask >> WORD_BITS \
@@ -580,7 +593,8 @@ class PrefixIndex:
             return {}
         if include_pending and self._pending:
             holders, pending = self.holders, self._pending
-            masks: Iterable[int] = (holders.get(k, 0) | pending.get(k, 0) for k in keys)
+            masks: Iterable[int] = map(or_, map(holders.get, keys, repeat(0)),
+                                       map(pending.get, keys, repeat(0)))
         else:
             masks = map(self.holders.get, keys, repeat(0))
         alive = list(takewhile(bool, accumulate(masks, and_, initial=start)))
