@@ -638,8 +638,9 @@ class Simulation:
         dec.seg_steps.append(k)
         dec.last += k * dt
         dec.steps += k
-        st.context_tokens += st.batch * k
-        st.reserved_tokens = dec.reserved - st.context_tokens
+        context = st.context_tokens + st.batch * k
+        st.context_tokens = context
+        st.reserved_tokens = dec.reserved - context
         running = dec.running
         if running[0][0] <= dec.steps:
             # in admission order (k never passes the soonest end, so all end at this step)
@@ -695,9 +696,12 @@ class Simulation:
     def _advance(self, dec: _Decoder, until: float) -> None:
         st = dec.state
         cap = self.cfg.chunk_steps
+        # :meth:`_step_time` inlined (the same arithmetic): every chunk prices a step
+        step_time, slow = self.cost.decode_step_time, self._slow
+        running = dec.running
         while st.batch:
-            dt = self._step_time(st)
-            k_max = min(dec.running[0][0] - dec.steps, cap)
+            dt = step_time(st.batch, st.context_tokens) * slow
+            k_max = min(running[0][0] - dec.steps, cap)
             k = min(k_max, int((until - dec.last) / dt + 1e-9))
             if k <= 0:
                 return
@@ -711,7 +715,7 @@ class Simulation:
         dec.version += 1
         if not st.batch:
             return
-        dt = self._step_time(st)
+        dt = self.cost.decode_step_time(st.batch, st.context_tokens) * self._slow  # _step_time
         st.tokens_per_s = 1.0 / dt
         k = min(dec.running[0][0] - dec.steps, self.cfg.chunk_steps)
         self._push(dec.last + k * dt, DECODE_WAKE, st.iid, dec.version)
