@@ -673,14 +673,15 @@ class Simulation:
 
     def _tbt(self, dec: _Decoder, r: _Req) -> float:
         s0 = r.seg0
+        seg_dt, seg_steps = dec.seg_dt, dec.seg_steps
         intervals: list[tuple[float, int]] = [
-            (dec.seg_start[s0] + dec.seg_dt[s0] - r.t_first, 1)
+            (dec.seg_start[s0] + seg_dt[s0] - r.t_first, 1)
         ]
-        if dec.seg_steps[s0] > 1:
-            intervals.append((dec.seg_dt[s0], dec.seg_steps[s0] - 1))
-        for s in range(s0 + 1, len(dec.seg_dt)):
-            intervals.append((dec.seg_dt[s], dec.seg_steps[s]))
-        total = sum(c for _, c in intervals)
+        if seg_steps[s0] > 1:
+            intervals.append((seg_dt[s0], seg_steps[s0] - 1))
+        # the later segments as (step time, steps), built in C: a request spans many
+        intervals += zip(seg_dt[s0 + 1:], seg_steps[s0 + 1:], strict=True)
+        total = seg_steps[s0] + sum(seg_steps[s0 + 1:])  # the first interval's 1 + the rest
         take = max(1, math.ceil(total * self.cfg.tbt_top_share))
         intervals.sort(reverse=True)
         acc = 0.0
