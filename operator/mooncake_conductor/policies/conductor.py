@@ -498,12 +498,13 @@ class ConductorPolicy(PrefillPolicy):
             # members still busy that come free before their stage first works
             options += [(size, True) for size in range(max(2, limit + 1), largest + 1)]
         pricers: dict[int, ChunkPricer] = {}  # by reused blocks (the leader's may differ)
+        stored_of: list[int] = stored.tolist()  # Python ints: no numpy scalar per member
         for size, staggered in options:
             if staggered and rescue and not best_key[0]:
                 break  # a group of idle instances meets the SLO
             members = by_wait[:size]
-            leader = max(members, key=lambda p: (stored[p.iid], -order[p.iid][1]))
-            local = int(stored[leader.iid])
+            leader = max(members, key=lambda p: (stored_of[p.iid], -order[p.iid][1]))
+            local = stored_of[leader.iid]
             fetch = best_len - local if best_src is not None and best_len > local else 0
             reuse = local + fetch
             transfer = self.ctx.cost.transfer_time(req.tokens_of(reuse) - req.tokens_of(local))
