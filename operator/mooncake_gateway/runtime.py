@@ -129,6 +129,19 @@ class Instance:
     subscriber: EngineSubscriber | None = None
     task: asyncio.Task[None] | None = None
     inflight_gauge: Gauge | None = None  # its labelled child, looked up once
+    #: resolved when the instance is marked down (calls waiting on it give up then)
+    _went_down: asyncio.Future[None] | None = None
+
+    def went_down(self) -> asyncio.Future[None]:
+        """A future that resolves the next time this instance is marked down."""
+        if self._went_down is None or self._went_down.done():
+            self._went_down = asyncio.get_running_loop().create_future()
+        return self._went_down
+
+    def mark_down(self) -> None:
+        self.down = True
+        if self._went_down is not None and not self._went_down.done():
+            self._went_down.set_result(None)
 
     @property
     def eligible(self) -> bool:
@@ -388,7 +401,7 @@ class ModelRuntime:
         if inst.healthy and inst.failures >= self.gw.unhealthy_after:
             log.warning("%s %s is down", inst.role.value, inst.name)
             inst.healthy = inst.registered = False
-            inst.down = True
+            inst.mark_down()  # prefills waiting on it go elsewhere
             self.feeder_of(inst.role).reset(inst.iid)
             self.refresh()
 

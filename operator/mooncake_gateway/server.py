@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -58,6 +58,7 @@ SSE_DONE = b"data: [DONE]"
 MICRO = 1e6
 DECISIONS_DEFAULT_LIMIT = 50
 UNKNOWN_MODEL = "unknown"
+T = TypeVar("T")
 #: who an aiohttp request runs as (absent: no keys configured, or an open route)
 PRINCIPAL = web.RequestKey("principal", Principal)
 OUTCOME_BY_STATUS = {400: "bad_request", 404: "not_found", 413: "too_large", 429: "rejected"}
@@ -208,11 +209,10 @@ class Gateway:
         is read; 503 when it does not fit."""
         if not request.body_exists:
             return await handler(request)
-        size = request.content_length
-        if size is not None and size > self.settings.max_body_bytes:
-            raise ApiError(413, f"the request body ({size} bytes) is larger than the limit "
-                           f"({self.settings.max_body_bytes} bytes)", code="request_too_large")
-        size = self.settings.max_body_bytes if size is None else size
+        # never more than one body's limit: past it the handler's read answers 413 (and
+        # counts it), having read no more than the limit
+        limit = self.settings.max_body_bytes
+        size = limit if request.content_length is None else min(request.content_length, limit)
         if not self.bodies.take(size):
             self.metrics.buffer_refusals.inc()
             raise ApiError(503, f"the gateway holds {self.bodies.held >> 20} MiB of request "
@@ -844,7 +844,7 @@ class Gateway:
                     started = time.perf_counter()  # predicted from the move on
                 transfer = transfer.with_prefill(inst.endpoint)
                 body = splice_json(p.raw, data, {**overrides, **hs.prefill_fields(transfer)})
-                status, resp = await self._post_json(inst, path, body)
+                status, resp = await self._unless_down(inst, self._post_json(inst, path, body))
             except UpstreamError as exc:
                 last = f"{inst.name}: {exc}"
                 record["attempts"].append({"prefill": inst.name, "error": str(exc)})
@@ -886,6 +886,27 @@ class Gateway:
             for s in states:
                 s.up = True
         return d if d.prefill is not None else None
+
+    @staticmethod
+    async def _unless_down(inst: Instance, call: Awaitable[T]) -> T:
+        """``call``'s result, unless ``inst`` is marked down first (failed health checks):
+        then the call is abandoned with :class:`UpstreamError`, so a prefill on an engine
+        that accepts connections and never answers is retried elsewhere within the health
+        checks' few seconds, not after ``request_timeout_s``. Nothing has reached the
+        client at that point, so the retry is safe."""
+        task = asyncio.ensure_future(call)
+        down = inst.went_down()
+        try:
+            await asyncio.wait((task, down), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, UpstreamError):
+            await task
+        raise UpstreamError("marked down while the call waited")
 
     async def _post_json(self, inst: Instance, path: str, body: bytes) -> tuple[int, Any]:
         status, parsed, _raw = await self._post(inst, path, body)
