@@ -151,8 +151,11 @@ class FrontProtocol(asyncio.Protocol):
             return
         chat, length, keep_alive, authorization = parsed
         if self._reserved is None:
-            if not self.front.gateway.bodies.take(length):
-                self._hand_over()  # aiohttp's middleware answers 503, the body unread
+            # a request without a valid key reserves nothing (it could hold the cap with
+            # slow bodies): aiohttp's middleware answers it 401; one over the cap, 503
+            if not self.front.gateway.admits(chat, authorization) \
+                    or not self.front.gateway.bodies.take(length):
+                self._hand_over()
                 return
             self._reserved = length
         start = end + len(HEAD_END)

@@ -532,6 +532,16 @@ class Gateway:
         assert isinstance(resp, web.StreamResponse)  # PlainJson only without a request
         return resp
 
+    def admits(self, chat: bool, authorization: str | None) -> bool:
+        """Whether a completion request with this ``Authorization`` header gets past the
+        front door (the fast front end asks before it buffers the body)."""
+        try:
+            self.keys.authorize("/v1/chat/completions" if chat else "/v1/completions",
+                                authorization)
+        except ApiError:
+            return False
+        return True
+
     async def serve_plain(self, raw: bytes, chat: bool,
                           authorization: str | None = None) -> web.Response | PlainJson | None:
         """The fast front end's entry (``front.py``): a request without ``stream`` nor

@@ -93,3 +93,26 @@ def test_a_body_that_does_not_fit_is_refused_before_it_is_read(fast_front: bool)
             assert "mooncake_gateway_buffer_refusals_total 2.0" in metrics
 
     asyncio.run(main())
+
+
+def test_a_request_without_a_valid_key_reserves_nothing(tmp_path: Any) -> None:
+    """Slow bodies of clients without a key cannot hold the cap: they get 401 unread."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    (keys / "alice").write_text("sk-alice-0123456789")
+
+    async def main() -> None:
+        async with engines("p0", "d0") as (p0, d0), running_gateway(
+                [model([p0], [d0])], max_body_bytes=BODY_MAX, max_buffered_bytes=BUFFER_MAX,
+                auth={"keys_dir": str(keys)}) as gw:
+            port = int(gw.url.rsplit(":", 1)[1])
+            held = [await _open(port, _padded(BODY_MAX), 10) for _ in range(3)]
+            for reader, _w in held:
+                assert await _status(reader) == 401
+            status, _h, raw = await gw.post(CMPL, _padded(BODY_MAX),
+                                            {"Authorization": "Bearer sk-alice-0123456789"})
+            assert status == 200, raw  # the cap is all there for a keyed request
+            for _r, writer in held:
+                writer.close()
+
+    asyncio.run(main())
