@@ -218,6 +218,12 @@ class CostModel:
     def kv_bytes(self, tokens: int) -> int:
         return tokens * self.kv_bytes_per_token
 
+    @property
+    def link_bytes_per_s(self) -> float:
+        """The achieved bytes per second of a transfer between two nodes: min(B_nic, B_h2d)
+        times the transfer efficiency (what :meth:`transfer_time` divides by)."""
+        return self._link
+
     def transfer_time(self, tokens: int) -> float:
         """Seconds to move the KV of ``tokens`` between nodes: min(B_nic, B_h2d) (paper §3)."""
         if tokens <= 0:

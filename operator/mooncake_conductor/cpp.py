@@ -86,15 +86,30 @@ class CPPPlan:
         return self.group_size * self.makespan_s
 
 
-def plan_cpp(cost: CostModel, n: int, cached: int, group_size: int, chunk_tokens: int) -> CPPPlan:
-    """Chunks and pipeline makespan for prefilling ``n`` tokens with ``cached`` reused."""
+#: a hand-off link other than the NIC: ``(bytes per second, latency per hand-off)``
+#: (:meth:`~mooncake_conductor.topology.Topology.link`); ``None``: the node's NIC
+Link = tuple[float, float] | None
+
+
+def _nic(cost: CostModel, link: Link) -> float:
+    """Bytes per second of a stage hand-off: ``link``'s, at most the NIC's."""
+    nic = cost.config.hardware.nic_bytes_per_s * cost.config.efficiency.transfer_efficiency
+    return nic if link is None else min(nic, link[0])
+
+
+def plan_cpp(cost: CostModel, n: int, cached: int, group_size: int, chunk_tokens: int,
+             link: Link = None) -> CPPPlan:
+    """Chunks and pipeline makespan for prefilling ``n`` tokens with ``cached`` reused;
+    ``link`` (default: the NIC) carries the activations between stages, its latency
+    paid once per chunk and stage."""
     if group_size < 1:
         raise ValueError("group_size must be at least 1")
     if chunk_tokens < 1:
         raise ValueError("chunk_tokens must be positive")
     cached = min(max(cached, 0), n)
     m = cost.config.model
-    nic = cost.config.hardware.nic_bytes_per_s * cost.config.efficiency.transfer_efficiency
+    nic = _nic(cost, link)
+    latency = 0.0 if link is None or group_size == 1 else link[1]
     chunks: list[tuple[int, int]] = []
     stages: list[float] = []
     start = cached
@@ -102,6 +117,8 @@ def plan_cpp(cost: CostModel, n: int, cached: int, group_size: int, chunk_tokens
         end = min(n, start + chunk_tokens)
         compute = cost.prefill_compute_time(end, start) / group_size
         handoff = 0.0 if group_size == 1 else (end - start) * m.d_model * m.elem_bytes / nic
+        if latency:
+            handoff += latency
         chunks.append((start, end))
         stages.append(compute + handoff)
         start = end
@@ -112,13 +129,12 @@ def plan_cpp(cost: CostModel, n: int, cached: int, group_size: int, chunk_tokens
     return CPPPlan(group_size, tuple(chunks), tuple(stages), makespan, chunk_tokens)
 
 
-def _handoff_per_token(cost: CostModel, group_size: int) -> float:
+def _handoff_per_token(cost: CostModel, group_size: int, link: Link = None) -> float:
     """Seconds per token of activations a stage hands to the next (none in a group of 1)."""
     if group_size == 1:
         return 0.0
     m = cost.config.model
-    nic = cost.config.hardware.nic_bytes_per_s * cost.config.efficiency.transfer_efficiency
-    return m.d_model * m.elem_bytes / nic
+    return m.d_model * m.elem_bytes / _nic(cost, link)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +151,16 @@ class _Span:
     last: float
     tail: float
 
-    def makespan(self, group_size: int, per_token: float) -> float:
+    def makespan(self, group_size: int, per_token: float, latency: float = 0.0) -> float:
         top = 0.0
         if self.full:
             top = self.last / group_size + self.chunk_tokens * per_token
         if self.rest:
             top = max(top, self.tail / group_size + self.rest * per_token)
+        if latency and group_size > 1:  # each stage of each chunk waits for it once
+            chunks = self.full + (1 if self.rest else 0)
+            return (self.compute / group_size + self.new * per_token + chunks * latency
+                    + (group_size - 1) * (top + latency))
         return self.compute / group_size + self.new * per_token + (group_size - 1) * top
 
 
@@ -165,21 +185,22 @@ def _span(cost: CostModel, n: int, cached: int, chunk_tokens: int) -> _Span:
 
 
 def cpp_makespan(cost: CostModel, n: int, cached: int, group_size: int,
-                 chunk_tokens: int) -> float:
+                 chunk_tokens: int, link: Link = None) -> float:
     """:func:`plan_cpp`'s makespan without building the chunks (equal up to rounding)."""
     cached = min(max(cached, 0), n)
     if n - cached <= 0 or group_size < 1 or chunk_tokens < 1:
-        return plan_cpp(cost, n, cached, group_size, chunk_tokens).makespan_s
+        return plan_cpp(cost, n, cached, group_size, chunk_tokens, link).makespan_s
     return _span(cost, n, cached, chunk_tokens).makespan(
-        group_size, _handoff_per_token(cost, group_size))
+        group_size, _handoff_per_token(cost, group_size, link),
+        0.0 if link is None else link[1])
 
 
 def first_stage_s(cost: CostModel, n: int, cached: int, group_size: int,
-                  chunk_tokens: int) -> float:
+                  chunk_tokens: int, link: Link = None) -> float:
     """:func:`plan_cpp`'s ``stage_s[0]`` (the same arithmetic) without building the rest:
     how long stage 0 works on the first chunk, the offset :func:`staggered_start` takes."""
     if group_size < 1 or chunk_tokens < 1:
-        return plan_cpp(cost, n, cached, group_size, chunk_tokens).stage_s[0]
+        return plan_cpp(cost, n, cached, group_size, chunk_tokens, link).stage_s[0]
     cached = min(max(cached, 0), n)
     if cached >= n:
         return cost.prefill_compute_time(n, n)
@@ -188,8 +209,10 @@ def first_stage_s(cost: CostModel, n: int, cached: int, group_size: int,
     if group_size == 1:
         return compute + 0.0
     m = cost.config.model
-    nic = cost.config.hardware.nic_bytes_per_s * cost.config.efficiency.transfer_efficiency
-    return compute + (end - cached) * m.d_model * m.elem_bytes / nic
+    handoff = (end - cached) * m.d_model * m.elem_bytes / _nic(cost, link)
+    if link is not None and link[1]:
+        handoff += link[1]
+    return compute + handoff
 
 
 def staggered_start(ready: list[float], offset_s: float) -> float:
@@ -218,20 +241,21 @@ class ChunkPricer:
                            for size in sorted(self.config.chunk_choices)]
         return self._spans
 
-    def choose(self, group_size: int) -> tuple[int, float]:
+    def choose(self, group_size: int, link: Link = None) -> tuple[int, float]:
         """``(chunk size, makespan)`` of the plan :func:`plan_cpp_for` would build: the
         configured chunk, or the choice with the shortest makespan (the smaller size on a
-        tie within 1e-9)."""
+        tie within 1e-9); ``link`` carries the hand-offs (default: the NIC)."""
         cfg, n, cached = self.config, self.n, self.cached
         if cfg.chunk_tokens:
             return cfg.chunk_tokens, cpp_makespan(self.cost, n, cached, group_size,
-                                                  cfg.chunk_tokens)
+                                                  cfg.chunk_tokens, link)
         if n - min(max(cached, 0), n) <= 0 or group_size < 1:  # no spans: the plan's
-            spans = [(size, cpp_makespan(self.cost, n, cached, group_size, size))
+            spans = [(size, cpp_makespan(self.cost, n, cached, group_size, size, link))
                      for size in sorted(cfg.chunk_choices)]
         else:
-            per_token = _handoff_per_token(self.cost, group_size)
-            spans = [(span.chunk_tokens, span.makespan(group_size, per_token))
+            per_token = _handoff_per_token(self.cost, group_size, link)
+            latency = 0.0 if link is None else link[1]
+            spans = [(span.chunk_tokens, span.makespan(group_size, per_token, latency))
                      for span in self._all()]
         best_size, best = 0, math.inf
         for size, value in spans:
@@ -241,17 +265,17 @@ class ChunkPricer:
 
 
 def choose_chunk(cost: CostModel, n: int, cached: int, group_size: int,
-                 config: CPPConfig) -> tuple[int, float]:
+                 config: CPPConfig, link: Link = None) -> tuple[int, float]:
     """``(chunk size, makespan)`` of the plan :func:`plan_cpp_for` would build, without
     building it (what a policy pricing one group needs; :class:`ChunkPricer` for
     several)."""
-    return ChunkPricer(cost, n, cached, config).choose(group_size)
+    return ChunkPricer(cost, n, cached, config).choose(group_size, link)
 
 
 def plan_cpp_for(cost: CostModel, n: int, cached: int, group_size: int,
-                 config: CPPConfig) -> CPPPlan:
+                 config: CPPConfig, link: Link = None) -> CPPPlan:
     """The plan with ``config``'s chunk size, or (``chunk_tokens`` 0) the one of
     ``chunk_choices`` with the shortest makespan (the smaller size on a tie, so
     sizes within 1e-9 of each other count as tied)."""
-    size, _ = choose_chunk(cost, n, cached, group_size, config)
-    return plan_cpp(cost, n, cached, group_size, size)
+    size, _ = choose_chunk(cost, n, cached, group_size, config, link)
+    return plan_cpp(cost, n, cached, group_size, size, link)

@@ -28,6 +28,7 @@ from .cost import CostModel
 from .kernels import rank_decode
 from .policies.base import least
 from .state import Board, DecodeState, RequestInfo, board_of
+from .topology import Topology, narrow_to_nearest
 
 _TIE_EPS = 1e-12  # absolute tie slack of :func:`~.policies.base.least`
 
@@ -49,9 +50,17 @@ class DecodeSelector(ABC):
         self.cost = cost
         self.tbt_slo_s = tbt_slo_s
         self.rng = rng
+        #: the fleet's topology (the Conductor sets its own; None: flat)
+        self.topology: Topology | None = None
 
     @abstractmethod
     def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice: ...
+
+    def choose_near(self, req: RequestInfo, decode: list[DecodeState],
+                    near: int) -> DecodeChoice:
+        """:meth:`choose` for a request whose KV streams from place ``near`` (0: unknown);
+        selectors that read the topology prefer instances near it (default: ignore)."""
+        return self.choose(req, decode)
 
     def placed(self, req: RequestInfo, decode: int | None) -> None:  # noqa: B027
         """``req`` was sent to decode instance ``decode`` (its prefill starts)."""
@@ -116,6 +125,9 @@ class TBTSLODecode(DecodeSelector):
 
     name = "tbt-slo"
     tie_tolerance: ClassVar[float] = 0.01
+    #: with an active topology, instances whose step is within this share of the best
+    #: count as near-equal, and the nearest of them to the prefill instance are kept
+    near_tolerance: ClassVar[float] = 0.1
 
     def __init__(self, cost: CostModel, tbt_slo_s: float, rng: random.Random,
                  candidates: CandidatesConfig | None = None) -> None:
@@ -128,8 +140,18 @@ class TBTSLODecode(DecodeSelector):
         self._ahead_tokens = np.empty(0, dtype=np.int64)
 
     def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
+        return self.choose_near(req, decode, 0)
+
+    def choose_near(self, req: RequestInfo, decode: list[DecodeState],
+                    near: int) -> DecodeChoice:
+        """With an active topology and a known ``near``: the instances within
+        :attr:`near_tolerance` of the best step (and the SLO, with room) are narrowed to
+        those whose link from ``near`` is the fastest, then the tie band applies among
+        them (:func:`.topology.narrow_to_nearest`)."""
         if not decode:
             return DecodeChoice(None, reject_reason="no-decode-instance")
+        topo = self.topology
+        local = bool(near) and topo is not None and topo.active
         board = board_of(decode)  # every instance's load, kept current by the states
         m = len(decode)
         if len(self._step) != m:
@@ -147,11 +169,16 @@ class TBTSLODecode(DecodeSelector):
             rows = None
             ahead_n, ahead_tokens = self._ahead(board)
         count, fastest = rank_decode(
-            self._consts, req.input_tokens, need, self.tbt_slo_s, self.tie_tolerance,
+            self._consts, req.input_tokens, need, self.tbt_slo_s,
+            self.near_tolerance if local else self.tie_tolerance,
             _TIE_EPS, board["up"], board["context_tokens"], board["batch"],
             board["reserved_tokens"], board["capacity_tokens"], step, ties, rows,
             ahead_n, ahead_tokens,
         )
+        if local and count > 1:
+            assert topo is not None
+            count = narrow_to_nearest(topo, near, board["place"], step, ties, count,
+                                      self.tie_tolerance, _TIE_EPS)
         if fastest < 0:
             return DecodeChoice(None, reject_reason="no-decode-instance")
         if not count:  # nothing meets the SLO with room: the first of the fastest

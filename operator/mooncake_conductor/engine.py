@@ -31,6 +31,7 @@ from .replication import HotPrefixTracker, ReplicationAction, ReplicationConfig
 from .shedding import OverloadShedding, SheddingConfig
 from .state import ClusterState, PrefillState, RequestInfo, board_of
 from .stealing import Steal, StealingConfig, WorkStealing
+from .topology import Topology, TopologyConfig
 
 _NO_ROWS: npt.NDArray[np.intp] = np.empty(0, dtype=np.intp)
 
@@ -81,6 +82,9 @@ class ConductorConfig(BaseModel):
     calibration: CalibrationConfig = CalibrationConfig()
     overrun: OverrunConfig = OverrunConfig()
     candidates: CandidatesConfig = CandidatesConfig()
+    topology: TopologyConfig = Field(
+        TopologyConfig(), description="the fleet's link levels (none: flat) and whether "
+        "decisions use them (docs/topology.md)")
     routing_only: bool = Field(
         False, description="equal capability: every policy routes on local caches only "
         "(no KV fetch, no CPP, no admission, no replication), to compare routing alone")
@@ -123,20 +127,25 @@ class Conductor:
         self.config = config or ConductorConfig()
         self.cost = cost or CostModel(self.config.cost)
         self.rng = random.Random(self.config.seed)
+        #: the fleet's places and links; states carry ``place`` ids from its
+        #: :meth:`~.topology.Topology.place_id`
+        self.topology = Topology(self.config.topology)
         only = self.config.routing_only
         ctx = PolicyContext(cost=self.cost, slo=self.config.slo, rng=self.rng,
-                            fetch=not only, cpp=not only, candidates=self.config.candidates)
+                            fetch=not only, cpp=not only, candidates=self.config.candidates,
+                            topology=self.topology)
         self.policy = create_policy(self.config.policy, ctx, self.config.params)
         decode_name = self.config.decode_selector or self.policy.default_decode
         self.decode_selector = create_decode_selector(
             decode_name, self.cost, self.config.slo.tbt_s, self.rng, self.config.candidates
         )
+        self.decode_selector.topology = self.topology
         cfg, policy = self.config, self.policy
         self.admission = not only and _own(cfg.admission, policy.admission)
         self.shedding = (OverloadShedding(cfg.shedding, cfg.slo.ttft_s)
                          if self.admission and _own(cfg.shedding.enabled, policy.sheds)
                          else None)
-        self.stealing = (WorkStealing(cfg.stealing, self.cost)
+        self.stealing = (WorkStealing(cfg.stealing, self.cost, self.topology)
                          if not only and _own(cfg.stealing.enabled, policy.steals) else None)
         # by default only with a decode selector that counts placed requests: held requests
         # released together would all see the same free room and pile onto it
@@ -180,7 +189,8 @@ class Conductor:
             placement, decode = self._choose_grouped(req, cluster, now)
         else:
             placement = self.policy.choose(req, cluster, now)
-            decode = self.decode_selector.choose(req, cluster.decode)
+            decode = self.decode_selector.choose_near(
+                req, cluster.decode, self._prefill_place(placement, cluster))
         if self.admission:
             waited = now - req.arrival if now > req.arrival else 0.0  # held requests waited
             if (placement.reject_reason is None
@@ -296,10 +306,20 @@ class Conductor:
         group = int(pgroup[pboard.row_of(placement.prefill)])
         undo = dboard.take_down(dboard.rows_outside(group))
         try:
-            decode = self.decode_selector.choose(req, cluster.decode)
+            decode = self.decode_selector.choose_near(
+                req, cluster.decode, self._prefill_place(placement, cluster))
         finally:
             undo()
         return placement, decode
+
+    def _prefill_place(self, placement: Placement, cluster: ClusterState) -> int:
+        """The place the KV of ``placement`` streams to decode from (its instance, a CPP
+        group's leader); 0 (unknown) when decisions ignore the topology."""
+        if placement.prefill is None or not self.topology.active:
+            return 0
+        board = board_of(cluster.prefill)
+        row = board.row_of(placement.prefill)
+        return int(board["place"][row]) if row >= 0 else 0
 
     def plan_replication(self, cluster: ClusterState, now: float) -> list[ReplicationAction]:
         """Hot-prefix copies to make now (empty unless replication is on)."""

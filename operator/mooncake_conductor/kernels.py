@@ -47,7 +47,7 @@ loads it from numba's cache) up front, as the gateway does at startup.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -605,9 +605,11 @@ def _compile_rank() -> tuple[Callable[..., int], Callable[..., tuple[int, float]
         work_weight: float, shut_rate: float, slo_s: float, open_s: float, overlap: bool,
         tol: float, tol_s: float, pool: Any, j1: int, rows: Any,
         up: Any, busy_until: Any, qwork: Any, iid: Any, local: Any, score: Any,
-        fetch: Any, ties: Any,
+        fetch: Any, ties: Any, topo: bool, place: Any, srcs: Any, lvl: Any, bw: Any,
+        lat: Any,
     ) -> tuple[int, float]:
         live, busy, waiting, first, second = pool[0], pool[1], pool[2], pool[3], pool[4]
+        n_places = lvl.shape[0]
         kappa = work_weight * (busy + waiting) / max(live, 1.0)
         if first > open_s:
             shut_rate = 0.0  # the pool saturates: every arrival queues anyway
@@ -630,7 +632,26 @@ def _compile_rank() -> tuple[Callable[..., int], Callable[..., tuple[int, float]
             used = recompute
             if best_len > held and i != best_pos:
                 tokens = best_tokens - held_tokens
-                transfer = float(tokens * np.int64(c[6])) / c[8] if tokens > 0 else 0.0
+                if tokens <= 0:
+                    transfer = 0.0
+                elif topo:
+                    # Topology.transfer_time from the nearest holder's place, operation
+                    # for operation (an unknown or out-of-range place: the own link)
+                    nbytes = float(tokens * np.int64(c[6]))
+                    transfer = np.inf
+                    here = place[i]
+                    for s in range(srcs.shape[0]):
+                        src = srcs[s]
+                        lv = -1
+                        if 0 <= here < n_places and 0 <= src < n_places:
+                            lv = lvl[src, here]
+                        t = nbytes / bw[lv + 1]
+                        if lv >= 0:
+                            t = lat[lv + 1] + t
+                        if t < transfer:
+                            transfer = t
+                else:
+                    transfer = float(tokens * np.int64(c[6])) / c[8]
                 if overlap:
                     transfer = max(0.0, transfer - fifo)
                 f_ttft = fifo + transfer + fetch_prefill
@@ -679,6 +700,7 @@ def rank_fifo(
     busy_until: npt.NDArray[np.float64], qwork: npt.NDArray[np.float64],
     qlen: npt.NDArray[np.int64], iid: npt.NDArray[np.int64], local: npt.NDArray[np.int64],
     score: npt.NDArray[np.float64], fetch: npt.NDArray[np.bool_], ties: npt.NDArray[np.int64],
+    topo: TopoArrays | None = None,
 ) -> tuple[int, float]:
     """The conductor's FIFO ranking (:mod:`.policies.conductor`) over every live
     instance at once (the rows of a :class:`~mooncake_conductor.state.Board` that are
@@ -692,7 +714,8 @@ def rank_fifo(
     the rows inside the tie band into ``ties`` (the ones that need no copy, if any do);
     returns their count and ``kappa``, the price of a GPU second. ``best_pos`` is the
     row of the longest prefix's holder (-1: none, or not a live instance), which cannot
-    fetch from itself."""
+    fetch from itself. ``topo`` (:class:`TopoArrays`, default: a flat fleet) prices each
+    row's fetch from the nearest holder's place."""
     global _stats, _rank
     if _rank is None:
         _stats, _rank = _compile_rank()
@@ -702,10 +725,38 @@ def rank_fifo(
     rows = _ALL_ROWS.get(len(up))
     if rows is None:
         rows = _ALL_ROWS[len(up)] = np.arange(len(up), dtype=np.int64)
+    t = _flat_topo(len(up)) if topo is None else topo
     count, kappa = _rank(consts, now, n, block, best_len, best_pos, work_weight, shut_rate,
                          slo_s, open_s, overlap, tol, tol_s, pool, j1, rows, up, busy_until,
-                         qwork, iid, local, score, fetch, ties)
+                         qwork, iid, local, score, fetch, ties, topo is not None, t.place,
+                         t.srcs, t.levels, t.bw, t.latency)
     return int(count), float(kappa)
+
+
+class TopoArrays(NamedTuple):
+    """What the prefill ranking reads of the fleet's topology
+    (:meth:`~mooncake_conductor.topology.Topology.kernel_arrays`): each row's place, the
+    places of the longest prefix's holders, the level of every pair of places, and per
+    level + 1 the link's bytes per second and latency (index 0: the cost model's link)."""
+
+    place: npt.NDArray[np.int64]
+    srcs: npt.NDArray[np.int64]
+    levels: npt.NDArray[np.int64]
+    bw: npt.NDArray[np.float64]
+    latency: npt.NDArray[np.float64]
+
+
+_FLAT: dict[int, TopoArrays] = {}
+
+
+def _flat_topo(m: int) -> TopoArrays:
+    """Arrays of the right types for a flat fleet (the ranking does not read them)."""
+    t = _FLAT.get(m)
+    if t is None:
+        one = np.ones(1)
+        t = _FLAT[m] = TopoArrays(_zeros(m), _zeros(1), np.full((1, 1), -1, dtype=np.int64),
+                                  one, one)
+    return t
 
 
 #: the pool aggregates :func:`rank_rows` reads: live rows, busy rows (running or with a
@@ -722,6 +773,7 @@ def rank_rows(
     busy_until: npt.NDArray[np.float64], qwork: npt.NDArray[np.float64],
     iid: npt.NDArray[np.int64], local: npt.NDArray[np.int64],
     score: npt.NDArray[np.float64], fetch: npt.NDArray[np.bool_], ties: npt.NDArray[np.int64],
+    topo: TopoArrays | None = None,
 ) -> tuple[int, float]:
     """:func:`rank_fifo` over the candidate ``rows`` only (ascending), with the pool's
     aggregates given (``pool``, :data:`POOL_FIELDS`; ``j1`` the row that frees first)
@@ -731,9 +783,11 @@ def rank_rows(
     global _stats, _rank
     if _rank is None:
         _stats, _rank = _compile_rank()
+    t = _flat_topo(len(up)) if topo is None else topo
     count, kappa = _rank(consts, now, n, block, best_len, best_pos, work_weight, shut_rate,
                          slo_s, open_s, overlap, tol, tol_s, pool, j1, rows, up, busy_until,
-                         qwork, iid, local, score, fetch, ties)
+                         qwork, iid, local, score, fetch, ties, topo is not None, t.place,
+                         t.srcs, t.levels, t.bw, t.latency)
     return int(count), float(kappa)
 
 

@@ -226,29 +226,34 @@ def _group_column() -> Any:
 
 class _Instance:
     """What prefill and decode instances share: id, name, whether they are up, their
-    group, and their binding to a :class:`Board`.
+    group, their place in the fleet's topology, and their binding to a :class:`Board`.
 
     ``group`` (default 0) pairs prefill with decode: while the instances that are up
     span more than one group, a request's decode instance is of its prefill
     instance's group (:meth:`ClusterState.grouped`; the gateway's groups are engine
     revisions, whose KV layouts may differ)."""
 
-    COLUMNS: ClassVar[dict[str, type]] = {"up": np.bool_, "group": np.int64}
-    __slots__ = ("_board", "_group", "_row", "_up", "iid", "name")
+    COLUMNS: ClassVar[dict[str, type]] = {"up": np.bool_, "group": np.int64,
+                                          "place": np.int64}
+    __slots__ = ("_board", "_group", "_place", "_row", "_up", "iid", "name")
     _up: bool  # the slot behind ``up`` (Board.take_down writes it directly)
     _row: int  # the state's row on ``_board``, set with it
     up: _Column[bool] = _column("up")
     group: _Column[int] = _group_column()
+    #: where the instance sits (:meth:`~mooncake_conductor.topology.Topology.place_id`;
+    #: 0: unknown)
+    place: _Column[int] = _column("place")
     #: states (of any cluster) whose group is not 0 now; a state that is dropped while
     #: in another group is never subtracted, which only costs the fast path
     nonzero_groups: ClassVar[int] = 0
 
-    def __init__(self, iid: int, name: str, up: bool, group: int) -> None:
+    def __init__(self, iid: int, name: str, up: bool, group: int, place: int = 0) -> None:
         self._board: Board | None = None
         self.iid = iid
         self.name = name
         self.up = up
         self.group = group
+        self.place = place
 
 
 class PrefillState(_Instance):
@@ -281,9 +286,9 @@ class PrefillState(_Instance):
         running_blocks: int = 0, running_tokens: int = 0,
         queue: list[QueuedWork] | None = None, queued_work_s: float = 0.0,
         queued_blocks: int = 0, queued_tokens: int = 0, cache_capacity_tokens: int = 0,
-        avg_prefill_s: float = 0.0, completed: int = 0, group: int = 0,
+        avg_prefill_s: float = 0.0, completed: int = 0, group: int = 0, place: int = 0,
     ) -> None:
-        super().__init__(iid, name, up, group)
+        super().__init__(iid, name, up, group, place)
         self.busy_until = busy_until
         self.running_blocks = running_blocks
         self.running_tokens = running_tokens
@@ -377,8 +382,9 @@ class DecodeState(_Instance):
         self, iid: int, name: str = "", up: bool = True, batch: int = 0,
         context_tokens: int = 0, capacity_tokens: int = 0, waiting: int = 0,
         reserved_tokens: int = 0, tokens_per_s: float = 0.0, group: int = 0,
+        place: int = 0,
     ) -> None:
-        super().__init__(iid, name, up, group)
+        super().__init__(iid, name, up, group, place)
         self.batch = batch
         self.context_tokens = context_tokens
         self.capacity_tokens = capacity_tokens

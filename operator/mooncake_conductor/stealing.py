@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .cost import CostModel
 from .policies.base import Placement
 from .state import ClusterState, PrefillState, RequestInfo
+from .topology import FetchSources, Topology
 
 
 class StealingConfig(BaseModel):
@@ -70,9 +71,12 @@ class Steal:
 
 
 class WorkStealing:
-    def __init__(self, config: StealingConfig, cost: CostModel) -> None:
+    def __init__(self, config: StealingConfig, cost: CostModel,
+                 topology: Topology | None = None) -> None:
         self.config = config
         self.cost = cost
+        #: with an active topology, a moved prompt's fetch comes from the nearest holder
+        self.topology = topology
 
     def pick(
         self, idle: PrefillState, cluster: ClusterState,
@@ -83,7 +87,7 @@ class WorkStealing:
         queued request id to its request; ``movable(rid)`` says whether the caller can
         move it (e.g. not a pipeline group's)."""
         cfg = self.config
-        cost = self.cost
+        cost, topo = self.cost, self.topology
         best: Steal | None = None
         best_score = 0.0
         index = cluster.index
@@ -115,7 +119,14 @@ class WorkStealing:
                                priority=item.priority)
                 if src is not None and src_len > local and src != idle.iid:
                     fetch_prefill = cost.prefill_time(n, req.tokens_of(src_len))
-                    transfer = cost.transfer_time(req.tokens_of(src_len) - local_tokens)
+                    tokens = req.tokens_of(src_len) - local_tokens
+                    holders = (FetchSources.of(topo, cluster, stored, src_len)
+                               if topo is not None and topo.active else None)
+                    if holders is None:
+                        transfer = cost.transfer_time(tokens)
+                    else:
+                        transfer = holders.time_to(cost, tokens, idle.place)
+                        src = holders.source_for(cost, tokens, idle.place)
                     if transfer + fetch_prefill < prefill:
                         pl = Placement(prefill=idle.iid, local_blocks=local,
                                        fetch_blocks=src_len - local, source=src,

@@ -20,6 +20,7 @@ from ..candidates import CandidatesConfig
 from ..cost import CostModel
 from ..index import PrefixIndex
 from ..state import ClusterState, PrefillState, RequestInfo
+from ..topology import Topology, TopologyConfig
 
 
 class SLOConfig(BaseModel):
@@ -82,6 +83,8 @@ class PolicyContext:
     cpp: bool = True
     #: when decisions on large pools price candidates only (:mod:`..candidates`)
     candidates: CandidatesConfig = field(default_factory=CandidatesConfig)
+    #: the fleet's places and links (default: a flat fleet)
+    topology: Topology = field(default_factory=lambda: Topology(TopologyConfig()))
 
 
 class PrefillPolicy(ABC):

@@ -100,6 +100,7 @@ from ..cpp import ChunkPricer, CPPConfig, first_stage_s, staggered_start
 from ..kernels import rank_fifo, rank_rows
 from ..spread import ServiceSpread
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
+from ..topology import FetchSources, domain_orders
 from .base import Placement, PolicyContext, PrefillPolicy, register
 
 
@@ -244,22 +245,28 @@ class ConductorPolicy(PrefillPolicy):
         best_tokens = req.tokens_of(best_len)
         fetch_prefill = cost.prefill_time(n, best_tokens)
         f_prio = req.arrival + weight * fetch_prefill
-        # instances with the same local match share their prefill and transfer times
-        by_local: dict[int, tuple[float, float]] = {}
+        # with an active topology a fetch comes from the nearest holder of the prefix
+        holders = (FetchSources.of(self.ctx.topology, cluster, stored, best_len)
+                   if best_src is not None and self.ctx.topology.active else None)
+        # instances with the same local match (and place) share their prefill and
+        # transfer times
+        by_local: dict[tuple[int, int], tuple[float, float]] = {}
 
-        def times_of(local: int) -> tuple[float, float]:
-            times = by_local.get(local)
+        def times_of(local: int, place: int = 0) -> tuple[float, float]:
+            times = by_local.get((local, place))
             if times is None:
                 local_tokens = req.tokens_of(local)
+                tokens = best_tokens - local_tokens
                 times = (cost.prefill_time(n, local_tokens),
-                         cost.transfer_time(best_tokens - local_tokens))
-                by_local[local] = times
+                         cost.transfer_time(tokens) if holders is None
+                         else holders.time_to(cost, tokens, place))
+                by_local[local, place] = times
             return times
 
         def row_of(p: PrefillState) -> _Row:
             iid = p.iid
             local = int(local_view[iid])
-            recompute, transfer = times_of(local)
+            recompute, transfer = times_of(local, 0 if holders is None else p.place)
             prio = req.arrival + weight * recompute
             if local > stored[iid] and p.queue:
                 # reusing blocks a queued prefill will write: never jump ahead of it
@@ -324,17 +331,21 @@ class ConductorPolicy(PrefillPolicy):
                     and not board_of(cluster.prefill).masked):  # (masked: a rollout's)
                 count, kappa, least = self._rank_candidates(
                     req, cluster.prefill, local_view, best_src, best_len, now, spread,
-                    shut_rate, slo_s, open_s, prm.cpp.max_group + 1 if want_cpp else 0)
+                    shut_rate, slo_s, open_s, prm.cpp.max_group + 1 if want_cpp else 0,
+                    holders)
                 if want_cpp:  # CPP groups form from the instances that free first
                     live = [cluster.prefill[row] for _, row in least]
                     pool_size, idle = self._pool_counts(cluster.prefill, now)
             else:
                 count, kappa = self._rank(req, cluster.prefill, local_view, best_src,
-                                          best_len, now, spread, shut_rate, slo_s, open_s)
+                                          best_len, now, spread, shut_rate, slo_s, open_s,
+                                          holders)
             ties_at = self._ties
             chosen = cluster.prefill[int(ties_at[0] if count == 1
                                          else ties_at[self.ctx.rng.choice(range(count))])]
-        choice = self._placement(row_of(chosen), best_src)
+        source = best_src if holders is None else holders.source_for(
+            cost, best_tokens - req.tokens_of(int(local_view[chosen.iid])), chosen.place)
+        choice = self._placement(row_of(chosen), source)
         cpp: Placement | None = None
         if prm.cpp.enabled and self.ctx.cpp:
             if live is None:
@@ -344,7 +355,7 @@ class ConductorPolicy(PrefillPolicy):
             rate = self._arrivals.per_s if prm.shut_out_price else 0.0
             rescue = choice.ttft_s > prm.cpp.trigger_share * self.ctx.slo.ttft_s
             found = self._cpp(req, live, stored, best_src, best_len, choice, now, rescue,
-                              kappa, rate, pool_size, idle)
+                              kappa, rate, pool_size, idle, holders)
             if found is not None:
                 cpp, cpp_shut_out, single_shut_out = found
                 if (rescue and cpp.ttft_s < choice.ttft_s) or (
@@ -353,7 +364,9 @@ class ConductorPolicy(PrefillPolicy):
                 ):
                     choice = cpp
         if prm.explain:
-            options = [self._placement(r, best_src) for r in sorted(r[1] for r in rows)[:5]]
+            options = [self._placement(r, best_src if holders is None else holders.source_for(
+                cost, best_tokens - req.tokens_of(r[2]), cluster.prefill[r[1]].place))
+                for r in sorted(r[1] for r in rows)[:5]]
             if cpp is not None:
                 options.append(cpp)
             choice.candidates = [
@@ -367,7 +380,7 @@ class ConductorPolicy(PrefillPolicy):
     def _rank(
         self, req: RequestInfo, pool: list[PrefillState], local_view: npt.NDArray[np.int64],
         best_src: int | None, best_len: int, now: float, spread: float, shut_rate: float,
-        slo_s: float, open_s: float,
+        slo_s: float, open_s: float, holders: FetchSources | None = None,
     ) -> tuple[int, float]:
         """Score every live instance of ``pool`` at once (FIFO queues); the rows in the
         tie band land in ``self._ties``. Returns their count and ``kappa`` (the work price
@@ -387,12 +400,14 @@ class ConductorPolicy(PrefillPolicy):
             shut_rate, slo_s, open_s, prm.overlap_transfer, prm.tie_tolerance, prm.tie_tolerance_s,
             board["up"], board["busy_until"], board["queued_work_s"], board["queue_len"],
             board["iid"], local_view, self._score, self._fetch, self._ties,
+            None if holders is None else holders.arrays(self.ctx.cost, board["place"]),
         )
 
     def _rank_candidates(
         self, req: RequestInfo, pool: list[PrefillState], local_view: npt.NDArray[np.int64],
         best_src: int | None, best_len: int, now: float, spread: float, shut_rate: float,
         slo_s: float, open_s: float, least_at_least: int,
+        holders: FetchSources | None = None,
     ) -> tuple[int, float, list[tuple[float, int]]]:
         """:meth:`_rank` over the candidates of a large pool (:mod:`..candidates`): the
         holders of the longest prefixes (stored or pending) and the instances that free
@@ -424,7 +439,8 @@ class ConductorPolicy(PrefillPolicy):
             shut_rate, slo_s, open_s, prm.overlap_transfer, prm.tie_tolerance,
             prm.tie_tolerance_s, agg, j1, rows, up, board["busy_until"],
             board["queued_work_s"], board["iid"], local_view, self._score, self._fetch,
-            self._ties)
+            self._ties,
+            None if holders is None else holders.arrays(self.ctx.cost, board["place"]))
         return count, kappa, least
 
     @staticmethod
@@ -456,6 +472,7 @@ class ConductorPolicy(PrefillPolicy):
         rate: float,
         pool_size: int,
         pool_idle: int,
+        holders: FetchSources | None = None,
     ) -> tuple[Placement, float, float] | None:
         """The best chunked-pipeline placement over the least-loaded instances, for prompts
         with at least ``min_new_tokens`` to compute, the wait of the arrivals it shuts out
@@ -467,7 +484,11 @@ class ConductorPolicy(PrefillPolicy):
         group kept only if it can start at once and meets the SLO
         (``cpp.rescue_staggered``). ``live`` may be the pool's instances that free first
         only (:mod:`..candidates`): ``pool_size`` and ``pool_idle`` (-1: count ``live``)
-        are then the whole pool's live and idle instances."""
+        are then the whole pool's live and idle instances. With an active topology
+        (``holders``: the prefix's holders) the leader fetches from the nearest holder, a
+        group's hand-off runs over the slowest link between its members, and beside the
+        groups of the instances that free first, each size is also priced as the group
+        nearest each place (:func:`..topology.domain_orders`)."""
         assert isinstance(self.params, ConductorParams)
         cfg = self.params.cpp
         n = req.input_tokens
@@ -499,50 +520,76 @@ class ConductorPolicy(PrefillPolicy):
             options += [(size, True) for size in range(max(2, limit + 1), largest + 1)]
         pricers: dict[int, ChunkPricer] = {}  # by reused blocks (the leader's may differ)
         stored_of: list[int] = stored.tolist()  # Python ints: no numpy scalar per member
+        cost, topo = self.ctx.cost, self.ctx.topology
+        orders = domain_orders(topo, by_wait) if topo.active else [by_wait]
         for size, staggered in options:
             if staggered and rescue and not best_key[0]:
                 break  # a group of idle instances meets the SLO
-            members = by_wait[:size]
-            leader = max(members, key=lambda p: (stored_of[p.iid], -order[p.iid][1]))
-            local = stored_of[leader.iid]
-            fetch = best_len - local if best_src is not None and best_len > local else 0
-            reuse = local + fetch
-            transfer = self.ctx.cost.transfer_time(req.tokens_of(reuse) - req.tokens_of(local))
-            pricer = pricers.get(reuse)
-            if pricer is None:
-                pricer = pricers[reuse] = ChunkPricer(self.ctx.cost, n, req.tokens_of(reuse),
-                                                      cfg)
-            chunk, makespan = pricer.choose(size)
-            prio = req.arrival + self.params.priority_weight * makespan
-            if staggered:
-                # members take stages in the order they come free; the group must start now
-                first_stage = first_stage_s(self.ctx.cost, n, req.tokens_of(reuse), size,
-                                            chunk)
-                if staggered_start([p.wait_time(now, prio) for p in members], first_stage) > 0:
-                    continue
-                wait = 0.0
-            else:
-                wait = max(p.wait_time(now, prio) for p in members)
-            ttft = max(wait, transfer) + makespan
-            late = rescue and ttft > self.ctx.slo.ttft_s
-            if staggered and late:
-                continue  # a group with busy members only if it meets the SLO
-            # members free at the group's end, the others as they are
-            shut_out = shut_out_wait(
-                chain([ttft] * size, (order[p.iid][0] for p in by_wait[size:])), rate)
-            score = ttft + kappa * size * makespan + shut_out
-            key = (late, ttft if late else score)
-            if key < best_key:
-                best_key = key
-                best = Placement(
-                    prefill=leader.iid, local_blocks=local, fetch_blocks=fetch,
-                    source=best_src if fetch else None, queue_s=wait,
-                    transfer_s=max(0.0, transfer - wait), prefill_s=makespan,
-                    priority=prio,
-                    cpp_group=[leader.iid] + [p.iid for p in members if p is not leader],
-                    cpp_chunk_tokens=chunk,
-                    migrate=self.params.migrate_on_fetch,
-                ), shut_out
+            first_wait = max(order[p.iid][0] for p in by_wait[:size])
+            priced: set[frozenset[int]] = set()
+            for members_order in orders:
+                members = members_order[:size]
+                if members_order is not by_wait:
+                    ids = frozenset(p.iid for p in members)
+                    if len(members) < size or ids in priced or (
+                            not staggered and max(order[i][0] for i in ids) > first_wait):
+                        continue  # no group of this size there, or one that waits longer
+                    priced.add(ids)
+                elif len(orders) > 1:
+                    priced.add(frozenset(p.iid for p in members))
+                leader = max(members, key=lambda p: (stored_of[p.iid], -order[p.iid][1]))
+                local = stored_of[leader.iid]
+                fetch = best_len - local if best_src is not None and best_len > local else 0
+                reuse = local + fetch
+                tokens = req.tokens_of(reuse) - req.tokens_of(local)
+                source = best_src
+                link = None  # the hand-off's link: the cost model's own
+                if holders is None:
+                    transfer = cost.transfer_time(tokens)
+                else:
+                    transfer = holders.time_to(cost, tokens, leader.place)
+                    source = holders.source_for(cost, tokens, leader.place)
+                if len(orders) > 1:
+                    level = topo.group_level(p.place for p in members)
+                    link = topo.link(cost, level) if level >= 0 else None
+                pricer = pricers.get(reuse)
+                if pricer is None:
+                    pricer = pricers[reuse] = ChunkPricer(cost, n, req.tokens_of(reuse), cfg)
+                chunk, makespan = pricer.choose(size, link)
+                prio = req.arrival + self.params.priority_weight * makespan
+                if staggered:
+                    # members take stages in the order they come free; the group must start
+                    # now
+                    first_stage = first_stage_s(cost, n, req.tokens_of(reuse), size, chunk,
+                                                link)
+                    if staggered_start([p.wait_time(now, prio) for p in members],
+                                       first_stage) > 0:
+                        continue
+                    wait = 0.0
+                else:
+                    wait = max(p.wait_time(now, prio) for p in members)
+                ttft = max(wait, transfer) + makespan
+                late = rescue and ttft > self.ctx.slo.ttft_s
+                if staggered and late:
+                    continue  # a group with busy members only if it meets the SLO
+                # members free at the group's end, the others as they are
+                others = (by_wait[size:] if members_order is by_wait
+                          else [p for p in by_wait if p not in members])
+                shut_out = shut_out_wait(
+                    chain([ttft] * size, (order[p.iid][0] for p in others)), rate)
+                score = ttft + kappa * size * makespan + shut_out
+                key = (late, ttft if late else score)
+                if key < best_key:
+                    best_key = key
+                    best = Placement(
+                        prefill=leader.iid, local_blocks=local, fetch_blocks=fetch,
+                        source=source if fetch else None, queue_s=wait,
+                        transfer_s=max(0.0, transfer - wait), prefill_s=makespan,
+                        priority=prio,
+                        cpp_group=[leader.iid] + [p.iid for p in members if p is not leader],
+                        cpp_chunk_tokens=chunk,
+                        migrate=self.params.migrate_on_fetch,
+                    ), shut_out
         if best is None:
             return None
         single_shut_out = shut_out_wait(
