@@ -49,6 +49,13 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                    "presets)")
     r.add_argument("--nic-contention", action=argparse.BooleanOptionalAction, default=None,
                    help="transfers queue on each node's NIC (default off; on in presets)")
+    p.add_argument("--topology", default=None, metavar="LEVEL=N[,LEVEL=N]",
+                   help="domains per topology level, e.g. zone=2 or rack=4,zone=2 (links: "
+                   "docs/topology.md); default a flat fleet")
+    p.add_argument("--topology-aware", action=argparse.BooleanOptionalAction, default=True,
+                   help="decisions use the topology (off: its costs are still charged)")
+    p.add_argument("--domain-assignment", choices=("blocked", "round-robin"),
+                   default="blocked", help="how each pool's instances spread over domains")
     p.add_argument("--routing-only", action="store_true",
                    help="equal capability: every policy on local caches only (no KV fetch, "
                    "no CPP, no admission, no replication)")
@@ -160,6 +167,7 @@ class _Setup:
     stealing: bool | None = None
     holding: bool | None = None
     capabilities: str = "own"
+    topology: dict[str, Any] | None = None  # SimConfig fields and the conductor's topology
 
     def config(self, policy: str, speed: float, seed: int, own_params: bool,
                prefill: int | None = None, decode: int | None = None) -> dict[str, Any]:
@@ -180,7 +188,11 @@ class _Setup:
                 **({} if self.shedding is None else {"shedding": {"enabled": self.shedding}}),
                 **({} if self.stealing is None else {"stealing": {"enabled": self.stealing}}),
                 **({} if self.holding is None else {"holding": {"enabled": self.holding}}),
+                **({} if self.topology is None else {"topology": self.topology["topology"]}),
             },
+            **({} if self.topology is None else {
+                "domains": self.topology["domains"],
+                "domain_assignment": self.topology["domain_assignment"]}),
         }
 
     def realism(self) -> dict[str, Any]:
@@ -208,6 +220,7 @@ class _Setup:
             "holding": self.holding,  # null: each policy's own
             "capabilities": self.capabilities,
             "ttft_mean_charged": "rejected requests charged the TTFT SLO",
+            **({} if self.topology is None else {"topology": self.topology}),
         }
 
 
@@ -258,6 +271,16 @@ def _setup(args: argparse.Namespace, capabilities: str = "own") -> _Setup | str:
         v = getattr(args, flag, None)
         if v is not None and (not math.isfinite(v) or v <= 0):
             return f"--{flag.replace('_', '-')} must be a positive number"
+    topology: dict[str, Any] | None = None
+    if getattr(args, "topology", None):
+        from .presets import parse_topology
+        try:
+            levels, domains = parse_topology(args.topology)
+        except ValueError as exc:
+            return f"--topology: {exc}"
+        topology = {"topology": {"levels": [lv.model_dump() for lv in levels],
+                                 "aware": bool(args.topology_aware)},
+                    "domains": domains, "domain_assignment": args.domain_assignment}
     caps = args.capabilities or capabilities
     equal = True if caps == "equal" else None  # None: each policy's own
     path = _trace_path(args.trace)
@@ -285,6 +308,7 @@ def _setup(args: argparse.Namespace, capabilities: str = "own") -> _Setup | str:
         stealing=equal if args.stealing is None else args.stealing,
         holding=equal if args.holding is None else args.holding,
         capabilities=caps,
+        topology=topology,
     )
 
 

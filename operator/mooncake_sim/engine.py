@@ -37,6 +37,12 @@ Realism, off by default and on in the presets (``SimConfig``), the same for ever
   NIC (it overlaps the prefill layer by layer, paper §3).
 - **Event lag**: the index (the gateway's view) learns blocks an instance stored only
   ``event_lag_ms`` later; the instance itself reuses them at once.
+- **Topology** (``domains`` with the conductor's ``topology.levels``): instances get
+  places, and every transfer is charged by the link between them
+  (:class:`~mooncake_conductor.topology.Topology`), whether or not decisions see it:
+  fetches and copies, CPP hand-offs (the slowest link of the group), and the stream to
+  decode, which also cannot end before the prefill's start plus its whole time over the
+  link (:meth:`~mooncake_conductor.topology.Topology.stream_join`).
 
 Work stealing (policies that steal, :mod:`mooncake_conductor.stealing`): when a prefill
 instance finishes with nothing queued, the Conductor may move a prompt queued on another
@@ -58,7 +64,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from mooncake_conductor.blockkeys import namespace_seed, trace_block_keys_many
@@ -68,7 +74,8 @@ from mooncake_conductor.engine import Conductor, ConductorConfig, Decision
 from mooncake_conductor.index import DRAM, STORE, PrefixIndex
 from mooncake_conductor.policies.base import Placement
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
-from pydantic import BaseModel, ConfigDict, Field
+from mooncake_conductor.topology import assign_places
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .metrics import latency_summary
 from .trace import TRACE_BLOCK_TOKENS, TraceRecord
@@ -113,8 +120,24 @@ class SimConfig(BaseModel):
     store_links: int = Field(1, gt=0, description="the store pool's bandwidth, in NICs")
     long_prompt_tokens: int = Field(
         65_536, gt=0, description="prompts at least this long are also reported on their own")
+    domains: list[int] = Field(
+        default_factory=list, description="domains per topology level of the conductor's "
+        "config, finest first (each nests in the next coarser); empty: a flat fleet")
+    domain_assignment: Literal["blocked", "round-robin"] = Field(
+        "blocked", description="instance i of each pool goes to finest domain "
+        "i * domains[0] // pool size (blocked) or i % domains[0] (round-robin)")
     conductor: ConductorConfig = ConductorConfig()
     progress: bool = False
+
+    @model_validator(mode="after")
+    def _domains_match_levels(self) -> SimConfig:
+        levels = self.conductor.topology.levels
+        if len(self.domains) != len(levels):
+            raise ValueError(f"domains needs one count per topology level ({len(levels)}), "
+                             f"got {len(self.domains)}")
+        if self.domains and (min(self.domains) < 1 or max(self.domains) > self.domains[0]):
+            raise ValueError("every level needs at least one domain, at most the finest's")
+        return self
 
 
 @dataclass(slots=True)
@@ -188,6 +211,15 @@ class Simulation:
             store_id=store_id,
         )
         self.decoders = [_Decoder(state=d) for d in self.cluster.decode]
+        # places: the conductor's topology interns them; the simulator charges the true
+        # costs between them whether or not decisions use them
+        self.topology = self.conductor.topology
+        names = [lv.name for lv in self.topology.levels]
+        blocked = config.domain_assignment == "blocked"
+        for pool in (self.cluster.prefill, self.cluster.decode):
+            for st, labels in zip(pool, assign_places(len(pool), config.domains, names,
+                                                      blocked), strict=True):
+                st.place = self.topology.place_id(labels)
         keys = trace_block_keys_many([r.hash_ids for r in records],
                                      namespace_seed("trace", bt))
         self.reqs: list[_Req] = []
@@ -314,7 +346,8 @@ class Simulation:
         """When a KV transfer of ``tokens`` from ``source`` to ``target`` started ``now``
         ends: at once over an idle network, or queued behind the transfers already on
         either end's NIC (the store's least busy link) with ``nic_contention``."""
-        dur = self.cost.transfer_time(tokens)
+        dur = self.topology.transfer_time(self.cost, tokens, self._place(source),
+                                          self._place(target))
         if not self.cfg.nic_contention:
             return now + dur
         ends: list[tuple[list[float], int]] = []
@@ -328,6 +361,11 @@ class Simulation:
         for q, i in ends:
             q[i] = start + dur
         return start + dur
+
+    def _place(self, iid: int) -> int:
+        """The place of prefill instance ``iid`` (the store pool's is unknown: 0)."""
+        pool = self.cluster.prefill
+        return pool[iid].place if 0 <= iid < len(pool) else 0
 
     def _publish(self, now: float, iid: int, keys: Sequence[int], tier: int) -> None:
         """Blocks ``iid`` now holds: in the index at once, or after the event lag (the
@@ -482,7 +520,8 @@ class Simulation:
                 fetched = info.tokens_of(target) - info.tokens_of(reuse)
                 done = self._fetch_end.pop(info.rid, None)
                 if done is None:
-                    done = req.placed_at + self.cost.transfer_time(fetched)
+                    done = req.placed_at + self.topology.transfer_time(
+                        self.cost, fetched, self._place(pl.source), self._place(iid))
                 start = max(now, done)
                 reuse = target
                 if pl.migrate:
@@ -522,10 +561,15 @@ class Simulation:
         leader = pl.cpp_group[0]
         reuse, fetched = self._reuse_at_start(req, leader, min(ready.values()))
         cached = info.tokens_of(reuse)
+        # the hand-offs run over the slowest link between members; the Conductor sees it
+        # only when its decisions use the topology
+        topo = self.topology
+        level = topo.group_level(self._place(i) for i in pl.cpp_group)
+        link = topo.link(self.cost, level) if level >= 0 else None
         plan = plan_cpp(self.cost, info.input_tokens, cached, len(pl.cpp_group),
-                        pl.cpp_chunk_tokens)
+                        pl.cpp_chunk_tokens, link)
         seen = plan_cpp(self.conductor.cost, info.input_tokens, cached, len(pl.cpp_group),
-                        pl.cpp_chunk_tokens)
+                        pl.cpp_chunk_tokens, link if topo.active else None)
         req.reused_tokens = cached
         factor = float(self._factor[rid])
         # the pipeline starts once the fetch is done and each member is free by the time
@@ -588,8 +632,10 @@ class Simulation:
             req.tbt = 0.0
             self.conductor.finished(info, req.decision)
             return
-        layers = self.cost.config.model.layers
-        join = now + self.cost.transfer_time(info.input_tokens) / layers
+        # the KV streams layer by layer beside the prefill: the decode instance waits for
+        # the last layer's share (and, across a slow link, for the link)
+        join = self.topology.stream_join(self.cost, info.input_tokens, inst.place,
+                                         self.decoders[did].state.place, now - req.exec_s, now)
         self._push(join, DECODE_JOIN, did, rid)
 
     # -- decode -------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from typing import Any
 from mooncake_conductor.cost import CostModel, CostModelConfig
 from mooncake_conductor.engine import ConductorConfig
 from mooncake_conductor.policies.base import SLOConfig
+from mooncake_conductor.topology import LinkLevel
 
 from .engine import SimConfig
 from .trace import TraceRecord
@@ -94,3 +95,37 @@ def speed_for_utilization(
     if span <= 0 or work <= 0:
         return 1.0
     return utilization * prefill_instances * span / work
+
+
+#: the links across topology levels that ``--topology`` and ``benchmarks/topology.py``
+#: use, finest first (docs/topology.md gives the sources): inside one rack / NVLink
+#: domain the cost model's own 800 Gbit/s NIC; across racks of one zone an
+#: oversubscribed 200 Gbit/s per node (a 4:1 leaf-spine over 800 Gbit/s, RDMA, ~10 us);
+#: across zones of a region 50 Gbit/s per node at ~1 ms
+LINK_LEVELS: dict[str, LinkLevel] = {
+    "rack": LinkLevel(name="rack", gbits_per_s=200.0, latency_s=10e-6),
+    "zone": LinkLevel(name="zone", gbits_per_s=50.0, latency_s=1e-3),
+}
+
+
+def parse_topology(spec: str) -> tuple[list[LinkLevel], list[int]]:
+    """``rack=4,zone=2`` (levels of :data:`LINK_LEVELS`, each at most once, any order):
+    the levels finest first and their domain counts. ``ValueError`` with the reason."""
+    counts: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, sep, value = part.partition("=")
+        if not sep or name not in LINK_LEVELS:
+            raise ValueError(f"{part!r}: expected LEVEL=DOMAINS with LEVEL one of "
+                             f"{', '.join(LINK_LEVELS)}")
+        if name in counts:
+            raise ValueError(f"level {name!r} given twice")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{part!r}: the domain count must be a positive integer")
+        counts[name] = int(value)
+    if not counts:
+        raise ValueError("no level given")
+    names = [n for n in LINK_LEVELS if n in counts]
+    domains = [counts[n] for n in names]
+    if any(d > domains[0] for d in domains):
+        raise ValueError("a coarser level cannot have more domains than a finer one")
+    return [LINK_LEVELS[n] for n in names], domains
