@@ -46,6 +46,9 @@ ANNOTATION_KV_TOPIC: Final = f"{DOMAIN}/kv-topic"
 #: ``"true"``: the gateway stops sending new requests to the pod (in-flight ones finish);
 #: the operator sets it before it retires a pod.
 ANNOTATION_DRAIN: Final = f"{DOMAIN}/drain"
+#: Where the pod runs in the fleet's network: a JSON object of its node's topology labels
+#: (:mod:`mooncake_contract.topology`); the operator writes it, the gateway reads it.
+ANNOTATION_TOPOLOGY: Final = f"{DOMAIN}/topology"
 
 # -- ports ------------------------------------------------------------------------------------
 #: What a pod serves on when its annotations say nothing else.
