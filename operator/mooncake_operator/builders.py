@@ -41,6 +41,8 @@ TERMINATION_GRACE_S = 30
 STORE_READINESS_PERIOD_S = 2
 #: Default soft spread of each pool over nodes (ScheduleAnyway: never blocks scheduling).
 DEFAULT_SPREAD_KEY = "kubernetes.io/hostname"
+#: seconds in a microsecond (the spec's link latencies)
+US = 1e-6
 
 
 #: Hash alphabet: Kubernetes' own (no vowels, no 0/1/3), so a hash never spells a word.
@@ -315,6 +317,13 @@ def gateway_model(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
         conductor["holding"] = {"enabled": cond.holding}
     if cond.overrun is not None:
         conductor["overrun"] = {"enabled": cond.overrun}
+    if spec.topology.levels:
+        conductor["topology"] = {
+            "aware": spec.topology.aware,
+            "levels": [{"name": lv.node_label, "gbits_per_s": lv.gbits_per_second,
+                        "latency_s": lv.latency_microseconds * US}
+                       for lv in spec.topology.levels],
+        }
     return {
         "name": spec.model.served,
         "block_size": spec.model.block_size,

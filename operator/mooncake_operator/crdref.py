@@ -33,7 +33,7 @@ KNOWN_KEYS = frozenset({
     "default", "enum", "nullable", "minimum", "maximum", "exclusiveMinimum",
     "exclusiveMaximum", "minLength", "maxLength", "minItems", "maxItems", "pattern",
     "anyOf", "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields",
-    "x-kubernetes-validations",
+    "x-kubernetes-validations", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
 })
 #: Kubernetes' resource.Quantity pattern: shown as a word, not as the regex
 QUANTITY_HINT = r"(([KMGTPE]i)|[numkMGTPE]"
@@ -185,6 +185,11 @@ def constraints(node: Schema, required: bool) -> list[str]:
         out.append("Items " + " and ".join(
             f"{op} {node[k]}" for k, op in (("minItems", "≥"), ("maxItems", "≤"))
             if k in node) + ".")
+    if node.get("x-kubernetes-list-type") == "map":
+        keys = ", ".join(_code(k) for k in node.get("x-kubernetes-list-map-keys") or [])
+        out.append(f"No two items with the same {keys}.")
+    elif node.get("x-kubernetes-list-type") == "set":
+        out.append("No two equal items.")
     quantity = QUANTITY_HINT in str(node.get("pattern", ""))
     if "pattern" in node and not node.get("x-kubernetes-int-or-string") and not quantity:
         out.append(f"Pattern {_code(node['pattern'])}.")

@@ -32,6 +32,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "DaemonSet": ("/apis/apps/v1", "daemonsets"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
+    "Node": ("/api/v1", "nodes"),
     crd.KIND: (f"/apis/{crd.GROUP}/{crd.VERSION}", crd.PLURAL),
 }
 
@@ -58,8 +59,10 @@ def _status_error(status: int, data: bytes | None) -> Exception:
 
 
 def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    """The API path of ``kind`` (cluster-scoped, such as a Node, when ``namespace`` is
+    empty)."""
     prefix, plural = KINDS[kind]
-    out = f"{prefix}/namespaces/{namespace}/{plural}"
+    out = f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
     if name is not None:
         out += f"/{name}"
     if sub is not None:

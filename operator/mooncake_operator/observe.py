@@ -49,6 +49,7 @@ class PodView:
     last_crash_at: float | None = None  # the latest container termination's finishedAt
     node: str = ""
     replicas_annotation: str | None = None
+    topology_annotation: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -110,6 +111,7 @@ def pod_view(pod: JsonDict) -> PodView | None:
         last_crash_at=last_crash,
         node=(pod.get("spec") or {}).get("nodeName") or "",
         replicas_annotation=ann.get(c.ANNOTATION_REPLICAS),
+        topology_annotation=ann.get(c.ANNOTATION_TOPOLOGY),
     )
 
 

@@ -21,8 +21,13 @@ What is deliberately absent:
   which every authenticated user may read; in namespaced mode it does not scan
   namespaces or watch CRDs (:func:`~.handlers.configure_kopf` turns scanning off), so
   the operator needs nothing cluster-scoped.
-- Namespaces, nodes, kopf's peering objects: ``operator run`` is ``--standalone`` (no
-  kopf peering); replicas elect a leader on a Lease of their own (``leader.py``).
+- Namespaces, kopf's peering objects: ``operator run`` is ``--standalone`` (no kopf
+  peering); replicas elect a leader on a Lease of their own (``leader.py``).
+
+Nodes are read (``get``, one node at a time, never listed or watched) only for
+``spec.topology``: :data:`NODE_RULES`, a small ClusterRole of its own in either mode,
+which ``rbac.readNodes: false`` leaves out (a cluster that then asks for a topology
+reports ``Forbidden``).
 """
 
 from __future__ import annotations
@@ -90,6 +95,14 @@ RULES: tuple[Rule, ...] = (
 CLUSTER_WIDE_RULES: tuple[Rule, ...] = (
     Rule("apiextensions.k8s.io", "customresourcedefinitions", ("list", "watch"),
          "kopf's resource observer (cluster-wide mode only; off in namespaced mode)"),
+)
+
+
+#: Cluster-scoped, in either mode unless the chart's ``rbac.readNodes`` is false.
+NODE_RULES: tuple[Rule, ...] = (
+    Rule("", "nodes", ("get",),
+         "reconcile.Reconciler._place: the topology labels of the node each new engine pod "
+         "runs on (spec.topology), written on the pod for the gateway (placement.py)"),
 )
 
 

@@ -24,7 +24,7 @@ from mooncake_conductor.engine import ConductorConfig
 from mooncake_contract import conventions as c
 from pydantic import ValidationError
 
-from . import builders, engines, names, observe, rollout, status
+from . import builders, engines, names, observe, placement, rollout, status
 from .crashes import CrashHistory
 from .gatewayclient import GatewayClient
 from .kube import Kube
@@ -209,6 +209,7 @@ class Reconciler:
             start_allowed=not spec.store.enabled or store.master_ready or bool(pods),
             rollout=status.rollout_state(before), now=now))
         await self._execute(ref, spec, rev, plan, now, emit)
+        await self._place(ref, spec, pods)
         st = status.compute(status.StatusInput(
             generation=ref.generation, revision=rev, policy=spec.conductor.policy,
             desired=desired, pods=pods, registry=registry,
@@ -280,6 +281,19 @@ class Reconciler:
                 deleted.append(p.name)
         if deleted:
             emit("Normal", "DeletedPods", f"deleted {', '.join(deleted)}")
+
+    async def _place(self, ref: ClusterRef, spec: MooncakeClusterSpec,
+                     pods: list[observe.PodView]) -> None:
+        """Annotate each newly scheduled engine pod with its node's topology labels."""
+        waiting = placement.unplaced(pods, spec.topology)
+        labels: dict[str, dict[str, str]] = {}
+        for node in sorted({p.node for p in waiting}):
+            obj = await self.kube.get("Node", "", node)
+            if obj is not None:
+                labels[node] = dict((obj.get("metadata") or {}).get("labels") or {})
+        for name, value in placement.patches(waiting, labels, spec.topology).items():
+            await self.kube.patch("Pod", ref.namespace, name, {
+                "metadata": {"annotations": {c.ANNOTATION_TOPOLOGY: value}}})
 
     async def _write_status(self, ref: ClusterRef, before: MooncakeClusterStatus,
                             after: MooncakeClusterStatus, emit: Emit) -> None:

@@ -19,7 +19,8 @@ from typing import Annotated, Any
 
 from mooncake_conductor.decode import DECODE_SELECTORS
 from mooncake_conductor.policies.base import policy_names
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from mooncake_contract.topology import MAX_LEVELS as MAX_TOPOLOGY_LEVELS
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic.alias_generators import to_camel
 
 #: Kubernetes resource.Quantity, as the API server's own schema spells it.
@@ -478,6 +479,55 @@ class RolloutSpec(_Model):
         "Longest wait for a retiring pod's in-flight requests before it is deleted anyway."))
 
 
+# -- topology -----------------------------------------------------------------------------------
+#: A label key: an optional DNS-subdomain prefix and a name (Kubernetes' qualified name).
+LABEL_KEY_PATTERN = (r"^([a-z0-9]+(-+[a-z0-9]+)*(\.[a-z0-9]+(-+[a-z0-9]+)*)*/)?"
+                     r"[A-Za-z0-9]+([-_.]+[A-Za-z0-9]+)*$")
+
+
+class TopologyLevel(_Model):
+    """One level of the network: the node label naming a node's domain at this level, and
+    the link between pods whose domains differ here (and agree on every coarser level)."""
+
+    node_label: str = Field(..., max_length=317, pattern=LABEL_KEY_PATTERN, description=(
+        "Node label whose value names the domain, e.g. nvidia.com/gpu.clique (NVLink "
+        "domain), a rack label, or topology.kubernetes.io/zone."))
+    gbits_per_second: float = Field(..., gt=0, le=1.0e5, description=(
+        "Bandwidth of a KV transfer between pods in different domains of this level "
+        "(Gbit/s, per transfer)."))
+    latency_microseconds: float = Field(0.0, ge=0, le=1.0e7, description=(
+        "Latency added once to each such transfer (µs)."))
+
+
+class TopologySpec(_Model):
+    """Where engines sit in the network, so KV transfers are charged by distance and the
+    Conductor keeps a request's KV paths inside one domain when it can (paper §5.3).
+    Pods in the same domain at every level use the engines' own NIC (the cost model's)."""
+
+    levels: list[TopologyLevel] = Field(
+        default_factory=list, max_length=MAX_TOPOLOGY_LEVELS, description=(
+            "Levels, finest first (e.g. NVLink domain, rack, zone). Empty: a flat network."),
+        json_schema_extra={"x-kubernetes-list-type": "map",
+                           "x-kubernetes-list-map-keys": ["nodeLabel"]})
+    aware: bool = Field(True, description=(
+        "Let the Conductor's choices use the topology (off: pods are still labelled, "
+        "the choices ignore distance)."))
+
+    @field_validator("levels")
+    @classmethod
+    def _distinct(cls, levels: list[TopologyLevel]) -> list[TopologyLevel]:
+        seen: set[str] = set()
+        for lv in levels:
+            if lv.node_label in seen:
+                raise ValueError(f"node label {lv.node_label!r} names two levels")
+            seen.add(lv.node_label)
+        return levels
+
+    @property
+    def node_labels(self) -> tuple[str, ...]:
+        return tuple(lv.node_label for lv in self.levels)
+
+
 # -- the whole spec -----------------------------------------------------------------------------
 class MooncakeClusterSpec(_Model):
     """Desired state of a KV-cache-centric serving deployment: a model, its engine,
@@ -506,6 +556,8 @@ class MooncakeClusterSpec(_Model):
         "How changes roll through the pools."))
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec, description="Who may reach the cluster's pods.")
+    topology: TopologySpec = Field(default_factory=TopologySpec, description=(
+        "The network's levels, read from node labels, for topology-aware KV paths."))
 
     def pool(self, role: str) -> PoolSpec:
         return self.prefill if role == "prefill" else self.decode

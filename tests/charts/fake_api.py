@@ -16,16 +16,20 @@ VERBS = {"POST": "create", "PATCH": "patch", "DELETE": "delete"}
 
 
 def parse(url: str) -> tuple[str, str, str, str | None, str | None]:
-    """(apiGroup, plural, namespace, name, subresource) of a namespaced API path."""
+    """(apiGroup, plural, namespace, name, subresource) of an API path (namespace ``""``
+    for a cluster-scoped one)."""
     parts = url.strip("/").split("/")
     if parts[0] == "api":
         group, rest = "", parts[2:]
     else:
         group, rest = parts[1], parts[3:]
-    assert rest[0] == "namespaces", url
-    ns, plural = rest[1], rest[2]
-    name = rest[3] if len(rest) > 3 else None
-    sub = rest[4] if len(rest) > 4 else None
+    if rest[0] == "namespaces":
+        ns, rest = rest[1], rest[2:]
+    else:
+        ns = ""
+    plural = rest[0]
+    name = rest[1] if len(rest) > 1 else None
+    sub = rest[2] if len(rest) > 2 else None
     return group, plural, ns, name, sub
 
 
@@ -63,7 +67,8 @@ class RecordingKube(Kube):
         meta = obj["metadata"]
         meta.setdefault("uid", f"uid-{next(self._uids)}")
         meta["resourceVersion"] = str(next(self._versions))
-        self.objects.setdefault((group, plural, meta["namespace"]), {})[meta["name"]] = obj
+        self.objects.setdefault((group, plural, meta.get("namespace", "")), {})[
+            meta["name"]] = obj
         return obj
 
     def all(self, group: str, plural: str, ns: str) -> dict[str, JsonDict]:

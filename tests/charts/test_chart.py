@@ -93,8 +93,8 @@ def test_crd_is_not_templated() -> None:
 # -- what renders -------------------------------------------------------------------------------
 def test_default_render() -> None:
     objs = render()
-    assert kinds(objs) == ["Deployment", "Role", "RoleBinding", "Service", "Service",
-                           "ServiceAccount"]
+    assert kinds(objs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role",
+                           "RoleBinding", "Service", "Service", "ServiceAccount"]
     for o in objs:
         assert o["metadata"]["namespace"] == NAMESPACE, o["kind"]
         assert o["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
@@ -112,7 +112,8 @@ def test_default_render() -> None:
 
 def test_all_options_render() -> None:
     objs = render(ALL_ON)
-    assert kinds(objs) == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment",
+    assert kinds(objs) == ["ClusterRole", "ClusterRole", "ClusterRoleBinding",
+                           "ClusterRoleBinding", "ConfigMap", "Deployment",
                            "PodDisruptionBudget", "PodMonitor", "PrometheusRule", "Service",
                            "Service", "ServiceAccount", "ServiceMonitor"]
     for o in objs:

@@ -257,6 +257,11 @@ def test_operator_pod_runs_with_its_own_token_and_role(install: Install) -> None
         for verb in verbs:
             assert install.can(verb, rule.api_group, rule.resource) == (verb in rule.verbs), \
                 (verb, rule.api_group, rule.resource)
+    # and the one cluster-scoped grant: get nodes (spec.topology), never list or watch
+    for rule in permissions.NODE_RULES:
+        for verb in verbs:
+            assert install.can(verb, rule.api_group, rule.resource, "") == (
+                verb in rule.verbs), (verb, rule.resource)
     for verb, group, resource, namespace in (
             ("get", "", "secrets", NS), ("list", "", "secrets", NS), ("watch", "", "secrets", NS),
             ("create", "", "pods/exec", NS), ("create", "", "pods", "default"),

@@ -42,7 +42,10 @@ def test_role_is_the_table() -> None:
     objs = render()
     role = find(objs, "Role")
     assert _normalized(role["rules"]) == _normalized(permissions.rbac_rules(permissions.RULES))
-    assert not [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    # the one cluster-scoped grant: reading nodes for spec.topology
+    cluster_scoped = [o for o in objs if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    assert sorted(o["metadata"]["name"] for o in cluster_scoped) == [
+        f"{role['metadata']['name']}-nodes"] * 2
     binding = find(objs, "RoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
                                   "name": role["metadata"]["name"]}
@@ -51,8 +54,21 @@ def test_role_is_the_table() -> None:
                                     "namespace": sa["namespace"]}]
 
 
+def test_the_nodes_role_is_its_table_and_can_be_left_out() -> None:
+    objs = render()
+    role = find(objs, "ClusterRole", "-nodes")
+    assert _normalized(role["rules"]) == _normalized(
+        permissions.rbac_rules(permissions.NODE_RULES))
+    binding = find(objs, "ClusterRoleBinding", "-nodes")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io",
+                                  "kind": "ClusterRole", "name": role["metadata"]["name"]}
+    assert binding["subjects"] == find(objs, "RoleBinding")["subjects"]
+    bare = render({"rbac": {"readNodes": False}})
+    assert not [o for o in bare if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+
+
 def test_cluster_role_is_the_table() -> None:
-    objs = render(ALL_ON)
+    objs = [o for o in render(ALL_ON) if not o["metadata"]["name"].endswith("-nodes")]
     role = find(objs, "ClusterRole")
     want = permissions.rbac_rules(permissions.RULES + permissions.CLUSTER_WIDE_RULES)
     assert _normalized(role["rules"]) == _normalized(want)
@@ -73,7 +89,7 @@ def test_no_wildcards_no_secrets() -> None:
 
 def test_table_has_one_rule_per_resource() -> None:
     keys = [(r.api_group, r.resource) for r in permissions.RULES +
-            permissions.CLUSTER_WIDE_RULES]
+            permissions.CLUSTER_WIDE_RULES + permissions.NODE_RULES]
     assert len(keys) == len(set(keys))
     for r in permissions.RULES:
         assert r.why and r.verbs == tuple(sorted(r.verbs, key=permissions.VERB_ORDER.index))
@@ -150,12 +166,20 @@ def reconciler_needs() -> set[Triple]:
         smaller = replaced(no_store, "prefill.replicas", 1)
         await step(smaller)  # a ready pod drained (annotation patch)
         await step(smaller)  # and deleted
+        kube.put("", "nodes", {"metadata": {"name": "gpu-1", "labels": {"rack": "r1"}}})
+        for pod in kube.all("", "pods", NS).values():
+            pod["spec"]["nodeName"] = "gpu-1"
+        placed = replaced(smaller, "topology", {"levels": [
+            {"nodeLabel": "rack", "gbitsPerSecond": 200}]})
+        await step(placed)  # the node read, its labels written on the pods
 
     asyncio.run(scenario())
     kinds = {k for k, v in kube.objects.items() if v}
     assert ("", "pods", NS) in kinds and ("apps", "deployments", NS) not in kinds
     assert any(r == "DrainingPod" for _, r, _ in events), events
     assert any(r == "DeletedPods" for _, r, _ in events), events
+    assert all(c.ANNOTATION_TOPOLOGY in p["metadata"]["annotations"]
+               for p in kube.all("", "pods", NS).values())
     return kube.used
 
 
@@ -243,7 +267,7 @@ def leader_needs() -> set[Triple]:
 def test_namespaced_mode_needs_exactly_the_table() -> None:
     derived = (kopf_needs(clusterwide=False) | reconciler_needs() | gateway_needs()
                | leader_needs())
-    table = permissions.triples(permissions.RULES)
+    table = permissions.triples(permissions.RULES + permissions.NODE_RULES)
     assert derived - table == set(), f"the code needs more: {sorted(derived - table)}"
     assert table - derived == set(), f"granted but unused: {sorted(table - derived)}"
 

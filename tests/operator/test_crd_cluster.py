@@ -85,6 +85,18 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
                                        ("spec.prefill.gpusPerReplica", 0)),
      "spec.prefill.gpusPerReplica", "at least one GPU"),
     ("unknown field", _with("spec.modle", {"name": "typo"}), "spec.modle", "unknown field"),
+    ("topology label not a label key",
+     _with("spec.topology", {"levels": [{"nodeLabel": "rack id", "gbitsPerSecond": 200}]}),
+     "spec.topology.levels[0].nodeLabel", "should match"),
+    ("topology level named twice",
+     _with("spec.topology", {"levels": [
+         {"nodeLabel": "example.com/rack", "gbitsPerSecond": 200},
+         {"nodeLabel": "example.com/rack", "gbitsPerSecond": 100}]}),
+     "spec.topology.levels[1]", "Duplicate value"),
+    ("topology link of 0 Gbit/s",
+     _with("spec.topology", {"levels": [{"nodeLabel": "example.com/rack",
+                                         "gbitsPerSecond": 0}]}),
+     "spec.topology.levels[0].gbitsPerSecond", "greater than 0"),
     ("engine version not a release", _many(("spec.engine", {"kind": "vllm", "image": "i",
                                                             "version": "latest"}),
                                            ("spec.prefill.gpusPerReplica", 1),
@@ -165,3 +177,15 @@ def test_the_network_policy_the_operator_builds_is_accepted(api: KubeHttp) -> No
     got = api.post(f"/apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies"
                    "?fieldValidation=Strict&dryRun=All", policy)
     assert got["spec"]["ingress"] == policy["spec"]["ingress"]
+
+
+def test_a_topology_is_accepted_with_its_defaults(api: KubeHttp) -> None:
+    obj = _with("spec.topology", {"levels": [
+        {"nodeLabel": "nvidia.com/gpu.clique", "gbitsPerSecond": 800},
+        {"nodeLabel": "topology.kubernetes.io/zone", "gbitsPerSecond": 50,
+         "latencyMicroseconds": 1000}]})
+    out = _create(api, obj)["spec"]["topology"]
+    assert out["aware"] is True
+    assert out["levels"][0]["latencyMicroseconds"] == 0
+    assert [lv["nodeLabel"] for lv in out["levels"]] == [
+        "nvidia.com/gpu.clique", "topology.kubernetes.io/zone"]
