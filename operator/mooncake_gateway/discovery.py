@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from mooncake_contract.topology import parse_labels
 
 from .settings import Endpoint, KubernetesSource, ModelSettings, Role
 
@@ -108,8 +109,9 @@ def core_v1_api() -> Any:
 def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
     """Endpoint of a running, ready pod (``None`` otherwise). ``pod`` is a V1Pod.
 
-    The pod's revision label becomes :attr:`Endpoint.revision` (empty without one) and
-    its drain annotation (``"true"``) :attr:`Endpoint.draining`."""
+    The pod's revision label becomes :attr:`Endpoint.revision` (empty without one), its
+    drain annotation (``"true"``) :attr:`Endpoint.draining` and its topology annotation
+    :attr:`Endpoint.topology`."""
     status, meta = pod.status, pod.metadata
     if status is None or meta is None or not status.pod_ip or status.phase != "Running":
         return None
@@ -146,7 +148,19 @@ def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
         pod=pod_name,
         revision=labels.get(cfg.revision_label, ""),
         draining=ann.get(cfg.drain_annotation, "").strip().lower() == "true",
+        topology=_topology(ann.get(cfg.topology_annotation), meta.name),
     )
+
+
+def _topology(value: str | None, pod: str) -> dict[str, str]:
+    """The topology annotation's labels (``{}``, with a warning, when unreadable)."""
+    if not value:
+        return {}
+    labels = parse_labels(value)
+    if labels is None:
+        log.warning("pod %s: topology annotation %r is not an object of strings", pod, value)
+        return {}
+    return labels
 
 
 def object_key(obj: Any) -> str:

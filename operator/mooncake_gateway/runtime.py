@@ -49,6 +49,7 @@ from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.keytable import SLOTS, KeyMaskTable
 from mooncake_conductor.policies.base import Placement
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
+from mooncake_contract.topology import place_values
 from prometheus_client import Gauge
 
 from .discovery import EndpointSource, source_for
@@ -339,6 +340,9 @@ class ModelRuntime:
             group = self.group_of(inst.endpoint.revision) if paired else 0
             if st.group != group:
                 st.group = group
+            place = self._place_of(inst)
+            if st.place != place:
+                st.place = place
             if inst.routable != up or st.up != up:
                 inst.routable = up
                 st.up = up
@@ -346,6 +350,11 @@ class ModelRuntime:
         for role, insts in ((Role.PREFILL, self.prefill), (Role.DECODE, self.decode)):
             self.metrics.routable.labels(self.cfg.name, role.value).set(
                 sum(1 for i in insts if i.routable and i.listed))
+
+    def _place_of(self, inst: Instance) -> int:
+        """The Conductor's id of the instance's place (0: none, the flat model)."""
+        keys = [lv.name for lv in self.cfg.conductor.topology.levels]
+        return self.conductor.topology.place_id(place_values(inst.endpoint.topology, keys))
 
     def settled(self) -> bool:
         """Both endpoint lists have come and every listed instance is registered or has
@@ -530,6 +539,7 @@ class ModelRuntime:
         if old.config.replication != cfg.conductor.replication:
             self.hot_tokens = self._hot_tokens()
         self.conductor.hot = self.hot_tokens
+        self.refresh()  # places are the new Conductor's (its topology may differ)
 
     # -- scraped metrics -------------------------------------------------------------------
     def apply_stats(self, inst: Instance, stats: EngineStats) -> None:

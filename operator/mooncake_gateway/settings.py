@@ -54,6 +54,10 @@ class Endpoint(BaseModel):
         False, description="no new requests (the pod's mooncake.io/drain annotation); "
         "requests in flight finish",
     )
+    topology: dict[str, str] = Field(
+        default_factory=dict, description="where the engine sits in the network: each "
+        "topology level's node label and its value (the pod's mooncake.io/topology "
+        "annotation); read against the Conductor's topology levels")
 
     @field_validator("url")
     @classmethod
@@ -83,6 +87,7 @@ class KubernetesSource(BaseModel):
     kv_replay_port_annotation: str = c.ANNOTATION_KV_REPLAY_PORT
     kv_topic_annotation: str = c.ANNOTATION_KV_TOPIC
     drain_annotation: str = c.ANNOTATION_DRAIN
+    topology_annotation: str = c.ANNOTATION_TOPOLOGY
     revision_label: str = c.LABEL_REVISION
     watch_timeout_s: int = Field(300, gt=0, description="server-side watch timeout")
 

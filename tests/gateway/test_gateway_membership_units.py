@@ -234,6 +234,19 @@ def test_pod_revision_drain_and_name() -> None:
     assert ep is not None and ep.draining
 
 
+def test_pod_topology_annotation_becomes_the_endpoints_labels() -> None:
+    cfg = KubernetesSource(prefill_selector="a=b", decode_selector="a=c")
+    value = '{"example.com/rack":"r1","topology.kubernetes.io/zone":"a"}'
+    ep = pod_endpoint(_pod({}, {c.ANNOTATION_TOPOLOGY: value}), cfg)
+    assert ep is not None
+    assert ep.topology == {"example.com/rack": "r1", "topology.kubernetes.io/zone": "a"}
+    for bad in ("[\"r1\"]", "{not json", '{"rack": 1}'):
+        ep = pod_endpoint(_pod({}, {c.ANNOTATION_TOPOLOGY: bad}), cfg)
+        assert ep is not None and ep.topology == {}  # no place: the flat model
+    ep = pod_endpoint(_pod({}, {}), cfg)
+    assert ep is not None and ep.topology == {}
+
+
 # -- registration and pairing -----------------------------------------------------------------
 def _runtime(**gw: Any) -> ModelRuntime:
     s = GatewaySettings(**gw)
@@ -334,6 +347,25 @@ def test_prefill_waits_for_a_decode_of_its_revision() -> None:
     rt.set_endpoints(Role.PREFILL, [_ep(2, "new")])
     assert new.routable and not rt.cluster.grouped()
     assert [s.group for s in states] == [0, 0, 0, 0]
+
+
+def test_instances_take_their_places_from_the_conductors_topology() -> None:
+    levels = [{"name": "rack", "gbits_per_s": 200.0}, {"name": "zone", "gbits_per_s": 50.0}]
+    s = GatewaySettings()
+    rt = ModelRuntime(ModelSettings(name="m", conductor={"topology": {"levels": levels}}), s,
+                      GatewayMetrics())
+    r1a, r2a = {"rack": "r1", "zone": "a"}, {"rack": "r2", "zone": "a"}
+    rt.set_endpoints(Role.PREFILL, [_ep(1, topology=r1a), _ep(2, topology=r2a),
+                                    _ep(3, topology={"rack": "r1"})])  # stale: no zone
+    rt.set_endpoints(Role.DECODE, [_ep(4, topology=r1a)])
+    p1, p2, p3 = (st.place for st in rt.cluster.prefill)
+    d1 = rt.cluster.decode[0].place
+    assert p1 and p2 and p1 != p2 and p1 == d1 and p3 == 0
+    topo = rt.conductor.topology
+    assert topo.level(p1, d1) == -1 and topo.level(p1, p2) == 0 and topo.level(p1, p3) == -1
+    # a new Conductor without levels: every instance back to no place (the flat model)
+    rt.reconfigure(ModelSettings(name="m"))
+    assert [st.place for st in rt.cluster.prefill + rt.cluster.decode] == [0, 0, 0, 0]
 
 
 # -- unique blocks ----------------------------------------------------------------------------
