@@ -815,6 +815,7 @@ class ModelRuntime:
                 "listed": i.listed, "healthy": i.healthy, "registered": i.registered,
                 "draining": i.endpoint.draining, "revision": i.endpoint.revision,
                 "pod": i.pod, "inflight": i.inflight,
+                "topology": dict(i.endpoint.topology), "place": self._state(i).place,
                 "engine": {"running": i.stats.running, "waiting": i.stats.waiting,
                            "kv_usage": i.stats.kv_usage, "prefix_hits": i.stats.prefix_hits,
                            "prefix_queries": i.stats.prefix_queries,

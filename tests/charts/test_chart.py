@@ -96,7 +96,11 @@ def test_default_render() -> None:
     assert kinds(objs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role",
                            "RoleBinding", "Service", "Service", "ServiceAccount"]
     for o in objs:
-        assert o["metadata"]["namespace"] == NAMESPACE, o["kind"]
+        if o["kind"].startswith("Cluster"):  # the nodes reader (rbac.readNodes)
+            assert "namespace" not in o["metadata"] and o["metadata"]["name"].endswith(
+                "-nodes"), o["metadata"]
+        else:
+            assert o["metadata"]["namespace"] == NAMESPACE, o["kind"]
         assert o["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
     dep = find(objs, "Deployment")
     assert dep["spec"]["replicas"] == 1

@@ -78,8 +78,10 @@ def test_cluster_role_is_the_table() -> None:
 
 def test_no_wildcards_no_secrets() -> None:
     for values in (None, ALL_ON):
-        role = find(render(values), "ClusterRole" if values else "Role")
-        for rule in role["rules"]:
+        objs = render(values)
+        roles = [o for o in objs if o["kind"] in ("Role", "ClusterRole")]
+        assert len(roles) == 2  # the main one and the nodes reader
+        for rule in (r for role in roles for r in role["rules"]):
             for key in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[key], rule
             assert "secrets" not in rule["resources"]

@@ -75,7 +75,11 @@ def llama(operator: Operator, k8s_cluster: Any) -> Clusters:
     cl = Clusters(k8s_cluster.http(), ns)
     path = Path(k8s_cluster.state_dir) / "llama.yaml"
     # admission off: every replayed request is served (no 429s), so "0 failed" means all
-    path.write_text(json.dumps(_example(conductor__admission=False)))
+    # every node has a hostname: each engine its own domain, so every KV path is charged
+    # the cross-host link (the labels travel node -> pod annotation -> gateway)
+    topology = {"levels": [{"nodeLabel": "kubernetes.io/hostname", "gbitsPerSecond": 400,
+                            "latencyMicroseconds": 5}]}
+    path.write_text(json.dumps(_example(conductor__admission=False, topology=topology)))
     _kubectl(k8s_cluster, "apply", "-n", ns, "-f", str(path))
     cl.wait_ready("llama", timeout=240)
     return cl
@@ -104,6 +108,15 @@ def test_apply_example_gives_a_ready_serving_cluster(llama: Clusters, operator: 
     listed = {i["name"] for m in state["models"] for role in ("prefill", "decode")
               for i in m[role] if i["routable"]}
     assert listed == want
+    # each engine's node topology, as the operator wrote it and the gateway placed it
+    engines = {f"e2e/{p['metadata']['name']}": p for p in llama.engine_pods("llama")}
+    seen = [i for m in state["models"] for role in ("prefill", "decode") for i in m[role]
+            if i["name"] in engines]
+    for i in seen:
+        host = engines[i["name"]]["spec"]["nodeName"]
+        assert i["topology"] == {"kubernetes.io/hostname": host}, i
+    assert all(i["place"] for i in seen) and len({i["place"] for i in seen}) == len(
+        {engines[i["name"]]["spec"]["nodeName"] for i in seen})
     # requests through the one front door, with the openai client
     assert_openai_serves(operator.gateway_url, MODEL)
     # a Ready transition was announced
