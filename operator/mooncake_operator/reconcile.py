@@ -130,8 +130,11 @@ class Reconciler:
             elif (cur["metadata"].get("annotations") or {}).get(
                     builders.SPEC_HASH_ANNOTATION) != want_hash:
                 body = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
+                # the version just read: a concurrent writer's change is not overwritten
                 body["metadata"] = {"labels": obj["metadata"]["labels"],
                                     "annotations": obj["metadata"]["annotations"]}
+                if cur["metadata"].get("resourceVersion"):
+                    body["metadata"]["resourceVersion"] = cur["metadata"]["resourceVersion"]
                 cur = await self.kube.patch(kind, ref.namespace, name, body)
             if cur is not None:
                 live[f"{kind}/{name}"] = cur
@@ -161,6 +164,7 @@ class Reconciler:
 
     async def _reconcile(self, body: JsonDict, emit: Emit) -> Outcome:
         ref = cluster_ref(body)
+        version = body["metadata"].get("resourceVersion")
         now = self.clock()
         before = parse_status(body)
         spec, invalid = parse_spec(body)
@@ -172,7 +176,7 @@ class Reconciler:
                 "observed_generation": ref.generation,
                 "conditions": self._invalid_conditions(before, invalid, ref.generation, now),
             })
-            await self._write_status(ref, before, st, emit)
+            await self._write_status(ref, before, st, emit, version)
             return Outcome(progressing=False, status=st, spec=None)
 
         rev = builders.revision(ref, spec, self.settings)
@@ -228,7 +232,7 @@ class Reconciler:
                  f"rolling both pools to revision {rev} in {st.rollout.steps} step(s)")
         elif before.rollout is not None and st.rollout is None:
             emit("Normal", "RolloutFinished", f"every pod runs revision {rev}")
-        await self._write_status(ref, before, st, emit)
+        await self._write_status(ref, before, st, emit, version)
         READY_PODS.labels(ref.key, c.ROLE_PREFILL).set(st.prefill.ready)
         READY_PODS.labels(ref.key, c.ROLE_DECODE).set(st.decode.ready)
         publish_conditions(ref.key, ((cond.type, cond.status.value == "True", cond.reason)
@@ -296,11 +300,18 @@ class Reconciler:
                 "metadata": {"annotations": {c.ANNOTATION_TOPOLOGY: value}}})
 
     async def _write_status(self, ref: ClusterRef, before: MooncakeClusterStatus,
-                            after: MooncakeClusterStatus, emit: Emit) -> None:
+                            after: MooncakeClusterStatus, emit: Emit,
+                            version: str | None) -> None:
+        """Patch the status when it changed, on the condition that the cluster is still
+        at ``version`` (the resourceVersion it was read at): a status computed from a spec
+        that has changed since, or by a replica that lost the lease while it computed,
+        fails with 409 instead of landing."""
         if status_patch(after) == status_patch(before):
             return
-        await self.kube.patch("MooncakeCluster", ref.namespace, ref.name,
-                              status_patch(after), sub="status")
+        body = status_patch(after)
+        if version:
+            body["metadata"] = {"resourceVersion": version}
+        await self.kube.patch("MooncakeCluster", ref.namespace, ref.name, body, sub="status")
         for cond in status.transitions(before, after):
             bad = (cond.type == status.DEGRADED and cond.status.value == "True") or (
                 cond.type == status.READY and cond.status.value == "False"
@@ -322,7 +333,8 @@ class Reconciler:
             "conditions": self._invalid_conditions(before, problem, ref.generation,
                                                    self.clock()),
         })
-        await self._write_status(ref, before, st, emit)
+        await self._write_status(ref, before, st, emit,
+                                 body["metadata"].get("resourceVersion"))
 
     async def write_hot_prefixes(self, ref: ClusterRef, hot: list[HotPrefixStatus]) -> None:
         body = {"status": {"hotPrefixes": [h.model_dump(by_alias=True, mode="json")

@@ -179,6 +179,12 @@ async def _report_forbidden(state: OperatorState, body: JsonDict, exc: Exception
     return True
 
 
+def _conflict(exc: Exception) -> bool:
+    """A write refused because its object changed since it was read (HTTP 409 on a
+    resourceVersion precondition)."""
+    return isinstance(exc, KubeError) and exc.status == 409
+
+
 def _only_leading(state: OperatorState, emit: Emit) -> Emit:
     """Events are writes too: none from a replica that stopped leading mid-reconcile."""
     def gated(kind: str, reason: str, message: str) -> None:
@@ -225,6 +231,14 @@ async def run_cluster(state: OperatorState, body: Mapping[str, Any], stopped: St
             except NotLeader:
                 continue  # leadership lost mid-reconcile: wait for it, as a follower
             except Exception as exc:  # the API server restarts, a patch conflicts, ...
+                if _conflict(exc) and not failures:
+                    # the cluster changed after it was read (a spec edit, a status write
+                    # whose watch event had not arrived): read it again, no Event
+                    ERRORS.labels("Conflict").inc()
+                    log.info("reconcile of %s: %s; reconciling again", ref.key, exc)
+                    failures = 1
+                    await _sleep(wake, s.event_debounce_s, 0.0)
+                    continue
                 failures += 1
                 ERRORS.labels(type(exc).__name__).inc()
                 FAILURES_IN_A_ROW.labels(ref.key).set(failures)

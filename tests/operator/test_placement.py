@@ -64,23 +64,26 @@ def test_the_reconciler_annotates_new_pods_once() -> None:
     spec = model.model_dump(by_alias=True, mode="json", exclude_none=True)
     spec["store"]["enabled"] = False
     spec["topology"] = TOPO.model_dump(by_alias=True, mode="json")
-    body = kube.put(crd.GROUP, crd.PLURAL, _cluster(spec))
+    kube.put(crd.GROUP, crd.PLURAL, _cluster(spec))
 
     def emit(*_: str) -> None:
         pass
 
-    asyncio.run(rec.reconcile(copy.deepcopy(body), emit))  # pods created, not scheduled
+    def body() -> dict[str, Any]:  # the cluster as stored now (the status changes it)
+        return copy.deepcopy(kube.all(crd.GROUP, crd.PLURAL, NS)["llama"])
+
+    asyncio.run(rec.reconcile(body(), emit))  # pods created, not scheduled
     pods = kube.all("", "pods", NS)
     assert pods and not any(c.ANNOTATION_TOPOLOGY in (p["metadata"].get("annotations") or {})
                             for p in pods.values())
     for i, p in enumerate(sorted(pods.values(), key=lambda p: p["metadata"]["name"])):
         p["spec"]["nodeName"] = f"gpu-{i % 2 + 1}"
-    asyncio.run(rec.reconcile(copy.deepcopy(body), emit))
+    asyncio.run(rec.reconcile(body(), emit))
     for p in pods.values():
         ann = json.loads(p["metadata"]["annotations"][c.ANNOTATION_TOPOLOGY])
         assert ann == {RACK: "r1" if p["spec"]["nodeName"] == "gpu-1" else "r2", ZONE: "a"}
     before = dict(kube.writes)
     kube.used.clear()
-    asyncio.run(rec.reconcile(copy.deepcopy(body), emit))
+    asyncio.run(rec.reconcile(body(), emit))
     assert ("", "nodes", "get") not in kube.used  # placed pods cost no node reads
     assert kube.writes.get(("patch", "Pod"), 0) == before.get(("patch", "Pod"), 0)
