@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .admission import AdmissionConfig, create_admission
 from .candidates import CandidatesConfig
 from .cost import CostModel, CostModelConfig
 from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
@@ -70,6 +71,9 @@ class ConductorConfig(BaseModel):
     params: dict[str, Any] = Field(default_factory=dict)
     decode_selector: str | None = Field(None, description="default: the policy's own")
     admission: bool | None = Field(None, description="default: the policy's own")
+    admission_rule: AdmissionConfig = Field(
+        AdmissionConfig(), description="with admission on, the rule that refuses a request "
+        "for its TTFT SLO (mooncake_conductor.admission)")
     shedding: SheddingConfig = SheddingConfig()
     stealing: StealingConfig = StealingConfig()
     holding: HoldingConfig = HoldingConfig()
@@ -142,6 +146,7 @@ class Conductor:
         self.decode_selector.topology = self.topology
         cfg, policy = self.config, self.policy
         self.admission = not only and _own(cfg.admission, policy.admission)
+        self.admission_rule = create_admission(cfg.admission_rule, cfg.slo)
         self.shedding = (OverloadShedding(cfg.shedding, cfg.slo.ttft_s)
                          if self.admission and _own(cfg.shedding.enabled, policy.sheds)
                          else None)
@@ -166,6 +171,7 @@ class Conductor:
         with overrun re-estimation on, measure the prediction error's spread."""
         if self.overrun is not None:
             self.overrun.observe(predicted_s, observed_s)
+        self.admission_rule.observe(predicted_s, observed_s)
         if not self.calibrate or predicted_s <= 0 or observed_s <= 0:
             return
         cal = self.config.calibration
@@ -193,8 +199,8 @@ class Conductor:
                 req, cluster.decode, self._prefill_place(placement, cluster))
         if self.admission:
             waited = now - req.arrival if now > req.arrival else 0.0  # held requests waited
-            if (placement.reject_reason is None
-                    and waited + placement.ttft_s > self.config.slo.ttft_s):
+            if (placement.reject_reason is None and self.admission_rule.breaks_ttft(
+                    placement, cluster, now, waited)):
                 placement.reject_reason = "ttft-slo"
             if (self.shedding is not None and placement.reject_reason is None
                     and not self.shedding.admit(placement.queue_s, placement.gpu_seconds)):

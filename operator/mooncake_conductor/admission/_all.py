@@ -1,0 +1,3 @@
+"""Imports every admission rule module so each registers itself."""
+
+from . import current_load, prediction  # noqa: F401

@@ -1,0 +1,80 @@
+"""The admission interface: a rule by name, its configuration, and the registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..policies.base import Placement, SLOConfig
+from ..state import ClusterState
+
+
+class AdmissionConfig(BaseModel):
+    """Which rule turns a placed request away for its TTFT SLO, and its option."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rule: str = Field("prediction", description="the admission rule by name "
+                      "(prediction: the paper's; current-load: a naive baseline)")
+    ttft_miss_risk: float | None = Field(
+        None, gt=0, lt=0.5, description="prediction rule only: admit a request only if its "
+        "chance of missing the TTFT SLO, from the measured prefill-time prediction error, "
+        "is at most this (e.g. 0.01); none: its predicted TTFT against the SLO as is")
+
+    @model_validator(mode="after")
+    def _known_rule(self) -> AdmissionConfig:
+        if self.rule not in admission_names():
+            known = ", ".join(admission_names())
+            raise ValueError(f"unknown admission rule {self.rule!r}; known: {known}")
+        if self.ttft_miss_risk is not None and self.rule != "prediction":
+            raise ValueError("ttft_miss_risk applies to the prediction rule only")
+        return self
+
+
+class AdmissionRule(ABC):
+    """Decides whether a placed request breaks its TTFT SLO (then: rejected, ``ttft-slo``)."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, config: AdmissionConfig, slo: SLOConfig) -> None:
+        self.config = config
+        self.slo = slo
+
+    @abstractmethod
+    def breaks_ttft(self, placement: Placement, cluster: ClusterState, now: float,
+                    waited: float) -> bool:
+        """Whether ``placement`` (made at ``now`` for a request that has already waited
+        ``waited`` seconds, held) is to be refused for the TTFT SLO."""
+
+    def observe(self, predicted_s: float, observed_s: float) -> None:  # noqa: B027
+        """A prefill predicted to take ``predicted_s`` took ``observed_s`` (rules that
+        measure the prediction error use it; the others ignore it)."""
+
+
+R = TypeVar("R", bound=type[AdmissionRule])
+_REGISTRY: dict[str, type[AdmissionRule]] = {}
+
+
+def register(cls: R) -> R:
+    if not cls.name:
+        raise ValueError("an admission rule needs a name")
+    if cls.name in _REGISTRY:
+        raise ValueError(f"admission rule {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load() -> None:
+    from . import _all  # noqa: F401  (imports every rule module once)
+
+
+def admission_names() -> list[str]:
+    _load()
+    return sorted(_REGISTRY)
+
+
+def create_admission(config: AdmissionConfig, slo: SLOConfig) -> AdmissionRule:
+    _load()
+    return _REGISTRY[config.rule](config, slo)
