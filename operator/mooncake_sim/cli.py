@@ -359,6 +359,13 @@ def _validate(cfgs: list[dict[str, Any]]) -> str | None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from .gcpause import gc_paused
+
+    with gc_paused():  # the trace, the replay and the bound: one collection after, not many
+        return _simulate(args)
+
+
+def _simulate(args: argparse.Namespace) -> int:
     from mooncake_conductor.policies import policy_names
 
     from .presets import speed_for_utilization

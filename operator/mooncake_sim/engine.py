@@ -77,6 +77,7 @@ from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, Re
 from mooncake_conductor.topology import assign_places
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from .gcpause import gc_paused
 from .metrics import latency_summary
 from .trace import TRACE_BLOCK_TOKENS, TraceRecord
 
@@ -184,6 +185,10 @@ class _Decoder:
 
 class Simulation:
     def __init__(self, records: list[TraceRecord], config: SimConfig) -> None:
+        with gc_paused():
+            self._setup(records, config)
+
+    def _setup(self, records: list[TraceRecord], config: SimConfig) -> None:
         self.cfg = config
         # the true model executes; the Conductor predicts with its own copy (which online
         # calibration may rescale), so a biased or calibrated model never changes execution
@@ -274,6 +279,10 @@ class Simulation:
         heapq.heappush(self._events, (t, self._seq, kind, a, b))
 
     def run(self) -> dict[str, Any]:
+        with gc_paused():
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
         started = time.perf_counter()
         for req in self.reqs:
             self._push(req.info.arrival, ARRIVE, req.info.rid)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from .gcpause import gc_paused
+
 TRACE_BLOCK_TOKENS = 512
 BUNDLED = {"conversation": "conversation_trace.jsonl"}
 
@@ -118,7 +120,7 @@ def load_trace(
         raise TraceError(f"{p}: cannot open ({exc.strerror})") from None
     out: list[TraceRecord] = []
     last_ts = -math.inf
-    with fh:
+    with fh, gc_paused():
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
