@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mooncake_localcluster import cluster, components
+from mooncake_localcluster import bindpin, cluster, components
 from mooncake_localcluster.kubehttp import KubeHttp
 from mooncake_localcluster.settings import LocalClusterSettings
 
@@ -58,11 +58,14 @@ class LocalK8s:
 
 def _binaries_missing(settings: LocalClusterSettings) -> list[str]:
     tools = components.find_tools_dir(settings)
-    return [
+    out = [
         name
         for name in components.RUNTIME_COMPONENTS
         if not components.binary_path(settings, components.component(name), tools).is_file()
     ]
+    if bindpin.built(settings) is None:
+        out.append("bindpin")  # built with the runtime set (bindpin.py)
+    return out
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -25,6 +25,7 @@ KNOWN = {
     "port443": "binding port 443 (root, or a low ip_unprivileged_port_start)",
     "engines": "vLLM and SGLang from PyPI (mooncake-operator conformance install)",
     "prometheus": "the prometheus and promtool binaries (apt-get install prometheus)",
+    "cc": "a C compiler (cc, gcc or clang) for the embedded cluster's bind pin",
 }
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from mooncake_localcluster import bindpin
 from mooncake_localcluster.settings import LocalClusterSettings
 
 TOOLS_SUBDIR = Path("tools") / "localcluster"
@@ -179,6 +180,11 @@ def build_all(
     wanted = names or tuple(c.name for c in COMPONENTS)
     started = time.monotonic()
     paths = {name: build_component(settings, component(name), tools_dir, log) for name in wanted}
+    if names is None or set(RUNTIME_COMPONENTS) <= set(names):
+        # what runs a cluster: also the pods' bind pin (C, seconds)
+        pin = bindpin.build(settings, log)
+        if pin is not None:
+            paths["bindpin"] = pin
     log(f"all binaries ready in {time.monotonic() - started:.0f}s")
     sys.stdout.flush()
     return paths

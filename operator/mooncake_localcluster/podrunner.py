@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_localcluster import (
+    bindpin,
     images,
     mountns,
     podspec,
@@ -247,6 +248,10 @@ class PodRunner:
         self._mount_ns_error: str | None = None
         self._mount_ns_checked = False
         self._kubernetes_served = False
+        self.bind_pin = bindpin.built(settings)
+        if self.bind_pin is None:
+            log.warning("no bind pin built (mooncake-operator local-cluster build): pods "
+                        "that listen on every interface are reachable from outside the host")
 
     # ----- watching -----------------------------------------------------------------
     def _emitter(self, resource: str) -> watching.Emit:
@@ -692,6 +697,7 @@ class PodRunner:
         python_dir = str(Path(sys.executable).parent)
         env["PATH"] = python_dir + os.pathsep + env.get("PATH", "")
         env.update(spec.env)
+        env = bindpin.pinned_env(self.bind_pin, running.pod_ip, env)
         argv0 = shutil.which(spec.argv[0], path=env["PATH"]) or spec.argv[0]
         argv = [argv0, *spec.argv[1:]]
         ns_error = self.mount_ns_error()
