@@ -66,6 +66,9 @@ class Outcome:
     tbt_s: float = math.nan
     intervals: list[float] = field(default_factory=list)
     error: str = ""
+    #: wall seconds since the replay's first scheduled send: when sent, when it ended
+    sent_s: float = math.nan
+    done_s: float = math.nan
 
 
 @dataclass(slots=True)
@@ -82,8 +85,14 @@ class ReplayConfig:
     salt: int = BLOCK_SALT
     #: called with the number of requests finished so far, after each one
     on_done: Callable[[int], None] | None = None
+    #: called once with the ``time.perf_counter()`` of the first scheduled send (the
+    #: zero of each outcome's ``sent_s``), before any request goes out
+    on_start: Callable[[float], None] | None = None
     #: add each served request's TTFT (``ttft_samples_s``) to the results
     keep_samples: bool = False
+    #: add every request's outcome (``outcomes``: sent and ended in wall seconds since
+    #: the first send, status, TTFT, error) to the results, e.g. for success per second
+    keep_outcomes: bool = False
     #: seconds between reads of the gateway's counters during the run
     sample_s: float = 2.0
     #: sent as ``Authorization: Bearer`` on every call (a locked gateway; an admin key
@@ -143,11 +152,20 @@ class CounterIncrease:
 
 
 async def _one(session: aiohttp.ClientSession, cfg: ReplayConfig, body: bytes,
-               at: float, out: Outcome) -> None:
+               at: float, out: Outcome, t0: float = 0.0) -> None:
     delay = at - time.perf_counter()
     if delay > 0:
         await asyncio.sleep(delay)
     sent = time.perf_counter()
+    out.sent_s = sent - t0
+    try:
+        await _exchange(session, cfg, body, sent, out)
+    finally:
+        out.done_s = time.perf_counter() - t0
+
+
+async def _exchange(session: aiohttp.ClientSession, cfg: ReplayConfig, body: bytes,
+                    sent: float, out: Outcome) -> None:
     last = 0.0
     try:
         async with session.post(f"{cfg.url}/v1/completions", data=body,
@@ -209,13 +227,15 @@ async def replay(records: list[TraceRecord], cfg: ReplayConfig) -> dict[str, Any
         counted.add(await _state(session, cfg.url, model))
         outs = [Outcome() for _ in records]
         t0 = time.perf_counter() + 0.1
+        if cfg.on_start is not None:
+            cfg.on_start(t0)
         base = records[0].timestamp_ms if records else 0.0
         started = time.perf_counter()
         finished = 0
 
         async def one(body: bytes, at: float, out: Outcome) -> None:
             nonlocal finished
-            await _one(session, cfg, body, at, out)
+            await _one(session, cfg, body, at, out, t0)
             finished += 1
             if cfg.on_done is not None:
                 cfg.on_done(finished)
@@ -267,4 +287,7 @@ def results(records: list[TraceRecord], outs: list[Outcome], counted: dict[str, 
         "prefill_gpu_seconds": counted["prefill_seconds"],
         "wall_seconds": wall,
         **({"ttft_samples_s": [o.ttft_s for o in served]} if cfg.keep_samples else {}),
+        **({"outcomes": [{"sent_s": o.sent_s, "done_s": o.done_s, "status": o.status,
+                          "ttft_s": o.ttft_s, "error": o.error} for o in outs]}
+           if cfg.keep_outcomes else {}),
     }

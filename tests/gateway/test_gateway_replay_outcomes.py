@@ -1,0 +1,74 @@
+"""``ReplayConfig.keep_outcomes`` and ``on_start``: every request's outcome with its send
+and end times (what the chaos suite bins per second), against a stub gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any
+
+from aiohttp import web
+from mooncake_gateway.replay import ReplayConfig, replay
+from mooncake_sim.trace import TraceRecord
+from mooncake_testbed.procs import HOST, free_port
+
+
+def test_replay_keeps_each_requests_outcome_and_times() -> None:
+    """A stub gateway: the first prompt streams two tokens, the second is refused with
+    429, the third gets an SSE error."""
+    port = free_port()
+    state = {"models": [{"policy": "stub", "counters": {"id": "x", "since": 0.0},
+                         "tokens": {"prompt": 0, "reused_predicted": 0, "engine_prompt": 0,
+                                    "engine_cached": 0, "prefill_seconds": 0.0}}]}
+
+    async def conductor_state(_r: web.Request) -> web.Response:
+        return web.json_response(state)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        first = body["prompt"][0]
+        kind = seen.setdefault(first, len(seen))
+        if kind == 1:
+            return web.json_response({"error": "busy"}, status=429)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        if kind == 2:
+            await resp.write(b'data: {"error": {"message": "engine gone"}}\n\n')
+            return resp
+        for text in ("a", "b"):
+            chunk = {"choices": [{"text": text}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(0.01)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    seen: dict[int, int] = {}
+    records = [TraceRecord(timestamp_ms=i * 100.0, input_length=32, output_length=4,
+                           hash_ids=(i + 1,)) for i in range(3)]
+    starts: list[float] = []
+
+    async def main() -> dict[str, Any]:
+        app = web.Application()
+        app.router.add_get("/conductor/state", conductor_state)
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, HOST, port).start()
+        try:
+            return await replay(records, ReplayConfig(
+                url=f"http://{HOST}:{port}", model="m", speed=1.0, keep_outcomes=True,
+                on_start=starts.append))
+        finally:
+            await runner.cleanup()
+
+    res = asyncio.run(main())
+    assert len(starts) == 1
+    outs = res["outcomes"]
+    assert [o["status"] for o in outs] == ["ok", "rejected", "failed"]
+    assert (res["completed"], res["rejected"], res["failed"]) == (1, 1, 1)
+    assert "engine gone" in outs[2]["error"]
+    for i, o in enumerate(outs):
+        assert abs(o["sent_s"] - i * 0.1) < 0.08, o
+        assert o["done_s"] >= o["sent_s"]
+    assert outs[0]["ttft_s"] > 0 and math.isnan(outs[1]["ttft_s"])
