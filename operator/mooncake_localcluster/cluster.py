@@ -557,6 +557,37 @@ def down(settings: LocalClusterSettings, log: Log = print) -> int:
     return stopped
 
 
+def restart(
+    settings: LocalClusterSettings, name: str, log: Log = print, down_s: float = 0.0
+) -> float:
+    """Stop one control-plane process of a running cluster (SIGTERM, SIGKILL after
+    ``stop_timeout_s``), leave it down ``down_s`` seconds, start it again with the same
+    ports, flags and data, and wait until it answers. Returns the seconds from the stop to
+    ready. For fault drills (``benchmarks/chaos.py``): an API-server or etcd restart."""
+    if name not in PROCESS_ORDER:
+        raise KeyError(f"{name!r} is not one of {', '.join(PROCESS_ORDER)}")
+    paths = state_paths(settings)
+    info = load_info(paths)
+    if info is None:
+        raise RuntimeError(f"no cluster.json in {paths.root}: is the cluster up?")
+    binary = components.binary_path(
+        settings, components.component(name), components.find_tools_dir(settings)
+    )
+    started = time.monotonic()
+    record = procs.PidRecord.read(paths.pids / f"{name}{procs.PID_SUFFIX}")
+    if record is not None:
+        procs.stop_record(record, paths.pids, settings.stop_timeout_s)
+    log(f"stopped {name}")
+    if down_s > 0:
+        time.sleep(down_s)
+    argv = _argv(name, binary, settings, paths, info.ports)
+    procs.start(name, argv, paths.logs / f"{name}.log", paths.pids)
+    _wait(name, _ready_check(name, settings, paths, info.ports), settings, paths, name)
+    took = time.monotonic() - started
+    log(f"{name} ready again {took:.1f}s after the stop")
+    return took
+
+
 def purge(settings: LocalClusterSettings, log: Log = print) -> None:
     """Delete the state dir of a stopped cluster."""
     paths = state_paths(settings)
