@@ -359,8 +359,9 @@ def _validate(cfgs: list[dict[str, Any]]) -> str | None:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .gcpause import gc_paused
+    from .gcpause import freeze_at_exit, gc_paused
 
+    freeze_at_exit()
     with gc_paused():  # the trace, the replay and the bound: one collection after, not many
         return _simulate(args)
 

@@ -1,7 +1,8 @@
-"""Pausing the cyclic garbage collector around allocation-heavy work."""
+"""The cyclic garbage collector around allocation-heavy work, and at exit."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,3 +22,18 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+_frozen_at_exit = False
+
+
+def freeze_at_exit() -> None:
+    """At interpreter shutdown, first move every object to the collector's permanent
+    generation, so that its shutdown passes skip them: with numba loaded (its type
+    system, compiled functions and caches) those passes cost ~0.2 s of every process
+    that ran a replay, for objects the process releases at exit anyway. Nothing changes
+    while the process runs (an ``atexit`` hook, registered once)."""
+    global _frozen_at_exit
+    if not _frozen_at_exit:
+        atexit.register(gc.freeze)
+        _frozen_at_exit = True
