@@ -240,6 +240,7 @@ class Simulation:
             self.reqs.append(_Req(info=info))
         self._events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
+        self._chunk = config.chunk_steps
         self.prefill_gpu_s = 0.0
         self.reject_reasons: dict[str, int] = {}
         self._running_rid: list[int] = [-1] * n_p
@@ -293,19 +294,34 @@ class Simulation:
         done_arrivals = 0
         next_report = 0.1
         events = self._events
+        pop = heapq.heappop
+        decoders = self.decoders
+        progress = self.cfg.progress
         while events:
-            t, _, kind, a, b = heapq.heappop(events)
+            t, _, kind, a, b = pop(events)
             self._now = t
-            if kind == ARRIVE:
+            if kind == DECODE_WAKE:  # the most frequent kind first: a chunk of decode steps
+                dec = decoders[a]
+                if b == dec.version:
+                    self._schedule_wake(dec, self._advance(dec, t))
+            elif kind == ARRIVE:
                 self._arrive(t, a)
                 done_arrivals += 1
-                if self.cfg.progress and done_arrivals / total >= next_report:
+                if progress and done_arrivals / total >= next_report:
                     self._progress(done_arrivals, total, started)
                     next_report += 0.1
             elif kind == PREFILL_DONE:
                 self._prefill_done(t, a, b)
             elif kind == DECODE_JOIN:
                 self._decode_join(t, a, b)
+            elif kind == VISIBLE:
+                keys, tier = self._unseen[b].pop(a)
+                self.index.store(b, keys, tier)
+            elif kind == OVERDUE:
+                self._overdue(t, a, b)
+            elif kind == HOLD_END:
+                if self._holding.pop(a, None) is not None:  # no room came in time
+                    self._reject(self.reqs[a].decision)
             elif kind == REPLICATE:
                 self._replicate(t)
                 if t < last_arrival:
@@ -313,20 +329,7 @@ class Simulation:
             elif kind == REPLICA_DONE:
                 action = self._replicas.pop(a)
                 self._publish(t, action.target, action.keys, DRAM)
-            elif kind == HOLD_END:
-                if self._holding.pop(a, None) is not None:  # no room came in time
-                    self._reject(self.reqs[a].decision)
-            elif kind == VISIBLE:
-                keys, tier = self._unseen[b].pop(a)
-                self.index.store(b, keys, tier)
-            elif kind == OVERDUE:
-                self._overdue(t, a, b)
-            else:
-                dec = self.decoders[a]
-                if b == dec.version:
-                    self._advance(dec, t)
-                    self._schedule_wake(dec)
-        if self.cfg.progress:
+        if progress:
             sys.stderr.write("\n")
         return self._results(time.perf_counter() - started)
 
@@ -749,9 +752,11 @@ class Simulation:
                 break
         return acc / take
 
-    def _advance(self, dec: _Decoder, until: float) -> None:
+    def _advance(self, dec: _Decoder, until: float) -> float:
+        """Run ``dec``'s batch up to ``until`` in chunks; returns the step time of the
+        batch as it stands when that was priced last and not changed since (0.0: none)."""
         st = dec.state
-        cap = self.cfg.chunk_steps
+        cap = self._chunk
         # :meth:`_step_time` inlined (the same arithmetic): every chunk prices a step
         step_time, slow = self.cost.decode_step_time, self._slow
         running = dec.running
@@ -760,21 +765,27 @@ class Simulation:
             k_max = min(running[0][0] - dec.steps, cap)
             k = min(k_max, int((until - dec.last) / dt + 1e-9))
             if k <= 0:
-                return
+                return dt  # the batch as priced
             self._apply_steps(dec, k, dt)
             if k < k_max:
-                return
+                return 0.0
         st.tokens_per_s = 0.0
+        return 0.0
 
-    def _schedule_wake(self, dec: _Decoder) -> None:
+    def _schedule_wake(self, dec: _Decoder, dt: float = 0.0) -> None:
+        """The wake at the end of ``dec``'s next chunk; ``dt``: the batch's step time when
+        the caller has it (what :meth:`_advance` returns), else priced here."""
         st = dec.state
         dec.version += 1
         if not st.batch:
             return
-        dt = self.cost.decode_step_time(st.batch, st.context_tokens) * self._slow  # _step_time
+        if not dt:
+            dt = self.cost.decode_step_time(st.batch, st.context_tokens) * self._slow
         st.tokens_per_s = 1.0 / dt
-        k = min(dec.running[0][0] - dec.steps, self.cfg.chunk_steps)
-        self._push(dec.last + k * dt, DECODE_WAKE, st.iid, dec.version)
+        k = min(dec.running[0][0] - dec.steps, self._chunk)
+        self._seq += 1  # :meth:`_push`, inlined (one wake per chunk of steps)
+        heapq.heappush(self._events, (dec.last + k * dt, self._seq, DECODE_WAKE, st.iid,
+                                      dec.version))
 
     # -- results ------------------------------------------------------------------------------
     def _error_windows(self) -> list[float]:
