@@ -323,9 +323,12 @@ class PrefillState(_Instance):
 
     def wait_time(self, now: float, priority: float | None = None) -> float:
         """Predicted seconds until a new prefill with ``priority`` starts here."""
-        wait = max(0.0, self.busy_until - now)  # running_remaining, inlined (a hot call)
+        # running_remaining, inlined (a hot call), read from the slots behind the columns;
+        # ``max(0.0, x)`` as a conditional (the same value: 0.0 unless x > 0.0)
+        left = self._busy_until - now
+        wait = left if left > 0.0 else 0.0
         if priority is None:
-            return wait + self.queued_work_s
+            return wait + self._queued_work_s
         return wait + sum(q.work_s for q in self.queue if q.priority <= priority)
 
     def enqueue(self, rid: int, priority: float, work_s: float, blocks: int, tokens: int) -> None:
