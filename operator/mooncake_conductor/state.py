@@ -277,6 +277,8 @@ class PrefillState(_Instance):
         "running_blocks",
         "running_tokens",
     )
+    _busy_until: float  # the slots behind ``busy_until`` and ``queued_work_s`` (wait_time)
+    _queued_work_s: float
     busy_until: _Column[float] = _column("busy_until")
     queued_work_s: _Column[float] = _column("queued_work_s")
     queue_len: _Column[int] = _column("queue_len")  # len(queue), kept by enqueue / pop
