@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import os
 import sys
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported where used: a one-policy replay starts no pool
+    import multiprocessing.context
+    from concurrent.futures import ProcessPoolExecutor
 
 #: ``--capabilities``: every design offered what it can use, or each its own defaults
 CAPABILITIES = ("equal", "own")
@@ -417,6 +419,8 @@ def _simulate(args: argparse.Namespace) -> int:
     progress = sys.stderr.isatty() or len(records) > 2000
     work = [(records, cfg, progress and jobs == 1) for cfg in configs]
     if jobs > 1 and len(work) > 1:
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
         print(f"running {len(work)} policies on {jobs} processes ...", file=sys.stderr)
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             futures = [pool.submit(_run_one, w) for w in work]
@@ -472,6 +476,8 @@ MAX_PROBES_PER_ROUND = 8
 def _thread_safe_start() -> multiprocessing.context.BaseContext:
     """How a pool that threads submit to starts its processes: from a server process
     (or afresh), never forked from this one while other threads may hold its locks."""
+    import multiprocessing
+
     methods = multiprocessing.get_all_start_methods()
     return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
 
@@ -608,6 +614,8 @@ def cmd_capacity(args: argparse.Namespace) -> int:
     jobs = args.jobs or os.cpu_count() or 1
     results: list[dict[str, Any]] = []
     if jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
+
         # every search in a thread of its own, their probes on one pool of processes; with
         # fewer searches than processes each search probes several speeds a round
         width = max(1, min(MAX_PROBES_PER_ROUND, jobs // len(jobs_in)))
