@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from .gcpause import gc_paused
 
@@ -88,9 +89,11 @@ def _fast_record(line: str, block_tokens: int) -> TraceRecord | None:
     a few C-level operations; ``None`` for anything else, which :func:`parse_line` then
     reads again and either accepts (e.g. a length written ``600.0``) or names the fault
     of. The checks are :func:`parse_line`'s, so both paths take the same lines."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError:
+    try:  # json.loads without its whitespace scans: a value from the first character...
+        obj, end = _scan_once(line, 0)
+    except (StopIteration, json.JSONDecodeError):  # (StopIteration: no value there)
+        return None
+    if end != len(line) and line[end:] != "\n":  # ...and nothing after it but the newline
         return None
     if type(obj) is not dict:
         return None
@@ -107,6 +110,10 @@ def _fast_record(line: str, block_tokens: int) -> TraceRecord | None:
 
 
 _INT_ONLY = {int}
+#: the scanner ``json.loads`` runs (the default decoder's), called directly (an instance
+#: attribute the stubs do not declare)
+_scan_once: Callable[[str, int], tuple[Any, int]] = \
+    json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def load_trace(
@@ -122,10 +129,10 @@ def load_trace(
     last_ts = -math.inf
     with fh, gc_paused():
         for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
             rec = _fast_record(line, block_tokens)
             if rec is None:
+                if not line.strip():
+                    continue
                 where = f"{p}:{lineno}"
                 try:
                     rec = parse_line(line, where, block_tokens)
