@@ -93,6 +93,23 @@ def _bits(mask: int) -> Iterable[int]:
         mask ^= low
 
 
+#: the ids of one-word holder masks, ascending, as :func:`_bit_list` has seen them: a walk
+#: drops the same few sets of instances again and again (at most ``BIT_LISTS_MAX`` kept)
+_BIT_LISTS: dict[int, tuple[int, ...]] = {}
+BIT_LISTS_MAX = 1 << 12
+
+
+def _bit_list(mask: int) -> tuple[int, ...]:
+    """The set bits of ``mask`` (non-negative), ascending, as :func:`_bits`; one-word
+    masks are remembered (a dict look-up instead of a generator per drop)."""
+    bits = _BIT_LISTS.get(mask)
+    if bits is None:
+        bits = tuple(_bits(mask))
+        if not mask >> WORD_BITS and len(_BIT_LISTS) < BIT_LISTS_MAX:
+            _BIT_LISTS[mask] = bits
+    return bits
+
+
 class _Mirror:
     """Vectorised copies of the holder and pending masks, and the keys changed since
     they were last brought up to date."""
@@ -205,9 +222,9 @@ def _matches(drops: list[tuple[int, int, int]], left: int, n: int) -> dict[int, 
     out: dict[int, int] = {}
     for at, before, after in drops:
         if at:
-            for inst in _bits(before & ~after):
+            for inst in _bit_list(before & ~after):
                 out[inst] = at
-    for inst in _bits(left):
+    for inst in _bit_list(left):
         out[inst] = n
     return out
 
@@ -605,7 +622,7 @@ class PrefixIndex:
             value = alive[i]
             end = bisect_right(alive, -value, i, key=neg) - 1  # where the run of value ends
             if end:
-                for inst in _bits(value if end == last else value & ~alive[end + 1]):
+                for inst in _bit_list(value if end == last else value & ~alive[end + 1]):
                     out[inst] = end
             if end == last:
                 break
