@@ -136,6 +136,25 @@ def routable(gateway_url: str, model: str) -> set[str]:
     return {k for k, v in gateway_instances(gateway_url, model).items() if v.get("routable")}
 
 
+def rejections(gateway_url: str) -> dict[str, float]:
+    """The gateway's 429s so far, by reason (``mooncake_gateway_rejections_total``)."""
+    with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("mooncake_gateway_rejections_total{"):
+            labels, _, value = line.rpartition(" ")
+            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + float(value)
+    return out
+
+
+def increase(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
+    """What grew between two reads of a counter family (non-zero entries)."""
+    out = {k: round(v - before.get(k, 0.0)) for k, v in after.items()}
+    return {k: v for k, v in sorted(out.items()) if v}
+
+
 # -- outcomes around a fault ------------------------------------------------------------------
 def counts(outcomes: Iterable[JsonDict]) -> dict[str, int]:
     out = dict.fromkeys(STATUSES, 0)

@@ -1,0 +1,821 @@
+"""The chaos suite (issue 32 item 3): each fault injected while a replay runs through the
+gateway; requests completed / rejected / failed, recovery, and what is left broken.
+
+    python benchmarks/chaos.py [--faults decode-sigkill,prefill-hang] [--requests 180]
+        [--time-scale 0.5] [--utilization 0.8] [--inject-at 35] [--hold-s 20]
+        [--json docs/results/reliability.json] [--markdown docs/results/reliability.md]
+        [--from-json FILE] [--list]
+
+Set-up, once: the embedded control plane (its own ``--cluster-name``, started fresh and
+purged at the end), the Helm chart with **two** operator pods (each an operator and a
+gateway sidecar; one leads on the Lease, both gateways serve behind the gateway
+Service), and ``examples/clusters/simulated.yaml`` (2 prefill + 2 decode simulated
+LLaMA3-70B engines at ``--time-scale``, a Mooncake Store: master + one store node per GPU
+node, the example's admission). Requests go to the gateway Service's ClusterIP, which
+the local cluster's service proxy spreads over the ready gateway pods (round robin, the
+next one when a connection is refused), as kube-proxy would.
+
+Per fault: wait until nothing is broken; replay the first ``--requests`` requests of the
+bundled conversation trace (a fresh token salt: every run starts cold) at the speed that
+loads ``--utilization`` of the prefill pool's compute; inject the fault ``--inject-at``
+seconds after the first send; watch the MooncakeCluster's Ready condition every 0.5 s;
+after the replay, wait up to ``--settle-s`` for everything to be healthy and list what is
+not (the leftovers). ``none`` is the same run without a fault. Definitions are in
+``mooncake_testbed.chaos`` and on the published page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from mooncake_gateway.replay import ReplayConfig, replay
+from mooncake_localcluster import cluster, components
+from mooncake_localcluster.kubehttp import ApiError, KubeHttp
+from mooncake_localcluster.settings import LocalClusterSettings
+from mooncake_sim.presets import speed_for_utilization
+from mooncake_sim.trace import TraceRecord, bundled_trace, load_trace
+from mooncake_testbed import chaos
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "clusters" / "simulated.yaml"
+CHART = ROOT / "charts" / "mooncake-operator"
+CRD_FILE = ROOT / "crds" / "mooncake.io_mooncakeclusters.yaml"
+NS = "chaos"
+RELEASE = "mooncake"
+CLUSTER = "llama"
+MODEL = "llama3-70b-sim"
+GATEWAY_PORT = 8080
+PSS = {"pod-security.kubernetes.io/enforce": "restricted"}
+GROUP_PATH = "/apis/mooncake.io/v1alpha1"
+POLL_S = 0.5
+JsonDict = dict[str, Any]
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.5) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        with contextlib.suppress(ApiError, OSError, ValueError, KeyError, RuntimeError):
+            last = cond()
+            if last:
+                return last
+        time.sleep(every)
+    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+# -- the faults -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    what: str  # one line for the table
+    how: str  # how it is injected here
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault("none", "no fault (the reference run)", "nothing"),
+    Fault("prefill-pod-delete", "a prefill pod deleted",
+          "API delete of the first prefill pod (default grace period)"),
+    Fault("decode-sigkill", "a decode engine SIGKILLed",
+          "SIGKILL to the decode engine's process; the pod runner restarts the container"),
+    Fault("prefill-hang", "a prefill engine hung (accepts, never answers)",
+          "SIGSTOP to the prefill engine's process group for --hold-s, then SIGCONT: the "
+          "kernel still accepts its TCP connections"),
+    Fault("store-master-delete", "the store master pod deleted",
+          "API delete of the Mooncake master pod (its Deployment makes a new one)"),
+    Fault("store-node-delete", "a store node pod deleted",
+          "API delete of one store-node pod (its DaemonSet makes a new one)"),
+    Fault("operator-sigkill", "the operator leader SIGKILLed",
+          "SIGKILL to the leading operator container's process (its gateway sidecar stays); "
+          "a spec change is made at once and timed until reconciled"),
+    Fault("operator-sigterm", "the operator leader SIGTERMed",
+          "SIGTERM to the leading operator container's process; spec change timed as above"),
+    Fault("gateway-sigkill", "a gateway replica SIGKILLed",
+          "SIGKILL to the gateway sidecar's process in the leader's pod (the one whose "
+          "registry the leading operator reads); the Service keeps the other gateway"),
+    Fault("apiserver-restart", "the API server restarted",
+          "kube-apiserver stopped (SIGTERM) and started again with the same flags"),
+    Fault("etcd-restart", "etcd restarted",
+          "etcd stopped (SIGTERM) and started again on the same data"),
+    Fault("kv-events-drop", "a KV-event stream dropping batches",
+          "SIGUSR1 to a prefill engine: its KV-event batches are numbered but never sent "
+          "(nor kept for replay) for --hold-s, then SIGUSR1 again"),
+)}
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, settings: LocalClusterSettings,
+                 http: KubeHttp, state_dir: Path) -> None:
+        self.a = args
+        self.settings = settings
+        self.http = http
+        self.state_dir = state_dir
+        self.records: list[TraceRecord] = load_trace(bundled_trace())[: args.requests]
+        self.speed = speed_for_utilization(self.records, 2, args.utilization)
+        self.gateway_url = ""
+
+    # -- objects --------------------------------------------------------------------------------
+    def pods(self, selector: str = "") -> list[JsonDict]:
+        return chaos.pods(self.http, NS, selector)
+
+    def operator_pods(self) -> list[JsonDict]:
+        return sorted((p for p in self.pods()
+                       if {c["name"] for c in p["spec"]["containers"]} == {"operator", "gateway"}
+                       and not p["metadata"].get("deletionTimestamp")),
+                      key=lambda p: str(p["metadata"]["name"]))
+
+    def gateway_urls(self) -> list[str]:
+        return [f"http://{p['status']['podIP']}:{GATEWAY_PORT}" for p in self.operator_pods()
+                if (p.get("status") or {}).get("podIP")]
+
+    def lease_holder(self) -> str:
+        lease = self.http.get(f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/{RELEASE}")
+        return str((lease.get("spec") or {}).get("holderIdentity") or "")
+
+    def leader_pod(self) -> JsonDict:
+        holder = self.lease_holder()
+        for p in self.operator_pods():
+            if p["metadata"]["name"] == holder:
+                return p
+        raise RuntimeError(f"the Lease holder {holder!r} is no operator pod")
+
+    def engine(self, role: str, index: int = 0) -> JsonDict:
+        return chaos.engine_pods(self.http, NS, CLUSTER, role)[index]
+
+    def inflight(self, pod: JsonDict) -> int:
+        """Requests the gateways have in flight on ``pod``'s engine."""
+        name = f"{NS}/{pod['metadata']['name']}"
+        total = 0
+        for url in self.gateway_urls():
+            with contextlib.suppress(OSError, ValueError):
+                total += int(chaos.gateway_instances(url, MODEL).get(name, {}).get("inflight", 0))
+        return total
+
+    def rejections(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for p in self.operator_pods():
+            url = f"http://{(p.get('status') or {}).get('podIP')}:{GATEWAY_PORT}"
+            with contextlib.suppress(OSError, ValueError):
+                out[p["metadata"]["name"]] = chaos.rejections(url)
+        return out
+
+    def leftovers(self) -> list[str]:
+        return chaos.leftovers(self.http, NS, CLUSTER, MODEL, self.gateway_urls(),
+                               self.state_dir)
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def setup(self, kubeconfig: Path, helm: Path) -> None:
+        t0 = time.monotonic()
+        with contextlib.suppress(ApiError):
+            self.http.post("/api/v1/namespaces", {"metadata": {"name": NS, "labels": PSS}})
+        crd: JsonDict = yaml.safe_load(CRD_FILE.read_text())
+        self.http.request("PATCH", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/"
+                          f"{crd['metadata']['name']}?fieldManager=chaos&force=true", crd,
+                          "application/apply-patch+yaml")
+        argv = [str(helm), "upgrade", "--install", RELEASE, str(CHART), "-n", NS, "--wait",
+                "--timeout", "10m", "--set", "fullnameOverride=" + RELEASE,
+                "--set", "replicas=2",
+                "--set", "operator.bindAddress=$(POD_IP)", "--set", "gateway.bindAddress=$(POD_IP)"]
+        proc = subprocess.run(argv, env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise SystemExit(f"helm install failed:\n{proc.stdout}\n{proc.stderr}")
+        log(f"chart installed with 2 operator pods ({time.monotonic() - t0:.0f}s)")
+        obj: JsonDict = yaml.safe_load(EXAMPLE.read_text())
+        obj["metadata"]["namespace"] = NS
+        obj["spec"]["engine"]["simulated"]["timeScale"] = self.a.time_scale
+        self.http.post(f"{GROUP_PATH}/namespaces/{NS}/mooncakeclusters", obj)
+        last = ""
+
+        def ready() -> bool:
+            nonlocal last
+            ok, reason = chaos.cluster_ready(self.http, NS, CLUSTER)
+            if reason != last:
+                log(f"  {CLUSTER}: Ready={ok} ({reason})")
+                last = reason
+            return ok
+
+        wait_until(ready, 900, f"{CLUSTER} Ready", every=1.0)
+        svc = self.http.get(f"/api/v1/namespaces/{NS}/services/{RELEASE}-gateway")
+        port = next(int(p["port"]) for p in svc["spec"]["ports"] if p.get("name") == "http")
+        self.gateway_url = f"http://{svc['spec']['clusterIP']}:{port}"
+        wait_until(lambda: not self.leftovers(), 300, "every pod Ready and routable")
+        log(f"{CLUSTER} Ready and served at {self.gateway_url} by "
+            f"{len(self.gateway_urls())} gateways ({time.monotonic() - t0:.0f}s)")
+
+    # -- one fault ------------------------------------------------------------------------------
+    def run(self, name: str) -> JsonDict:
+        fault = FAULTS[name]
+        t_start = time.time()
+        try:
+            wait_until(lambda: not self.leftovers(), self.a.settle_s, "a healthy start")
+            healthy = True
+        except TimeoutError:
+            healthy = False
+        start_left = [] if healthy else self.leftovers()
+        if start_left:
+            log(f"  starting unhealthy: {start_left}")
+        restarts0 = chaos.restarts(self.pods())
+        rejected0 = self.rejections()
+        started = threading.Event()
+        t0_box: list[float] = []
+        done = [0]
+        res: JsonDict = {}
+
+        def on_start(t0: float) -> None:
+            t0_box.append(t0)
+            started.set()
+
+        def go() -> None:
+            cfg = ReplayConfig(url=self.gateway_url, model=MODEL,
+                               speed=self.speed / self.a.time_scale,
+                               max_output_tokens=self.a.max_output_tokens,
+                               time_scale=self.a.time_scale, timeout_s=600,
+                               salt=secrets.randbits(62), keep_outcomes=True,
+                               on_start=on_start,
+                               on_done=lambda n: done.__setitem__(0, n))
+            try:
+                res.update(asyncio.run(replay(self.records, cfg)))
+            except Exception as exc:  # the run is reported
+                res["error"] = f"{type(exc).__name__}: {exc}"
+            started.set()
+
+        thread = threading.Thread(target=go, daemon=True)
+        samples: list[tuple[float, str]] = []
+        stop = threading.Event()
+        monitor = threading.Thread(target=self._monitor, args=(samples, stop, t0_box),
+                                   daemon=True)
+        thread.start()
+        started.wait(120)
+        if not t0_box:
+            raise RuntimeError(f"the replay did not start: {res.get('error')}")
+        t0 = t0_box[0]
+        monitor.start()
+        info: JsonDict = {}
+        delay = t0 + self.a.inject_at - time.perf_counter()
+        last_progress = 0.0
+        while delay > 0:
+            time.sleep(min(delay, 1.0))
+            delay = t0 + self.a.inject_at - time.perf_counter()
+            last_progress = self._progress(name, t0, done[0], samples, last_progress)
+        inject_s = time.perf_counter() - t0
+        log(f"  {name}: injecting at +{inject_s:.1f}s: {fault.how}")
+        try:
+            info = self.inject(name, t0)
+        except Exception as exc:  # reported as a result
+            info = {"inject_error": f"{type(exc).__name__}: {exc}"}
+            log(f"  {name}: could not inject: {info['inject_error']}")
+        while thread.is_alive():
+            thread.join(1.0)
+            last_progress = self._progress(name, t0, done[0], samples, last_progress)
+        replay_end = time.perf_counter() - t0
+        settle_t0 = time.monotonic()
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda: not self.leftovers(), self.a.settle_s, "healthy again")
+        settled_s = time.monotonic() - settle_t0
+        left = self.leftovers()
+        stop.set()
+        monitor.join(5)
+        restarts1 = chaos.restarts(self.pods())
+        rejected_by: dict[str, int] = {}
+        for pod, now in self.rejections().items():
+            then = rejected0.get(pod, {})
+            restarted = any(v < then.get(k, 0.0) for k, v in now.items())
+            for k, v in chaos.increase(now, {} if restarted else then).items():
+                rejected_by[k] = rejected_by.get(k, 0) + v
+        outcomes: list[JsonDict] = res.pop("outcomes", [])
+        out: JsonDict = {
+            "fault": name, "what": fault.what, "how": fault.how, "started": t_start,
+            "healthy_at_start": healthy, "unhealthy_at_start": start_left,
+            "inject_s": inject_s, "replay_end_s": replay_end,
+            "requests": res.get("requests", len(self.records)),
+            "completed": res.get("completed"), "rejected": res.get("rejected"),
+            "failed": res.get("failed"), "errors": res.get("errors"),
+            "rejected_by": rejected_by, "replay_error": res.get("error"),
+            "phases": chaos.phases(outcomes, inject_s),
+            "recovery_s": chaos.recovery_s(outcomes, inject_s),
+            "ready": chaos.ready_summary(samples, inject_s),
+            "ttft_p50_before_s": chaos.ttft_p50(outcomes, 0.0, inject_s),
+            "ttft_p50_after_s": chaos.ttft_p50(outcomes, inject_s, inject_s + 30.0),
+            "ttft_mean_s": res.get("ttft_mean_s"), "slo_attainment": res.get("slo_attainment"),
+            "per_second": chaos.per_second(outcomes, inject_s),
+            "settled_after_replay_s": settled_s, "leftovers": left,
+            "restarts": {k: v - restarts0.get(k, 0) for k, v in restarts1.items()
+                         if v > restarts0.get(k, 0)},
+            "info": info,
+        }
+        log(f"  {name}: completed {out['completed']}, rejected {out['rejected']}, failed "
+            f"{out['failed']} {out['errors'] or ''}; recovery {out['recovery_s']:.1f}s; "
+            f"Ready {out['ready']}; leftovers {left or 'none'}; {info}")
+        return out
+
+    def _progress(self, name: str, t0: float, done: int, samples: list[tuple[float, str]],
+                  last: float) -> float:
+        now = time.perf_counter()
+        if now - last < 15:
+            return last
+        state = samples[-1][1] if samples else "?"
+        log(f"  {name}: +{now - t0:.0f}s, {done}/{len(self.records)} requests ended, "
+            f"cluster {state}")
+        return now
+
+    def _monitor(self, samples: list[tuple[float, str]], stop: threading.Event,
+                 t0_box: list[float]) -> None:
+        t0 = t0_box[0]
+        while not stop.is_set():
+            try:
+                ok, reason = chaos.cluster_ready(self.http, NS, CLUSTER)
+                state = "Ready" if ok else reason
+            except (ApiError, OSError, ValueError, KeyError) as err:
+                state = f"API error ({type(err).__name__})"
+            samples.append((time.perf_counter() - t0, state))
+            stop.wait(POLL_S)
+
+    # -- injection ------------------------------------------------------------------------------
+    def inject(self, name: str, t0: float) -> JsonDict:
+        hold = self.a.hold_s
+        if name == "none":
+            return {}
+        if name in ("prefill-pod-delete", "store-master-delete", "store-node-delete"):
+            role = {"prefill-pod-delete": "prefill", "store-master-delete": "store-master",
+                    "store-node-delete": "store-node"}[name]
+            victim = chaos.engine_pods(self.http, NS, CLUSTER, role)[0]
+            vname = victim["metadata"]["name"]
+            inflight = self.inflight(victim) if role == "prefill" else None
+            self.http.delete(f"/api/v1/namespaces/{NS}/pods/{vname}")
+            t = time.monotonic()
+            info: JsonDict = {"victim": vname}
+            if role == "prefill":
+                info["inflight_at_fault"] = inflight
+                with contextlib.suppress(TimeoutError):
+                    wait_until(lambda: all(f"{NS}/{vname}" not in chaos.routable(u, MODEL)
+                                           for u in self.gateway_urls()), 30,
+                               "the gateways to drop it", every=0.1)
+                    info["gateways_dropped_s"] = round(time.monotonic() - t, 2)
+            return info
+        if name == "decode-sigkill":
+            victim = self.engine("decode")
+            inflight = self.inflight(victim)
+            pids = chaos.signal_container(self.state_dir, victim, "engine", signal.SIGKILL)
+            return {"victim": victim["metadata"]["name"], "pids": pids,
+                    "inflight_at_fault": inflight}
+        if name == "prefill-hang":
+            victim = self.engine("prefill")
+            vname = f"{NS}/{victim['metadata']['name']}"
+            inflight = self.inflight(victim)
+            pids = chaos.signal_container(self.state_dir, victim, "engine", signal.SIGSTOP,
+                                          group=True)
+            t = time.monotonic()
+            info = {"victim": victim["metadata"]["name"], "inflight_at_fault": inflight,
+                    "hold_s": hold}
+            try:
+                with contextlib.suppress(TimeoutError):
+                    wait_until(lambda: all(vname not in chaos.routable(u, MODEL)
+                                           for u in self.gateway_urls()), hold,
+                               "the gateways to mark it down", every=0.1)
+                    info["marked_down_s"] = round(time.monotonic() - t, 2)
+                time.sleep(max(0.0, hold - (time.monotonic() - t)))
+            finally:
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGCONT)
+            t = time.monotonic()
+            with contextlib.suppress(TimeoutError):
+                wait_until(lambda: all(vname in chaos.routable(u, MODEL)
+                                       for u in self.gateway_urls()), 60,
+                           "the gateways to route to it again", every=0.2)
+                info["routable_again_s"] = round(time.monotonic() - t, 2)
+            return info
+        if name in ("operator-sigkill", "operator-sigterm"):
+            return self._operator(signal.SIGKILL if name == "operator-sigkill"
+                                  else signal.SIGTERM)
+        if name == "gateway-sigkill":
+            victim = self.leader_pod()  # its operator reads this gateway's registry
+            url = f"http://{victim['status']['podIP']}:{GATEWAY_PORT}"
+            inflight = sum(int(i.get("inflight", 0))
+                           for i in chaos.gateway_instances(url, MODEL).values())
+            pids = chaos.signal_container(self.state_dir, victim, "gateway", signal.SIGKILL)
+            t = time.monotonic()
+            info = {"victim": victim["metadata"]["name"], "pids": pids,
+                    "inflight_at_fault": inflight}
+            with contextlib.suppress(TimeoutError):
+                wait_until(lambda: chaos.http_json(f"{url}/health"), 120,
+                           "the gateway to serve again", every=0.2)
+                info["gateway_back_s"] = round(time.monotonic() - t, 2)
+            return info
+        if name in ("apiserver-restart", "etcd-restart"):
+            comp = "kube-apiserver" if name == "apiserver-restart" else "etcd"
+            took = cluster.restart(self.settings, comp, lambda m: log(f"    {m}"))
+            return {"component": comp, "down_s": round(took, 2)}
+        if name == "kv-events-drop":
+            victim = self.engine("prefill", 1)
+            vname = f"{NS}/{victim['metadata']['name']}"
+            before = self._events(vname)
+            chaos.signal_container(self.state_dir, victim, "engine", signal.SIGUSR1)
+            time.sleep(hold)
+            during = self._events(vname)
+            chaos.signal_container(self.state_dir, victim, "engine", signal.SIGUSR1)
+            t = time.monotonic()
+            info = {"victim": victim["metadata"]["name"], "hold_s": hold,
+                    "events_before": before, "events_end_of_drop": during}
+
+            def lost() -> int:
+                return sum(int(v.get("lost") or 0) for v in self._events(vname).values())
+
+            lost0 = sum(int(v.get("lost") or 0) for v in during.values())
+            with contextlib.suppress(TimeoutError):
+                wait_until(lambda: lost() > lost0, 20, "a gateway to see the gap", every=0.2)
+                info["gap_seen_s"] = round(time.monotonic() - t, 2)
+            time.sleep(max(0.0, 20.0 - (time.monotonic() - t)))
+            info["events_20s_after"] = self._events(vname)
+            return info
+        raise KeyError(name)
+
+    def _events(self, vname: str) -> dict[str, JsonDict]:
+        """Each gateway's KV-event counters and index size for one instance."""
+        out: dict[str, JsonDict] = {}
+        for url in self.gateway_urls():
+            with contextlib.suppress(OSError, ValueError):
+                inst = chaos.gateway_instances(url, MODEL).get(vname) or {}
+                out[url] = {"routable": inst.get("routable"),
+                            "index_blocks": inst.get("index_blocks"),
+                            **{k: (inst.get("events") or {}).get(k)
+                               for k in ("applied", "gaps", "lost", "resets", "replayed",
+                                         "orphan_blocks")}}
+        return out
+
+    def _operator(self, sig: int) -> JsonDict:
+        leader = self.leader_pod()
+        lname = leader["metadata"]["name"]
+        path = f"{GROUP_PATH}/namespaces/{NS}/mooncakeclusters/{CLUSTER}"
+        chaos.signal_container(self.state_dir, leader, "operator", sig)
+        t = time.monotonic()
+        obj = self.http.patch(path, {"spec": {"rollout": {
+            "drainTimeoutSeconds": 300 + secrets.randbelow(1000)}}})
+        gen = int(obj["metadata"]["generation"])
+        info: JsonDict = {"victim": lname, "signal": signal.Signals(sig).name}
+
+        def reconciled() -> bool:
+            st = self.http.get(path).get("status") or {}
+            return int(st.get("observedGeneration") or 0) >= gen
+
+        with contextlib.suppress(TimeoutError):
+            wait_until(reconciled, 90, "the spec change to be reconciled", every=0.2)
+            info["spec_change_reconciled_s"] = round(time.monotonic() - t, 2)
+        with contextlib.suppress(ApiError, OSError):
+            info["new_leader"] = self.lease_holder()
+        return info
+
+
+# -- the local cluster ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def local_cluster(name: str, keep: bool) -> Iterator[tuple[LocalClusterSettings, Path,
+                                                           KubeHttp, Path]]:
+    settings = LocalClusterSettings(name=name)
+    paths = cluster.state_paths(settings)
+
+    def quiet(message: str) -> None:
+        log(f"  local-cluster: {message}")
+
+    if paths.root.exists():
+        log(f"a previous {name!r} cluster state exists; stopping and purging it first")
+        cluster.down(settings, quiet)
+        cluster.purge(settings, quiet)
+    t0 = time.monotonic()
+    info = cluster.up(settings, quiet)
+    log(f"local cluster {name!r} up in {time.monotonic() - t0:.1f}s")
+    used = cluster.read_settings(Path(info.state_dir))
+    try:
+        yield used, paths.kubeconfig, cluster.kube_client(paths, info.server), paths.root
+    finally:
+        cluster.down(settings, quiet)
+        if not keep:
+            cluster.purge(settings, quiet)
+        log(f"local cluster {name!r} stopped" + ("" if keep else " and purged"))
+
+
+def helm_binary(settings: LocalClusterSettings) -> Path:
+    tools = components.find_tools_dir(settings)
+    path = components.binary_path(settings, components.component("helm"), tools)
+    if not path.is_file():
+        raise SystemExit("helm is not built: mooncake-operator local-cluster build helm")
+    return path
+
+
+def machine() -> JsonDict:
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    mem = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem = int(line.split()[1])
+    return {"cpus": os.cpu_count(), "cpu_model": model, "mem_gib": round(mem / 2**20, 1),
+            "kernel": platform.release(), "python": platform.python_version()}
+
+
+# -- the page -------------------------------------------------------------------------------------
+def _s(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def notes(r: JsonDict) -> str:
+    """The fault's own measurements, in words."""
+    i = r.get("info") or {}
+    parts = []
+    if "inject_error" in i:
+        parts.append(f"not injected: {i['inject_error']}")
+    if i.get("inflight_at_fault") is not None:
+        parts.append(f"{i['inflight_at_fault']} in flight on it")
+    if "gateways_dropped_s" in i:
+        parts.append(f"gateways dropped it in {i['gateways_dropped_s']:.1f} s")
+    if "marked_down_s" in i:
+        parts.append(f"marked down in {i['marked_down_s']:.1f} s")
+    elif r["fault"] == "prefill-hang":
+        parts.append("not marked down within the hold")
+    if "routable_again_s" in i:
+        parts.append(f"routable {i['routable_again_s']:.1f} s after SIGCONT")
+    if "spec_change_reconciled_s" in i:
+        parts.append(f"spec change reconciled {i['spec_change_reconciled_s']:.1f} s after "
+                     f"the {i['signal']}")
+    elif i.get("signal"):
+        parts.append(f"spec change not reconciled within 90 s of the {i['signal']}")
+    if "gateway_back_s" in i:
+        parts.append(f"its gateway served again after {i['gateway_back_s']:.1f} s")
+    if "down_s" in i:
+        parts.append(f"{i['component']} back {i['down_s']:.1f} s after the stop")
+    if "gap_seen_s" in i:
+        parts.append(f"a gateway saw the gap {i['gap_seen_s']:.1f} s after the drop ended")
+    elif "events_20s_after" in i:
+        parts.append("no gateway saw a gap within 20 s of the drop's end")
+    if "events_20s_after" in i:
+        def total(key: str, snap: JsonDict) -> int:
+            return sum(int(v.get(key) or 0) for v in snap.values())
+        b, d, a = i["events_before"], i["events_end_of_drop"], i["events_20s_after"]
+        parts.append(
+            f"events applied +{total('applied', d) - total('applied', b)} during the drop, "
+            f"+{total('applied', a) - total('applied', d)} after; lost gaps "
+            f"+{total('lost', a) - total('lost', b)}, index resets "
+            f"+{total('resets', a) - total('resets', b)}; index blocks "
+            f"{total('index_blocks', b)} → {total('index_blocks', d)} → "
+            f"{total('index_blocks', a)}, orphan blocks (stored on a parent the gateway "
+            f"forgot) +{total('orphan_blocks', a) - total('orphan_blocks', b)} "
+            "(both gateways summed)")
+    if r.get("restarts"):
+        parts.append("restarts: " + ", ".join(f"{k} +{v}" for k, v in r["restarts"].items()))
+    if not r.get("healthy_at_start", True):
+        parts.append("started unhealthy: " + "; ".join(r.get("unhealthy_at_start") or []))
+    if r.get("replay_error"):
+        parts.append(f"replay error: {r['replay_error']}")
+    return "; ".join(parts)
+
+
+def markdown(doc: JsonDict) -> str:
+    s = doc["settings"]
+    rows = doc["results"]
+    m = doc["machine"]
+    lines = [
+        "# Reliability: the chaos table",
+        "",
+        f"`{s['command']}` — {doc['wall_seconds'] / 60:.0f} min on "
+        f"{time.strftime('%Y-%m-%d', time.gmtime(doc['started']))} (UTC), "
+        f"{m['cpus']} cores ({m['cpu_model']}), {m['mem_gib']} GiB, load average "
+        f"{'/'.join(f'{x:.1f}' for x in doc['load_start'])} at the start and "
+        f"{'/'.join(f'{x:.1f}' for x in doc['load_end'])} at the end.",
+        "",
+        "Set-up: the embedded control plane ([local cluster](../local-cluster.md)), the "
+        "Helm chart with **2 operator pods** (each an operator and a gateway sidecar; one "
+        "leads on the Lease, both gateways serve behind the gateway Service), "
+        f"`examples/clusters/simulated.yaml`: 2 prefill + 2 decode simulated LLaMA3-70B "
+        f"engines at time scale {s['time_scale']:g}, a Mooncake Store (master + 8 store "
+        "nodes), the example's admission (on). Requests go to the gateway Service's "
+        "ClusterIP (the local service proxy: round robin over ready gateway pods, the next "
+        "one when a connection is refused).",
+        "",
+        f"Each row is one replay of the bundled conversation trace's first "
+        f"{s['requests']} requests (a fresh token salt each: every run starts cold; at most "
+        f"{s['max_output_tokens']} output tokens) at {s['speed']:.3f}× the trace's rate "
+        f"(the rate that loads {s['utilization']:.0%} of the 2 prefill engines' compute, "
+        f"the demo's rule) — {s['wall_speed']:.3f}× on the wall clock. The fault is "
+        f"injected {s['inject_at']:g} s after the first send; a hold-type fault lasts "
+        f"{s['hold_s']:g} s. After the replay the run waits up to {s['settle_s']:g} s for "
+        "everything to be healthy, then lists what is not.",
+        "",
+        "| fault | completed | rejected (429) | failed | failed in flight / after | "
+        "recovery s | Ready again s | TTFT p50 before → after | leftovers |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    for r in rows:
+        if "run_error" in r:
+            lines.append(f"| {r['what']} | – | – | – | – | – | – | – | "
+                         f"run failed: {r['run_error']} |")
+            continue
+        ph = r["phases"]
+        rd = r["ready"]
+        ready = ("stayed Ready" if not rd["left_ready"] else
+                 "not Ready at the end" if rd["ready_again_s"] is None else
+                 f"{rd['ready_again_s']:.1f}")
+        left = "; ".join(r["leftovers"]) or "none"
+        lines.append(
+            f"| {r['what']} | {r['completed']} | {r['rejected']} | {r['failed']} | "
+            f"{ph['in_flight']['failed']} / {ph['after']['failed']} | "
+            f"{r['recovery_s']:.1f} | {ready} | "
+            f"{_s(r['ttft_p50_before_s'])} → {_s(r['ttft_p50_after_s'])} s | {left} |")
+    lines += ["", "## What each fault measured", ""]
+    for r in rows:
+        if "run_error" in r:
+            lines.append(f"- **{r['what']}** (`{r['fault']}`): {r['how']}. The run failed: "
+                         f"{r['run_error']}.")
+            continue
+        errs = ", ".join(f"{k} ×{v}" for k, v in (r.get("errors") or {}).items())
+        rej = ", ".join(f"{k} ×{v}" for k, v in (r.get("rejected_by") or {}).items())
+        lines.append(f"- **{r['what']}** (`{r['fault']}`): {r['how']}. "
+                     + (notes(r) or "—") + (f". Errors: {errs}" if errs else "")
+                     + (f". 429s by reason: {rej}" if rej else "") + ".")
+    lines += [
+        "",
+        "## Definitions",
+        "",
+        "- *completed / rejected / failed*: the replay client's count. *Completed*: the "
+        "stream delivered its tokens. *Rejected*: HTTP 429 from the gateway's admission "
+        "(nothing was started; the client may retry). *Failed*: any other end — an HTTP "
+        "error, a broken connection, an SSE `error` event, a stream without a token.",
+        "- *failed in flight / after*: failed requests that were in flight at the "
+        "injection (sent before it, not ended) / sent after it.",
+        "- *recovery s*: from the injection until the last failed request ended (0 when "
+        "no request failed after the injection). It measures how long clients saw "
+        "failures, not how long capacity was reduced: a 429 is not counted, and a slower "
+        "TTFT shows in the TTFT column.",
+        "- *Ready again s*: the MooncakeCluster's `Ready` condition, read every 0.5 s "
+        "through the API: from the injection until it was Ready (for the current "
+        "generation) again for good. *stayed Ready*: no sample after the injection was "
+        "anything else. An unreadable API counts as not Ready.",
+        "- *TTFT p50 before → after*: median modelled TTFT of the requests sent before the "
+        "injection and of those sent in the 30 s after it.",
+        f"- *leftovers*: what was still wrong {s['settle_s']:g} s after the replay ended "
+        "(or at once, when everything was healthy earlier): the MooncakeCluster not Ready, "
+        "any pod in the namespace not Running and Ready or still terminating, more or "
+        "fewer engine pods than the spec asks, a gateway that lists a pod that is gone or "
+        "does not route to a live engine pod, and pod processes of pods that no longer "
+        "exist.",
+        "- The JSON beside this page has every request's outcome per second of send time "
+        "(`per_second`, relative to the injection) and each fault's own measurements.",
+        "",
+        "## What falls short",
+        "",
+    ]
+    lines += [f"- {x}" for x in doc.get("falls_short") or []]
+    lines.append("")
+    return "\n".join(lines)
+
+
+FALLS_SHORT = [
+    "A KV-event stream that *reorders* messages is not injected here: the worker can only "
+    "drop batches (SIGUSR1). Reordering is covered by the subscriber's unit tests "
+    "(`tests/contract/test_kvevents_subscriber_rules.py`, "
+    "`tests/gateway/test_gateway_event_rules.py`: a later batch first is a gap filled from "
+    "the engine's replay buffer, the late copy is recognised as a duplicate), not end to "
+    "end.",
+    "After a KV-event gap the replay cannot fill (dropped batches are not kept), the "
+    "gateway forgets everything that engine held and relearns only from new events; a "
+    "block stored on a parent it forgot is an orphan and not indexed either. So prefixes "
+    "the engine still caches are invisible to routing until their chain is stored again "
+    "from its root. There is no full-snapshot request to an engine.",
+    "Deleting the store master loses the store's contents (its metadata is in memory); "
+    "engines recompute what the store held. Nothing in the table counts that cost.",
+    "One run per fault on a shared 2-core host: the failed counts of the engine faults "
+    "depend on how many requests happen to be in flight on the victim (the notes say "
+    "how many were); the timings move with the load.",
+    "Pods here are local processes: a SIGKILLed container is restarted by the pod runner "
+    "(as a kubelet would), but there is no node failure, no network partition and no "
+    "slow network in this table.",
+]
+
+
+# -- main -----------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--faults", default=",".join(FAULTS),
+                    help=f"comma-separated, in order (default all): {', '.join(FAULTS)}")
+    ap.add_argument("--requests", type=int, default=180)
+    ap.add_argument("--time-scale", type=float, default=0.5)
+    ap.add_argument("--utilization", type=float, default=0.8,
+                    help="replay speed: this share of the prefill pool's cold compute")
+    ap.add_argument("--max-output-tokens", type=int, default=64)
+    ap.add_argument("--inject-at", type=float, default=35.0,
+                    help="seconds after the first send")
+    ap.add_argument("--hold-s", type=float, default=20.0,
+                    help="how long a hung engine stays stopped / KV events are dropped")
+    ap.add_argument("--settle-s", type=float, default=120.0)
+    ap.add_argument("--cluster-name", default="chaos")
+    ap.add_argument("--keep-state", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--markdown", type=Path, default=None)
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="only write the markdown page from an earlier run's JSON")
+    ap.add_argument("--list", action="store_true", help="list the faults and exit")
+    a = ap.parse_args(argv)
+    a.fault_list = [f.strip() for f in a.faults.split(",") if f.strip()]
+    unknown = [f for f in a.fault_list if f not in FAULTS]
+    if unknown:
+        ap.error(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.list:
+        for f in FAULTS.values():
+            print(f"{f.name:<22} {f.what}: {f.how}")
+        return 0
+    if a.from_json is not None:
+        page = markdown(json.loads(a.from_json.read_text()))
+        if a.markdown:
+            a.markdown.write_text(page)
+        else:
+            print(page)
+        return 0
+    started = time.time()
+    load_start = os.getloadavg()
+    log(f"chaos suite: {len(a.fault_list)} runs ({', '.join(a.fault_list)}), {a.requests} "
+        f"requests each, fault at +{a.inject_at:g}s; machine {machine()}, load {load_start}")
+    results: list[JsonDict] = []
+    bench: Bench | None = None
+    try:
+        with local_cluster(a.cluster_name, a.keep_state) as (settings, kubeconfig, http,
+                                                                state_dir):
+            bench = Bench(a, settings, http, state_dir)
+            span = (bench.records[-1].timestamp_ms - bench.records[0].timestamp_ms) / 1000
+            log(f"replay: {a.requests} requests at {bench.speed:.3f}x the trace "
+                f"({bench.speed / a.time_scale:.3f}x wall): "
+                f"{span / (bench.speed / a.time_scale):.0f}s of sends")
+            bench.setup(kubeconfig, helm_binary(settings))
+            for k, name in enumerate(a.fault_list, 1):
+                log(f"[{k}/{len(a.fault_list)}] {name}: {FAULTS[name].what} "
+                    f"({(time.time() - started) / 60:.1f} min in)")
+                try:
+                    results.append(bench.run(name))
+                except (RuntimeError, TimeoutError, OSError, ApiError) as exc:
+                    log(f"  {name}: the run failed: {type(exc).__name__}: {exc}")
+                    results.append({"fault": name, "what": FAULTS[name].what,
+                                    "how": FAULTS[name].how,
+                                    "run_error": f"{type(exc).__name__}: {exc}"})
+            with contextlib.suppress(ApiError, OSError):
+                http.delete(f"{GROUP_PATH}/namespaces/{NS}/mooncakeclusters/{CLUSTER}")
+                wait_until(lambda: not chaos.engine_pods(http, NS, CLUSTER, "prefill"), 120,
+                           "the cluster's pods to go")
+    except KeyboardInterrupt:
+        log("interrupted; writing what was measured")
+    doc: JsonDict = {
+        "settings": {
+            "command": "python benchmarks/chaos.py " + " ".join(
+                sys.argv[1:] if argv is None else argv),
+            "requests": a.requests, "time_scale": a.time_scale,
+            "utilization": a.utilization, "speed": bench.speed if bench else None,
+            "wall_speed": bench.speed / a.time_scale if bench else None,
+            "max_output_tokens": a.max_output_tokens, "inject_at": a.inject_at,
+            "hold_s": a.hold_s, "settle_s": a.settle_s, "faults": a.fault_list,
+        },
+        "machine": machine(), "started": started, "load_start": load_start,
+        "load_end": os.getloadavg(), "wall_seconds": time.time() - started,
+        "results": results, "falls_short": FALLS_SHORT,
+    }
+    if a.json:
+        a.json.write_text(json.dumps(doc, indent=1) + "\n")
+        log(f"wrote {a.json}")
+    if results:
+        page = markdown(doc)
+        if a.markdown:
+            a.markdown.write_text(page)
+            log(f"wrote {a.markdown}")
+        print(page)
+    return 0 if results and all(not r.get("leftovers", ["run failed"]) for r in results) \
+        else 1
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
