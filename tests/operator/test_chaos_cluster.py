@@ -132,7 +132,12 @@ def test_a_hung_prefill_engine_is_routed_around_and_comes_back(
     rejected0 = chaos.rejections(url)
     thread, res, _, t0 = _replay(url)
     _sleep_until(t0[0] + INJECT_AT_S)
-    inflight = int(chaos.gateway_instances(url, MODEL)[key].get("inflight", 0))
+
+    def inflight_now() -> int:
+        return int(chaos.gateway_instances(url, MODEL)[key].get("inflight", 0))
+
+    # strike while the engine has work: the requests waiting on it must move elsewhere
+    inflight = wait_for(inflight_now, 10, "a request in flight on the victim", every=0.05)
     inject_s = time.perf_counter() - t0[0]
     pids = chaos.signal_container(k8s_cluster.state_dir, victim, "engine", signal.SIGSTOP,
                                   group=True)
