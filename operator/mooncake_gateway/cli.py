@@ -56,6 +56,10 @@ def register(subparsers: Any) -> None:
     r.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO, seconds")
     r.add_argument("--tbt-slo", type=float, default=100.0, help="TBT SLO, milliseconds")
     r.add_argument("--timeout", type=float, default=600.0, help="per-request limit, seconds")
+    r.add_argument("--counter-sample", type=float, default=0.0, metavar="SECONDS",
+                   help="also read the gateway's counters this often during the run, so a "
+                   "gateway restart loses less (0: before and after only; each read costs "
+                   "the gateway a state build)")
     r.set_defaults(handler=run_replay)
 
 
@@ -128,6 +132,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.speed <= 0 or args.time_scale <= 0 or args.max_output_tokens <= 0:
         print("--speed, --time-scale and --max-output-tokens must be positive", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.counter_sample < 0:
+        print("--counter-sample must be 0 or positive", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         records = load_trace(args.trace or bundled_trace(), limit=args.limit)
     except TraceError as exc:
@@ -136,7 +143,7 @@ def run_replay(args: argparse.Namespace) -> int:
     cfg = ReplayConfig(url=args.url.rstrip("/"), model=args.model, speed=args.speed,
                        max_output_tokens=args.max_output_tokens, time_scale=args.time_scale,
                        ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo / 1000.0,
-                       timeout_s=args.timeout,
+                       timeout_s=args.timeout, sample_s=args.counter_sample,
                        api_key=os.environ.get(API_KEY_ENV) or None)
     try:
         res = asyncio.run(replay(records, cfg))
