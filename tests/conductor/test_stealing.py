@@ -311,3 +311,58 @@ def test_a_move_moves_the_policy_s_own_in_flight_books() -> None:
     cond.moved(first, old, new, c)
     nxt = cond.schedule(request(list(range(100, 116)), rid=2), c, 0.0).placement
     assert nxt.prefill == old.prefill
+
+
+# -- with a topology: the moved prompt's fetch comes from the nearest holder ----------------
+def _zones(c: ClusterState, zones: tuple[str, ...], aware: bool = True) -> Any:
+    from mooncake_conductor.topology import LinkLevel, Topology, TopologyConfig
+
+    topo = Topology(TopologyConfig(levels=[LinkLevel(name="zone", gbits_per_s=50.0,
+                                                     latency_s=0.001)], aware=aware))
+    for inst, zone in zip(c.prefill, zones, strict=True):
+        inst.place = topo.place_id((zone,))
+    return topo
+
+
+def _pick_in(c: ClusterState, known: dict[int, RequestInfo], topo: Any) -> Any:
+    rule = WorkStealing(StealingConfig(), COST, topology=topo)
+    return rule.pick(c.prefill[0], c, known.__getitem__, NOW, lambda rid: True)
+
+
+def test_a_moved_prompt_fetches_from_the_holder_in_its_own_zone() -> None:
+    keys = list(range(64))
+    req = request(keys, rid=1)
+    work = COST.prefill_time(req.input_tokens, 62 * BT)
+    c, known = _pool((1, req, work), busy_s=30.0)
+    c.index.store(1, keys[:62])  # where it waits, across the zone
+    c.index.store(2, keys[:62])  # and beside the idle instance
+    topo = _zones(c, ("a", "b", "a"))
+    steal = _pick_in(c, known, topo)
+    assert steal is not None
+    pl = steal.placement
+    assert (pl.prefill, pl.source, pl.fetch_blocks) == (0, 2, 62)
+    assert pl.transfer_s == pytest.approx(COST.transfer_time(62 * BT))  # one zone: the NIC
+    # blind to the topology, it fetches from the instance it waited on, across the zone
+    blind = _pick_in(c, known, _zones(c, ("a", "b", "a"), aware=False))
+    assert blind is not None and blind.placement.source == 1
+
+
+def test_a_fetch_across_zones_is_charged_the_zone_link() -> None:
+    keys = list(range(64))
+    req = request(keys, rid=1)
+    work = COST.prefill_time(req.input_tokens, 62 * BT)
+    near, far = COST.transfer_time(62 * BT), 0.0
+    c, known = _pool((1, req, work), busy_s=60.0)
+    c.index.store(1, keys[:62])
+    topo = _zones(c, ("a", "b", "a"))
+    far = topo.transfer_time(COST, 62 * BT, c.prefill[1].place, c.prefill[0].place)
+    assert far > near + 0.001
+    steal = _pick_in(c, known, topo)
+    assert steal is not None and steal.placement.source == 1
+    assert steal.placement.transfer_s == pytest.approx(far)
+    assert steal.gain_s == pytest.approx(60.0 - far)
+    # a wait between the two fetch times: worth moving on a flat fleet, not across zones
+    c, known = _pool((1, req, work), busy_s=(near + far) / 2)
+    c.index.store(1, keys[:62])
+    assert _pick_in(c, known, None) is not None
+    assert _pick_in(c, known, _zones(c, ("a", "b", "a"))) is None
