@@ -98,6 +98,9 @@ def test_the_transfer_engine_and_the_master_stay_on_their_address(library: Path)
     code = textwrap.dedent("""
         import json, os, sys, time
         from mooncake_testbed.procs import run_master
+        # as the worker does; without it, in a loopback-only namespace the engine finds
+        # no LAN address and refuses to start
+        os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
         with run_master() as m:
             from mooncake.store import MooncakeDistributedStore
             s = MooncakeDistributedStore()
