@@ -780,7 +780,7 @@ def shortfalls(doc: JsonDict) -> list[str]:
             f"The hung engine {cost}, and TTFT p50 of the requests sent in the "
             f"30 s after it rose to {_s(hang.get('ttft_p50_after_s'))} s (reference run: "
             f"{_s((by.get('none') or {}).get('ttft_p50_after_s'))} s). In the CI test "
-            "(`tests/operator/test_chaos_cluster.py`, engines at time scale 0.1) one run saw "
+            "(a short CI version, engines at time scale 0.1, since withdrawn) one run saw "
             "4 requests in flight on the hung engine end only at the client's 60 s timeout "
             "after it resumed; that path is not understood yet.")
     return out + FALLS_SHORT

@@ -12,11 +12,11 @@ the gateway's ``/conductor/state`` counters, read before and after the run, and 
 ``sample_s`` during it when that is set. Off by default: each read builds the whole state
 on the gateway's event loop, and with reads every 2 s the client's SLO attainment came out
 0.38–0.39 against the gateway's own 0.46–0.47 in two runs of the monitoring end to end
-(without them: 0.45 and 0.45; the cause is not pinned down). Each read names who counts (``counters.id``) and since when; the
-increase is summed per counter owner, the way Prometheus' ``increase()`` treats a reset: a
-gateway that restarts (or a replica seen for the first time, started after the run began)
-counts from zero, so a restart mid-run loses at most the counts since the last read, and
-never makes a total negative.
+(without them: 0.45 and 0.45; the cause is not pinned down). Each read names who counts
+(``counters.id``) and since when; the increase is summed per counter owner, the way
+Prometheus' ``increase()`` treats a reset: a gateway that restarts (or a replica seen for
+the first time, started after the run began) counts from zero, so a restart mid-run loses
+at most the counts since the last read, and never makes a total negative.
 """
 
 from __future__ import annotations
