@@ -36,6 +36,7 @@ from typing import Any
 
 from .kube import Kube, KubeError
 from .metrics import LEADER
+from .observe import parse_time
 
 log = logging.getLogger(__name__)
 JsonDict = dict[str, Any]
@@ -113,7 +114,7 @@ class LeaderElector:
             self._set(None)
             return False
         mine = holder == self.identity
-        acquire = (_seconds(spec.get("acquireTime")) if mine else None) or self._wall()
+        acquire = (parse_time(spec.get("acquireTime")) if mine else None) or self._wall()
         transitions = int(spec.get("leaseTransitions") or 0) + (0 if mine else 1)
         body = {"metadata": {"resourceVersion": lease["metadata"]["resourceVersion"]},
                 "spec": self._spec(acquire, transitions)}
@@ -164,11 +165,3 @@ class LeaderElector:
         except KubeError as exc:
             log.warning("could not release lease %s/%s: %s", self.namespace, self.name, exc)
 
-
-def _seconds(value: object) -> float | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None

@@ -16,8 +16,10 @@ JsonDict = dict[str, Any]
 DRAIN_SINCE_ANNOTATION = f"{c.DOMAIN}/drain-since"
 
 
-def parse_time(value: str | None) -> float | None:
-    if not value:
+def parse_time(value: object) -> float | None:
+    """Seconds since the epoch of an RFC 3339 time as the API writes it (``None`` if
+    absent, not a string or unreadable)."""
+    if not value or not isinstance(value, str):
         return None
     try:
         return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
@@ -56,17 +58,6 @@ class PodView:
         return self.phase in ("Succeeded", "Failed")
 
 
-def _timestamp(value: object) -> float | None:
-    """Seconds since the epoch of an RFC 3339 time as the API writes it (``None`` if
-    absent or unreadable)."""
-    if not isinstance(value, str):
-        return None
-    try:
-        return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 def pod_view(pod: JsonDict) -> PodView | None:
     """The view of an engine pod (``None`` for pods that are not ours or not engines)."""
     meta = pod.get("metadata") or {}
@@ -92,7 +83,7 @@ def pod_view(pod: JsonDict) -> PodView | None:
         waiting = (cs.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") == "CrashLoopBackOff":
             crash = True
-        ended = _timestamp(((cs.get("lastState") or {}).get("terminated") or {})
+        ended = parse_time(((cs.get("lastState") or {}).get("terminated") or {})
                            .get("finishedAt"))
         if ended is not None and (last_crash is None or ended > last_crash):
             last_crash = ended
