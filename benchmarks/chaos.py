@@ -51,6 +51,7 @@ from mooncake_localcluster.settings import LocalClusterSettings
 from mooncake_sim.presets import speed_for_utilization
 from mooncake_sim.trace import TraceRecord, bundled_trace, load_trace
 from mooncake_testbed import chaos
+from mooncake_testbed.localk8s import fresh_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "clusters" / "simulated.yaml"
@@ -490,27 +491,9 @@ class Bench:
 @contextlib.contextmanager
 def local_cluster(name: str, keep: bool) -> Iterator[tuple[LocalClusterSettings, Path,
                                                            KubeHttp, Path]]:
-    settings = LocalClusterSettings(name=name)
-    paths = cluster.state_paths(settings)
-
-    def quiet(message: str) -> None:
-        log(f"  local-cluster: {message}")
-
-    if paths.root.exists():
-        log(f"a previous {name!r} cluster state exists; stopping and purging it first")
-        cluster.down(settings, quiet)
-        cluster.purge(settings, quiet)
-    t0 = time.monotonic()
-    info = cluster.up(settings, quiet)
-    log(f"local cluster {name!r} up in {time.monotonic() - t0:.1f}s")
-    used = cluster.read_settings(Path(info.state_dir))
-    try:
+    with fresh_cluster(LocalClusterSettings(name=name), keep, log) as (info, paths):
+        used = cluster.read_settings(Path(info.state_dir))
         yield used, paths.kubeconfig, cluster.kube_client(paths, info.server), paths.root
-    finally:
-        cluster.down(settings, quiet)
-        if not keep:
-            cluster.purge(settings, quiet)
-        log(f"local cluster {name!r} stopped" + ("" if keep else " and purged"))
 
 
 def helm_binary(settings: LocalClusterSettings) -> Path:

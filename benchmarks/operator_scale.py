@@ -667,34 +667,14 @@ def missing_binaries(settings: Any) -> list[str] | None:
 def local_cluster(name: str, nodes_per_pool: int, keep: bool) -> Iterator[Any]:
     from mooncake_localcluster import cluster
     from mooncake_localcluster.settings import LocalClusterSettings
+    from mooncake_testbed.localk8s import fresh_cluster
 
     settings = LocalClusterSettings(name=name, prefill_nodes=nodes_per_pool,
                                     decode_nodes=nodes_per_pool)
-    paths = cluster.state_paths(settings)
-
-    def quiet(message: str) -> None:
-        log(f"  local-cluster: {message}")
-
-    if paths.root.exists():
-        log(f"a previous {name!r} cluster state exists; stopping and purging it first")
-        cluster.down(settings, quiet)
-        cluster.purge(settings, quiet)
-    t0 = time.monotonic()
-    try:
-        info = cluster.up(settings, quiet)
-    except (RuntimeError, TimeoutError, OSError) as err:
-        raise SystemExit(f"could not start the local cluster {name!r}: {err}\n(logs in "
-                         f"{paths.logs}; `mooncake-operator local-cluster down --name {name} "
-                         "--purge` cleans up)") from None
-    log(f"local cluster {name!r} up in {time.monotonic() - t0:.1f}s ({nodes_per_pool} prefill + "
-        f"{nodes_per_pool} decode nodes of {settings.node.gpus} GPUs)")
-    try:
+    with fresh_cluster(settings, keep, log) as (info, paths):
+        log(f"  {nodes_per_pool} prefill + {nodes_per_pool} decode nodes of "
+            f"{settings.node.gpus} GPUs")
         yield settings, paths, cluster.kube_client(paths, info.server)
-    finally:
-        cluster.down(settings, quiet)
-        if not keep:
-            cluster.purge(settings, quiet)
-        log(f"local cluster {name!r} stopped" + ("" if keep else " and purged"))
 
 
 def machine() -> JsonDict:
