@@ -444,9 +444,9 @@ def _short(out: dict[str, Any]) -> list[str]:
         "prompt's shape (docs/cost-model.md), so errors of similar prompts queued "
         "together add up rather than average out: the margin would be too narrow there. A "
         "CPP placement is priced as one item on its leader's queue.",
-        "- **Off by default** and not in the `MooncakeCluster` spec: it is set through the "
-        "core's configuration (`conductor.admission_rule.ttft_miss_risk` in the gateway's "
-        "settings). At 80% load it turns away about 40 more requests in 12,031.",
+        "- **Off by default**: `spec.conductor.ttftMissRisk` in a `MooncakeCluster` (the "
+        "core's `conductor.admission_rule.ttft_miss_risk`) turns it on. At 80% "
+        "load it turns away about 40 more requests in 12,031.",
         "- **The Table 3 analogue is a reading.** The paper's rules judge the decode side "
         "(its baseline, as we read §6, refuses at the decode stage after the prefill was "
         "spent); this overload is prefill-bound and the "

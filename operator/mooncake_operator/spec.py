@@ -428,6 +428,12 @@ class ConductorSpec(_Model):
         "With admission on, a request refused only for decode room waits for room while "
         "it can still meet the TTFT objective, instead of an immediate HTTP 429; default: "
         "the policy's own (conductor with the tbt-lookahead decode selector: on)."))
+    ttft_miss_risk: float | None = Field(None, gt=0, lt=0.5, description=(
+        "With admission on, admit a request only if its chance of missing the TTFT "
+        "objective, from the prefill-time prediction error the gateway measures, is at "
+        "most this (e.g. 0.01: a margin that keeps admitted requests within the SLO under "
+        "overload, docs/results/overload.md); unset: the predicted TTFT against the "
+        "objective as is (the paper's rule)."))
     overrun: bool | None = Field(None, description=(
         "A prefill still running past its predicted end gets a new expected end (from the "
         "prediction error measured so far) instead of its instance counting as free; "

@@ -207,6 +207,31 @@ def test_conductor_switches_reach_the_gateway_and_the_controller(
     assert getattr(conductor_config(spec), field).enabled is value
 
 
+@pytest.mark.parametrize("risk", [None, 0.01])
+def test_ttft_miss_risk_reaches_the_admission_rule(risk: float | None) -> None:
+    """spec.conductor.ttftMissRisk: the prediction rule's margin in the gateway's model
+    document and in the controller's Conductor; unset keeps the rule without a margin."""
+    from mooncake_gateway.settings import ModelSettings
+    from mooncake_operator.reconcile import conductor_config
+
+    ref, spec = example("simulated")
+    spec = spec.model_copy(update={"conductor": spec.conductor.model_copy(
+        update={"ttft_miss_risk": risk})})
+    cm = builders.gateway_configmap(ref, spec)
+    model = ModelSettings.model_validate(yaml.safe_load(cm["data"][c.GATEWAY_MODEL_KEY]))
+    assert model.conductor.admission_rule.ttft_miss_risk == risk
+    assert model.conductor.admission_rule.rule == "prediction"
+    assert conductor_config(spec).admission_rule.ttft_miss_risk == risk
+
+
+@pytest.mark.parametrize("risk", [0, 0.5, -0.1])
+def test_ttft_miss_risk_out_of_range_is_refused_by_field(risk: float) -> None:
+    from mooncake_operator.spec import ConductorSpec
+
+    with pytest.raises(ValueError, match=r"ttftMissRisk|ttft_miss_risk"):
+        ConductorSpec.model_validate({"ttftMissRisk": risk})
+
+
 def test_spec_hash_changes_only_with_content() -> None:
     ref, spec = example("simulated")
     a = builders.gateway_configmap(ref, spec)
