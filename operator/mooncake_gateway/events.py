@@ -6,10 +6,12 @@ Adds to :class:`~mooncake_contract.kvevents.subscriber.KVEventSubscriber`:
   buffers (a gateway that starts late, or a second replica, builds the same index);
 - batches delivered twice (live copies of what the sync replayed) are recognised by
   ``(seq, payload digest)`` and dropped instead of being taken for a publisher restart;
-- a gap the replay could not fill calls ``on_lost``: the gateway then drops that
-  instance's entries (a resync), because later events may remove blocks it never saw.
-  It is called where the loss is, before the replayed batches that came after it, so
-  those rebuild the index instead of being dropped with what was stale.
+- a gap the replay could not fill calls ``on_lost``: the gateway then keeps that
+  instance's entries, which age out as its cache turns over
+  (:meth:`~mooncake_gateway.kvindex.IndexFeeder.gap`); a publisher restart calls
+  ``on_reset``, which forgets them. ``on_lost`` is called where the loss is, before the
+  replayed batches that came after it, so those are applied as the newest: what the gap
+  may have made stale is what ages out first.
 """
 
 from __future__ import annotations

@@ -116,7 +116,8 @@ class GatewayMetrics:
         self.instance_event_gaps = Counter(
             "mooncake_gateway_instance_kv_event_gaps",
             "Gaps in an instance's KV-event stream that its replay could not fill (its "
-            "index entries were dropped and rebuilt)", ["model", "role", "instance"],
+            "index entries were kept, to age out as its cache turns over)",
+            ["model", "role", "instance"],
             registry=r)
         self.model_documents = Gauge(
             "mooncake_gateway_model_documents",

@@ -434,9 +434,9 @@ class ModelRuntime:
             events.inc(applied)
             m.instance_events.labels(model, role, inst.name).inc(applied)
 
-        def on_lost() -> None:
+        def on_lost() -> None:  # its entries are kept, to age out (kvindex's rule)
             m.instance_event_gaps.labels(model, role, inst.name).inc()
-            feeder.reset(iid)
+            feeder.gap(iid)
 
         sub = EngineSubscriber(
             ep.kv_events, on_batch, ep.kv_replay, ep.kv_topic.encode(),
@@ -831,6 +831,8 @@ class ModelRuntime:
                            "removed_blocks": f.removed_blocks, "resets": f.clears,
                            "orphan_blocks": f.orphans, "last_seq": f.last_seq,
                            "block_size_mismatches": f.mismatched_block_size,
+                           "gaps_kept": f.gaps_kept, "kept_blocks": f.kept_blocks,
+                           "unconfirmed_blocks": feeder.unconfirmed_blocks(i.iid),
                            "gaps": sub.gaps if sub else 0,
                            "replayed": sub.replayed if sub else 0,
                            "lost": sub.lost if sub else 0,

@@ -1,4 +1,6 @@
-"""The KV-event feed keeps the gateway's index true to the engine, or empty — never stale.
+"""The KV-event feed keeps the gateway's index true to the engine; after a gap the replay
+cannot fill, it keeps what it had (stale where the gap hid a removal, until the engine's
+cache turns over: ``kvindex``'s rule) rather than going blind.
 
 A scripted publisher on real ZeroMQ sockets (its sequence numbers, replay buffer and
 losses set by the test) feeds an in-process gateway. What the index holds is read from
@@ -131,13 +133,13 @@ async def _instance_series(gw: GatewayClient) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("replay", ["evicted", "none", "silent"])
-def test_an_unrecoverable_gap_drops_the_instance_entries_and_rebuilds_from_later_events(
+def test_an_unrecoverable_gap_keeps_the_instance_entries_and_later_events_build_on_them(
         replay: str) -> None:
     """``evicted``: the replay socket answers but no longer buffers the lost batches;
     ``none``: the engine has no replay socket; ``silent``: it never answers."""
     async def main() -> None:
         pub = ScriptedPublisher(replay=replay != "none", answer_replay=replay != "silent")
-        a, b, c, d = Chain(1, 4), Chain(2, 3), Chain(3, 2), Chain(4, 2)
+        a, b, c, d, e = Chain(1, 4), Chain(2, 4), Chain(3, 2), Chain(4, 2), Chain(5, 2)
         try:
             async with engines("p0", "d0") as (p0, d0), \
                     _gateway_with(pub, p0, d0, replay_timeout_s=0.2) as gw:
@@ -151,36 +153,46 @@ def test_an_unrecoverable_gap_drops_the_instance_entries_and_rebuilds_from_later
                 base = (await _p0(gw))["events"]
                 metrics_before = await _instance_series(gw)
                 await pub.publish([a.stored()])
-                seq = await pub.publish([b.stored()])
+                seq = await pub.publish([b.stored(0, 3)])
                 p = await _wait_seq(gw, seq)
                 assert p["index_blocks"] == 7 and p["events"]["lost"] == base["lost"]
                 assert await _matched(gw, a.tokens) == 4
-                # lost: A removed, and what else the gateway will never know
+                # lost: A removed, E's root stored, and what else the gateway never knows
                 await pub.publish([a.removed()], wire=False, buffered=False)
-                await pub.publish([b.stored()], wire=False, buffered=False)
+                await pub.publish([e.stored(0, 1)], wire=False, buffered=False)
                 seq = await pub.publish([c.stored()])
                 p = await _wait_seq(gw, seq)
                 ev = p["events"]
                 assert ev["lost"] == base["lost"] + 2
                 assert ev["gaps"] == base["gaps"] + 1
-                assert ev["resets"] == base["resets"] + 1
+                # kept, not forgotten: no reset, A and B's 7 blocks carried over
+                assert ev["resets"] == base["resets"]
+                assert ev["gaps_kept"] == base["gaps_kept"] + 1
+                assert ev["kept_blocks"] == base["kept_blocks"] + 7
+                assert ev["unconfirmed_blocks"] == 7
                 # /metrics: one gap, and the events applied (A, B, C stored: 3)
                 metrics = await _instance_series(gw)
                 assert metrics["gaps"] == metrics_before["gaps"] + 1
                 assert metrics["events"] == metrics_before["events"] + 3
-                # A and B gone (A really is; B may be, for all the gateway knows), C in
-                assert p["index_blocks"] == 2
-                assert await _matched(gw, a.tokens) == 0
-                assert await _matched(gw, b.tokens) == 0
+                # A and B still matched (A is stale: its removal was lost), C in
+                assert p["index_blocks"] == 7 + 2
+                assert await _matched(gw, a.tokens) == 4
+                assert await _matched(gw, b.tokens) == 3
                 assert await _matched(gw, c.tokens) == 2
-                # later events build on what came after the gap; a child of a block from
-                # before it is left out (its parent is unknown), not guessed
-                await pub.publish([d.stored(0, 1)])
-                seq = await pub.publish([d.stored(1, 2), b.stored(1, 3)])
+                # a removal after the gap removes; a block extending one from before the
+                # gap is indexed; a child of a block stored in the gap is left out (its
+                # parent is unknown), not guessed
+                await pub.publish([a.removed(), d.stored(0, 1)])
+                seq = await pub.publish([d.stored(1, 2), b.stored(3, 4), e.stored(1, 2)])
                 p = await _wait_seq(gw, seq)
-                assert p["index_blocks"] == 4
-                assert p["events"]["orphan_blocks"] == base["orphan_blocks"] + 2
+                assert p["index_blocks"] == 4 + 2 + 2
+                assert p["events"]["orphan_blocks"] == base["orphan_blocks"] + 1
+                # B's last block vouched for by its child; B's first two and nothing else
+                assert p["events"]["unconfirmed_blocks"] == 2
+                assert await _matched(gw, a.tokens) == 0
+                assert await _matched(gw, b.tokens) == 4
                 assert await _matched(gw, d.tokens) == 2
+                assert await _matched(gw, e.tokens) == 0
                 assert p["routable"]
         finally:
             await pub.close()
@@ -189,8 +201,9 @@ def test_an_unrecoverable_gap_drops_the_instance_entries_and_rebuilds_from_later
 
 
 def test_a_gap_partly_replayed_keeps_what_came_after_the_loss() -> None:
-    """Batches 2 and 3 are gone, 4 and 5 are still buffered: the index drops what it had
-    before the loss, and keeps what the replay brings from after it."""
+    """Batches 2 and 3 are gone, 4 and 5 are still buffered: the index keeps what it had
+    before the loss, unconfirmed, and adds what the replay brings from after it as
+    confirmed (the loss is reported before the replayed batches)."""
     async def main() -> None:
         pub = ScriptedPublisher()
         a, b, c, d = Chain(1, 4), Chain(2, 3), Chain(3, 2), Chain(4, 2)
@@ -205,12 +218,16 @@ def test_a_gap_partly_replayed_keeps_what_came_after_the_loss() -> None:
                 await pub.publish([c.stored(1, 2)], wire=False)
                 p = await _wait_seq(gw, await pub.publish([d.stored()]))
                 ev = p["events"]
-                assert (ev["lost"], ev["replayed"] >= 2, ev["resets"]) == (2, True, 1)
-                assert p["index_blocks"] == 4  # C (replayed) and D (live)
+                assert (ev["lost"], ev["replayed"] >= 2, ev["resets"]) == (2, True, 0)
+                assert (ev["gaps_kept"], ev["kept_blocks"]) == (1, 5)
+                # A (kept: its removal was lost) and B's first block (its next two were
+                # lost), C (replayed) and D (live)
+                assert p["index_blocks"] == 4 + 1 + 2 + 2
+                assert ev["unconfirmed_blocks"] == 5  # A and B's root, not C
                 assert await _matched(gw, c.tokens) == 2
                 assert await _matched(gw, d.tokens) == 2
-                assert await _matched(gw, a.tokens) == 0
-                assert await _matched(gw, b.tokens) == 0
+                assert await _matched(gw, a.tokens) == 4
+                assert await _matched(gw, b.tokens) == 1
         finally:
             await pub.close()
 
