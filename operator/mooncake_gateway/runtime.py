@@ -75,6 +75,16 @@ SLOWDOWN_MAX = 100.0
 TURN_RECHECK_S = 1.0
 
 
+def _conductor(cfg: ModelSettings) -> Conductor:
+    """The model's Conductor, with the core's one global prefill scale off: here each
+    instance's measured slowdown is the calibration (:meth:`ModelRuntime.slowdown`). Both
+    at once would disagree: the slowdown makes predicted and actual *means* meet, which
+    leaves the log-ratios the global scale follows below zero whenever durations spread,
+    so the scale would sink to its floor while the slowdowns rose to match, and a
+    request's own prefill, which the slowdown does not stretch, would be underpriced."""
+    return Conductor(cfg.conductor.model_copy(update={"calibrate": False}))
+
+
 @dataclass(slots=True)
 class EngineStats:
     """What the last ``/metrics`` scrape said (vLLM names)."""
@@ -189,7 +199,7 @@ class ModelRuntime:
         self.m = ModelMetrics(metrics, cfg.name)
         for role in Role:  # 0 until instances register
             metrics.routable.labels(cfg.name, role.value).set(0)
-        self.conductor = Conductor(cfg.conductor)
+        self.conductor = _conductor(cfg)
         self.cost = self.conductor.cost
         self.slo = SloCounter(metrics.slo_requests, cfg.name, cfg.conductor.slo.ttft_s,
                               cfg.conductor.slo.tbt_s, self.time_scale)
@@ -534,7 +544,7 @@ class ModelRuntime:
         replication settings are unchanged."""
         old = self.conductor
         self.cfg = cfg
-        self.conductor = Conductor(cfg.conductor)
+        self.conductor = _conductor(cfg)
         self.cost = self.conductor.cost
         if old.config.replication != cfg.conductor.replication:
             self.hot_tokens = self._hot_tokens()
@@ -747,8 +757,10 @@ class ModelRuntime:
             self.metrics.instance_prefills.labels(self.cfg.name, inst.name).inc()
         if predicted_s is not None and predicted_s > 0:
             iid = inst.iid
-            if self.conductor.overrun is not None:
-                self.conductor.overrun.observe(predicted_s * self.slowdown(iid), elapsed_s)
+            # the core's one path for an observed prefill (the simulator's too): the
+            # overrun estimate and the admission margin's measured error learn the error
+            # left after this instance's slowdown (the gateway's calibration: _conductor)
+            self.conductor.observe_prefill(predicted_s * self.slowdown(iid), elapsed_s)
             if iid in self._actual_s:
                 a = EWMA_ALPHA
                 self._actual_s[iid] = (1 - a) * self._actual_s[iid] + a * elapsed_s

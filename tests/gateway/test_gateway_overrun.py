@@ -89,3 +89,31 @@ def test_time_past_an_overdue_prefill_still_drains_the_queue_behind() -> None:
     residual = expected_residual(work, 1.5 * work, 0.0, 0.2)
     assert rt.cluster.prefill[0].queued_work_s == pytest.approx(residual + 0.5 * work,
                                                                 rel=1e-3)
+
+
+def test_an_answer_reaches_the_cores_one_observation_path() -> None:
+    """The gateway observes a prefill as the simulator does (Conductor.observe_prefill):
+    the admission margin's measured error learns from it, not only the overrun estimate.
+    The global prefill scale stays put even when asked for: here the instance's slowdown
+    is the calibration (runtime._conductor)."""
+    cfg = ModelSettings(name="m", conductor={
+        "overrun": {"min_samples": 1}, "admission_rule": {"ttft_miss_risk": 0.01},
+        "calibrate": True})
+    rt = ModelRuntime(cfg, GatewaySettings(), GatewayMetrics())
+    rt.set_endpoints(Role.PREFILL, [Endpoint(url=f"http://{HOST}:1")])
+    rt.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
+    for inst in [*rt.prefill, *rt.decode]:
+        rt.mark_health(inst, True)
+    before = rt.cost.prefill_time(TOKENS, 0)
+    margin = rt.conductor.admission_rule.error  # type: ignore[attr-defined]
+    assert margin is not None and margin.samples == 0
+    for i in range(3):
+        req, work = _place(rt, i + 1)
+        rt.prefill_done(rt.prefill[0], req, 2.0 * work, work)
+        assert margin.samples == i + 1
+    assert rt.slowdown(0) == pytest.approx(2.0)
+    assert rt.cost.prefill_time(TOKENS, 0) == before
+    est = rt.conductor.overrun
+    assert est is not None and est.samples == 3
+    # the first answer met no slowdown yet (2x), the next ones met it (1x)
+    assert est.mu == pytest.approx(np.log(2.0) / 3)
