@@ -93,8 +93,9 @@ def test_crd_is_not_templated() -> None:
 # -- what renders -------------------------------------------------------------------------------
 def test_default_render() -> None:
     objs = render()
-    assert kinds(objs) == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role",
-                           "RoleBinding", "Service", "Service", "ServiceAccount"]
+    assert kinds(objs) == ["ClusterRole", "ClusterRoleBinding", "Deployment",
+                           "PodDisruptionBudget", "Role", "RoleBinding", "Service", "Service",
+                           "ServiceAccount"]
     for o in objs:
         if o["kind"].startswith("Cluster"):  # the nodes reader (rbac.readNodes)
             assert "namespace" not in o["metadata"] and o["metadata"]["name"].endswith(
@@ -103,7 +104,7 @@ def test_default_render() -> None:
             assert o["metadata"]["namespace"] == NAMESPACE, o["kind"]
         assert o["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
     dep = find(objs, "Deployment")
-    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["replicas"] == 2
     # the new pod first: the gateway Service never empties during an upgrade
     assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {
         "maxSurge": 1, "maxUnavailable": 0}}
@@ -260,6 +261,37 @@ def test_services_select_the_pod() -> None:
     pdb = find(objs, "PodDisruptionBudget")
     assert pdb["spec"]["minAvailable"] == 1
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_two_replicas_by_default_spread_and_guarded_by_a_pdb() -> None:
+    """The default is two operator pods, preferably on two nodes, and a drain may evict
+    only one of them at a time."""
+    objs = render()
+    pod = find(objs, "Deployment")["spec"]["template"]
+    [spread] = pod["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"  # one node still schedules both
+    assert spread["labelSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert find(objs, "PodDisruptionBudget")["spec"]["minAvailable"] == 1
+
+
+@pytest.mark.parametrize("values", [
+    {"replicas": 1},
+    {"affinity": {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {
+            "app.kubernetes.io/name": "mooncake-operator"}}}]}}},
+    {"spreadAcrossNodes": False},
+])
+def test_no_spread_for_one_replica_or_an_own_affinity(values: dict[str, Any]) -> None:
+    pod = _deployment(values)["spec"]["template"]["spec"]
+    assert "topologySpreadConstraints" not in pod
+    assert ("affinity" in pod) == ("affinity" in values)
+
+
+def test_one_replica_gets_no_pdb_that_would_stall_drains() -> None:
+    assert "PodDisruptionBudget" not in kinds(render({"replicas": 1}))
+    assert "PodDisruptionBudget" not in kinds(render({"podDisruptionBudget": {
+        "enabled": False}}))
 
 
 def test_pdb_max_unavailable() -> None:
