@@ -50,7 +50,7 @@ from mooncake_localcluster.kubehttp import ApiError, KubeHttp
 from mooncake_localcluster.settings import LocalClusterSettings
 from mooncake_sim.presets import speed_for_utilization
 from mooncake_sim.trace import TraceRecord, bundled_trace, load_trace
-from mooncake_testbed import chaos
+from mooncake_testbed import chaos, overload
 from mooncake_testbed.localk8s import fresh_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,6 +65,11 @@ GATEWAY_PORT = 8080
 PSS = {"pod-security.kubernetes.io/enforce": "restricted"}
 GROUP_PATH = "/apis/mooncake.io/v1alpha1"
 POLL_S = 0.5
+#: the example's SLOs (examples/clusters/simulated.yaml), which the overload runs judge
+TTFT_SLO_S = 30.0
+TBT_SLO_S = 0.1
+#: admitted requests within both SLOs that issue 32 asks for live on this 2-core host
+LIVE_TARGET = 0.95
 JsonDict = dict[str, Any]
 
 
@@ -461,7 +466,8 @@ class Bench:
                             "index_blocks": inst.get("index_blocks"),
                             **{k: (inst.get("events") or {}).get(k)
                                for k in ("applied", "gaps", "lost", "resets", "replayed",
-                                         "orphan_blocks")}}
+                                         "orphan_blocks", "gaps_kept", "kept_blocks",
+                                         "unconfirmed_blocks")}}
         return out
 
     def _operator(self, sig: int) -> JsonDict:
@@ -485,6 +491,134 @@ class Bench:
         with contextlib.suppress(ApiError, OSError):
             info["new_leader"] = self.lease_holder()
         return info
+
+    # -- overload -------------------------------------------------------------------------------
+    def capacity(self, records: list[TraceRecord]) -> JsonDict:
+        """The example's effective capacity on ``records`` in the simulator (``capacity``:
+        conductor, 2 prefill + 2 decode, the example's SLOs, its default capabilities)."""
+        out = self.state_dir / "overload-capacity.json"
+        argv = [sys.executable, "-m", "mooncake_cli", "capacity", "--policy", "conductor",
+                "--prefill", "2", "--decode", "2", "--limit", str(len(records)),
+                "--ttft-slo", str(TTFT_SLO_S), "--tbt-slo", str(TBT_SLO_S * 1000),
+                "--jobs", "1", "--json", str(out)]
+        subprocess.run(argv, check=True, capture_output=True, timeout=1800)
+        r: JsonDict = json.loads(out.read_text())["results"][0]
+        return {"command": " ".join(["mooncake-operator", *argv[3:-2]]),
+                "speed": r["capacity_speed"], "bracketed": r["bracketed"],
+                "rejected_work_share": r.get("rejected_work_share")}
+
+    def set_margin(self, risk: float | None) -> None:
+        """``spec.conductor.ttftMissRisk`` (``None``: the paper's rule), then wait until
+        every gateway's admission says so."""
+        path = f"{GROUP_PATH}/namespaces/{NS}/mooncakeclusters/{CLUSTER}"
+        self.http.patch(path, {"spec": {"conductor": {"ttftMissRisk": risk}}})
+
+        def applied() -> bool:
+            for url in self.gateway_urls():
+                st = chaos.http_json(f"{url}/conductor/state?model={MODEL}")
+                if st["models"][0].get("admission", {}).get("ttft_miss_risk") != risk:
+                    return False
+            return True
+
+        wait_until(applied, 120, f"the gateways to admit with ttftMissRisk {risk}")
+
+    def overload(self, records: list[TraceRecord], speed: float, label: str) -> JsonDict:
+        """One replay of ``records`` at ``speed`` (trace rate), judged by
+        :func:`mooncake_testbed.overload.judge`, with the gateways' memory and in-flight
+        requests sampled every second."""
+        wait_until(lambda: not self.leftovers(), self.a.settle_s, "a healthy start")
+        rejected0 = self.rejections()
+        res: JsonDict = {}
+        done = [0]
+        t0_box: list[float] = []
+        rss: dict[str, list[tuple[float, int]]] = {}
+        inflight: list[tuple[float, int]] = []
+        stop = threading.Event()
+        cfg = ReplayConfig(url=self.gateway_url, model=MODEL, speed=speed / self.a.time_scale,
+                           max_output_tokens=self.a.max_output_tokens,
+                           time_scale=self.a.time_scale, timeout_s=600,
+                           ttft_slo_s=TTFT_SLO_S, tbt_slo_s=TBT_SLO_S,
+                           salt=secrets.randbits(62), keep_outcomes=True,
+                           on_start=t0_box.append,
+                           on_done=lambda n: done.__setitem__(0, n))
+
+        def go() -> None:
+            try:
+                res.update(asyncio.run(replay(records, cfg)))
+            except Exception as exc:  # the run is reported
+                res["error"] = f"{type(exc).__name__}: {exc}"
+
+        def sample() -> None:
+            while not stop.wait(1.0):
+                if not t0_box:
+                    continue
+                t = time.perf_counter() - t0_box[0]
+                total = 0
+                for pod in self.operator_pods():
+                    for pid in chaos.container_pids(self.state_dir, pod, "gateway"):
+                        if (b := overload.rss_bytes(pid)) is not None:
+                            rss.setdefault(pod["metadata"]["name"], []).append((t, b))
+                    with contextlib.suppress(OSError, ValueError, KeyError):
+                        url = f"http://{pod['status']['podIP']}:{GATEWAY_PORT}"
+                        total += sum(int(i.get("inflight", 0)) for i in
+                                     chaos.gateway_instances(url, MODEL).values())
+                inflight.append((t, total))
+
+        thread = threading.Thread(target=go, daemon=True)
+        sampler = threading.Thread(target=sample, daemon=True)
+        thread.start()
+        sampler.start()
+        last = time.monotonic()
+        while thread.is_alive():
+            thread.join(1.0)
+            if time.monotonic() - last >= 15:
+                last = time.monotonic()
+                log(f"  {label}: {done[0]}/{len(records)} requests ended")
+        stop.set()
+        sampler.join(5)
+        if "error" in res:
+            raise RuntimeError(f"the replay failed: {res['error']}")
+        out: JsonDict = overload.judge(res.pop("outcomes"), TTFT_SLO_S, TBT_SLO_S)
+        rejected_by: dict[str, int] = {}
+        for pod, now in self.rejections().items():
+            for k, v in chaos.increase(now, rejected0.get(pod, {})).items():
+                rejected_by[k] = rejected_by.get(k, 0) + v
+        out.update({"speed": speed, "wall_seconds": res.get("wall_seconds"),
+                    "rejected_by": rejected_by,
+                    "memory": overload.rss_growth(rss, float(res.get("wall_seconds") or 0)),
+                    "inflight_max": max((n for _, n in inflight), default=0)})
+        log(f"  {label}: admitted {out['admitted']}/{out['requests']}, within both SLOs "
+            f"{out['admitted_within_slo']:.2%} (TTFT {out['within_ttft']:.2%}, TBT "
+            f"{out['within_tbt']:.2%}); 429 p99 {out['reject_ms_p99']:.0f} ms; RSS growth "
+            f"{out['memory']['growth']:+.1%}; in flight at most {out['inflight_max']}")
+        return out
+
+    def overload_suite(self) -> JsonDict:
+        records = load_trace(bundled_trace())[: self.a.overload_requests]
+        cap = self.capacity(records)
+        log(f"overload: effective capacity {cap['speed']:.3f}x the trace rate "
+            f"({len(records)} requests, simulator)")
+        rules: list[tuple[str, float | None]] = [("prediction", None)]
+        if self.a.overload_margin > 0:
+            rules.append(("margin", self.a.overload_margin))
+        rows: list[JsonDict] = []
+        try:
+            for factor in self.a.overload_factors:
+                for rule, risk in rules:
+                    label = f"{factor:g}x capacity, {rule}"
+                    log(f"overload: {label}")
+                    self.set_margin(risk)
+                    try:
+                        row = self.overload(records, factor * cap["speed"], label)
+                    except (RuntimeError, TimeoutError, OSError, ApiError) as exc:
+                        log(f"  {label}: the run failed: {type(exc).__name__}: {exc}")
+                        row = {"run_error": f"{type(exc).__name__}: {exc}"}
+                    rows.append({"factor": factor, "rule": rule, "ttft_miss_risk": risk, **row})
+        finally:
+            with contextlib.suppress(TimeoutError, ApiError, OSError):
+                self.set_margin(None)
+        return {"capacity": cap, "requests": len(records), "ttft_slo_s": TTFT_SLO_S,
+                "tbt_slo_s": TBT_SLO_S, "rows": rows}
 
 
 # -- the local cluster ----------------------------------------------------------------------------
@@ -561,11 +695,13 @@ def notes(r: JsonDict) -> str:
         parts.append(
             f"events applied +{total('applied', d) - total('applied', b)} during the drop, "
             f"+{total('applied', a) - total('applied', d)} after; lost gaps "
-            f"+{total('lost', a) - total('lost', b)}, index resets "
+            f"+{total('lost', a) - total('lost', b)} (entries kept across "
+            f"+{total('gaps_kept', a) - total('gaps_kept', b)}), index resets "
             f"+{total('resets', a) - total('resets', b)}; index blocks "
             f"{total('index_blocks', b)} → {total('index_blocks', d)} → "
-            f"{total('index_blocks', a)}, orphan blocks (stored on a parent the gateway "
-            f"forgot) +{total('orphan_blocks', a) - total('orphan_blocks', b)} "
+            f"{total('index_blocks', a)}, of them not stored again since the gap "
+            f"{total('unconfirmed_blocks', a)}; orphan blocks (stored on a parent the "
+            f"gateway never saw) +{total('orphan_blocks', a) - total('orphan_blocks', b)} "
             "(both gateways summed)")
     rd = r.get("ready") or {}
     if rd.get("left_ready"):
@@ -585,7 +721,7 @@ def markdown(doc: JsonDict) -> str:
     rows = doc["results"]
     m = doc["machine"]
     lines = [
-        "# Reliability: the chaos table",
+        "# Reliability: the chaos table and overload",
         "",
         f"`{s['command']}` — {doc['wall_seconds'] / 60:.0f} min on "
         f"{time.strftime('%Y-%m-%d', time.gmtime(doc['started']))} (UTC), "
@@ -674,9 +810,11 @@ def markdown(doc: JsonDict) -> str:
         "- The JSON beside this page has every request's outcome per second of send time "
         "(`per_second`, relative to the injection) and each fault's own measurements.",
         "",
-        "## What falls short",
-        "",
     ]
+    if doc.get("overload"):
+        lines += overload.markdown(doc["overload"], s["time_scale"], s["max_output_tokens"],
+                                   LIVE_TARGET)
+    lines += ["## What falls short", ""]
     lines += [f"- {x}" for x in doc.get("falls_short") or []]
     lines.append("")
     return "\n".join(lines)
@@ -721,6 +859,17 @@ def shortfalls(doc: JsonDict) -> list[str]:
                 "either. Serving is unaffected (0 failed), but cache-aware routing to that "
                 "engine is blind until its blocks are stored again from a prefix's root. There "
                 "is no full-snapshot request to an engine.")
+        else:
+            out.append(
+                "**After a KV-event gap the index keeps what it had, some of it possibly "
+                "stale.** The engine's entries in the two gateways went from "
+                f"{total(b, 'index_blocks'):,} to {total(a, 'index_blocks'):,} blocks "
+                f"(orphans +{total(a, 'orphan_blocks') - total(b, 'orphan_blocks'):,}: "
+                "blocks whose parent was stored during the gap); "
+                f"{total(a, 'unconfirmed_blocks'):,} kept blocks had not been stored again 20 s "
+                "after the drop. A removal the gap hid leaves a stale entry: it is among "
+                "the oldest in the engine's LRU, so it is evicted first, and each costs at "
+                "most one mis-routed request until then.")
     gw = by.get("gateway-sigkill")
     if gw and gw.get("failed"):
         i = gw.get("info") or {}
@@ -791,7 +940,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--from-json", type=Path, default=None,
                     help="only write the markdown page from an earlier run's JSON")
     ap.add_argument("--list", action="store_true", help="list the faults and exit")
+    ap.add_argument("--overload", default="2,4",
+                    help="after the faults, replays at these multiples of the example's "
+                    "effective capacity (from `capacity`), with the paper's admission rule "
+                    "and with the margin; empty: none")
+    ap.add_argument("--overload-requests", type=int, default=1000,
+                    help="requests of the bundled trace per overload replay")
+    ap.add_argument("--overload-margin", type=float, default=0.01,
+                    help="spec.conductor.ttftMissRisk of the margin runs (0: none)")
     a = ap.parse_args(argv)
+    a.overload_factors = [float(x) for x in a.overload.split(",") if x.strip()]
     a.fault_list = [f.strip() for f in a.faults.split(",") if f.strip()]
     unknown = [f for f in a.fault_list if f not in FAULTS]
     if unknown:
@@ -821,6 +979,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"chaos suite: {len(a.fault_list)} runs ({', '.join(a.fault_list)}), {a.requests} "
         f"requests each, fault at +{a.inject_at:g}s; machine {machine()}, load {load_start}")
     results: list[JsonDict] = []
+    overload_doc: JsonDict | None = None
     bench: Bench | None = None
     try:
         with local_cluster(a.cluster_name, a.keep_state) as (settings, kubeconfig, http,
@@ -841,6 +1000,10 @@ def main(argv: list[str] | None = None) -> int:
                     results.append({"fault": name, "what": FAULTS[name].what,
                                     "how": FAULTS[name].how,
                                     "run_error": f"{type(exc).__name__}: {exc}"})
+            if a.overload_factors:
+                log(f"overload runs at {', '.join(f'{x:g}' for x in a.overload_factors)}x "
+                    f"capacity ({(time.time() - started) / 60:.1f} min in)")
+                overload_doc = bench.overload_suite()
             with contextlib.suppress(ApiError, OSError):
                 http.delete(f"{GROUP_PATH}/namespaces/{NS}/mooncakeclusters/{CLUSTER}")
                 wait_until(lambda: not chaos.engine_pods(http, NS, CLUSTER, "prefill"), 120,
@@ -861,18 +1024,21 @@ def main(argv: list[str] | None = None) -> int:
         "load_end": os.getloadavg(), "wall_seconds": time.time() - started,
         "results": results,
     }
+    if overload_doc is not None:
+        doc["overload"] = overload_doc
     doc["falls_short"] = shortfalls(doc)
     if a.json:
         a.json.write_text(json.dumps(doc, indent=1) + "\n")
         log(f"wrote {a.json}")
-    if results:
+    if results or overload_doc:
         page = markdown(doc)
         if a.markdown:
             a.markdown.write_text(page)
             log(f"wrote {a.markdown}")
         print(page)
-    return 0 if results and all(not r.get("leftovers", ["run failed"]) for r in results) \
-        else 1
+    ok = all(not r.get("leftovers", ["run failed"]) for r in results) and not any(
+        "run_error" in r for r in (overload_doc or {}).get("rows", []))
+    return 0 if (results or overload_doc) and ok else 1
 
 
 if __name__ == "__main__":

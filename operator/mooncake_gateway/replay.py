@@ -293,6 +293,7 @@ def results(records: list[TraceRecord], outs: list[Outcome], counted: dict[str, 
         "wall_seconds": wall,
         **({"ttft_samples_s": [o.ttft_s for o in served]} if cfg.keep_samples else {}),
         **({"outcomes": [{"sent_s": o.sent_s, "done_s": o.done_s, "status": o.status,
-                          "ttft_s": o.ttft_s, "error": o.error} for o in outs]}
+                          "ttft_s": o.ttft_s, "tbt_s": o.tbt_s, "error": o.error}
+                         for o in outs]}
            if cfg.keep_outcomes else {}),
     }

@@ -864,6 +864,9 @@ class ModelRuntime:
         return {
             "model": self.cfg.name,
             "policy": self.cfg.conductor.policy,
+            "admission": {"on": self.conductor.admission,
+                          "rule": self.cfg.conductor.admission_rule.rule,
+                          "ttft_miss_risk": self.cfg.conductor.admission_rule.ttft_miss_risk},
             "block_size": self.cfg.block_size,
             "namespace_seed": self.seed,
             "prefill": [inst_view(i) for i in self.prefill],

@@ -1,0 +1,180 @@
+"""Overload on the embedded cluster (issue 32 item 4, the live part; the simulator's is
+``benchmarks/overload.py``): judge one replay sent at a multiple of the cluster's
+effective capacity, from its per-request outcomes and samples of the gateways.
+
+Definitions (the published page repeats them):
+
+- *admitted*: every request the gateway did not answer with 429 (completed or failed);
+  a failed one counts as a miss.
+- *admitted within SLO*: admitted requests whose TTFT and TBT both met their SLO, over
+  the admitted; *within TTFT* / *within TBT* the same for one SLO alone.
+- *429 latency*: wall time from a rejected request's send to its answer.
+- *RSS growth*: each gateway process's resident memory, sampled while the replay runs;
+  the largest sample after warm-up (the first :data:`WARMUP_SHARE` of the replay) over
+  the last sample in warm-up, minus one; the worst gateway is reported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+JsonDict = dict[str, Any]
+#: share of the replay's wall time counted as warm-up for memory growth
+WARMUP_SHARE = 0.25
+PAGE_KB = 1024
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in [0, 1]); NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    k = min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))
+    return xs[k]
+
+
+def judge(outcomes: Iterable[Mapping[str, Any]], ttft_slo_s: float,
+          tbt_slo_s: float) -> JsonDict:
+    """Counts and latencies of one replay's ``outcomes`` (the replay's ``keep_outcomes``
+    records: status, modelled ``ttft_s`` / ``tbt_s``, wall ``sent_s`` / ``done_s``)."""
+    outs = list(outcomes)
+    served = [o for o in outs if o["status"] == "ok"]
+    rejected = [o for o in outs if o["status"] == "rejected"]
+    failed = [o for o in outs if o["status"] == "failed"]
+    admitted = len(served) + len(failed)
+    in_ttft = sum(1 for o in served if o["ttft_s"] <= ttft_slo_s)
+    in_tbt = sum(1 for o in served if o["tbt_s"] <= tbt_slo_s)
+    in_both = sum(1 for o in served
+                  if o["ttft_s"] <= ttft_slo_s and o["tbt_s"] <= tbt_slo_s)
+    reject_ms = [1000.0 * (o["done_s"] - o["sent_s"]) for o in rejected]
+    ttfts = [float(o["ttft_s"]) for o in served]
+    tbts = [1000.0 * float(o["tbt_s"]) for o in served]
+
+    def share(n: int) -> float:
+        return n / admitted if admitted else math.nan
+
+    return {
+        "requests": len(outs), "completed": len(served), "rejected": len(rejected),
+        "failed": len(failed), "admitted": admitted,
+        "admitted_within_slo": share(in_both), "within_ttft": share(in_ttft),
+        "within_tbt": share(in_tbt),
+        "rejected_share": len(rejected) / len(outs) if outs else math.nan,
+        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p99_s": percentile(ttfts, 0.99),
+        "tbt_p99_ms": percentile(tbts, 0.99),
+        "reject_ms_p50": percentile(reject_ms, 0.5),
+        "reject_ms_p99": percentile(reject_ms, 0.99),
+        "reject_ms_max": max(reject_ms) if reject_ms else math.nan,
+    }
+
+
+def rss_bytes(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """Resident memory of process ``pid`` (``VmRSS``), or ``None`` when it is gone."""
+    try:
+        text = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * PAGE_KB
+    return None
+
+
+def rss_growth(samples: Mapping[str, Sequence[tuple[float, int]]], duration_s: float,
+               warmup_share: float = WARMUP_SHARE) -> JsonDict:
+    """Memory growth per gateway from ``(seconds since the first send, RSS bytes)``
+    samples: ``growth`` is the worst gateway's largest sample after warm-up over its last
+    sample in warm-up, minus one (NaN when a gateway has no sample on either side)."""
+    warm = warmup_share * duration_s
+    per: JsonDict = {}
+    worst = -math.inf
+    for name, xs in samples.items():
+        before = [b for t, b in xs if t <= warm]
+        after = [b for t, b in xs if t > warm]
+        if not before or not after:
+            per[name] = {"warm_bytes": None, "peak_bytes": None, "growth": math.nan}
+            continue
+        g = max(after) / before[-1] - 1.0
+        per[name] = {"warm_bytes": before[-1], "peak_bytes": max(after), "growth": g}
+        worst = max(worst, g)
+    return {"growth": worst if per and worst > -math.inf else math.nan,
+            "gateways": per, "warmup_s": warm}
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None or math.isnan(x) else f"{100 * x:.2f}%"
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "–" if x is None or math.isnan(x) else format(x, fmt)
+
+
+def markdown(section: Mapping[str, Any], time_scale: float, max_output_tokens: int,
+             target: float) -> list[str]:
+    """The overload part of docs/results/reliability.md: one row per load and rule, then
+    a reading of each against ``target`` (the share of admitted requests within SLO the
+    issue asks for on this host)."""
+    cap = section["capacity"]
+    lines = [
+        "## Overload",
+        "",
+        f"Each row replays the bundled conversation trace's first {section['requests']} "
+        f"requests (a fresh token salt, at most {max_output_tokens} output tokens) through "
+        "the gateway Service at a multiple of the example's **effective capacity**: "
+        f"{cap['speed']:.3f}× the trace's rate, the highest speed at which ≥ 90% of all "
+        "requests meet both SLOs in the simulator on the same requests "
+        f"(`{cap['command']}`; {_pct(cap.get('rejected_work_share'))} of the work rejected "
+        f"there). On the wall clock the engines run at time scale {time_scale:g}. SLOs: TTFT "
+        f"{section['ttft_slo_s']:g} s, TBT {1000 * section['tbt_slo_s']:g} ms (the example's). "
+        "*prediction* is the paper's rule (the default); *margin* adds "
+        "`spec.conductor.ttftMissRisk` (admit only with at most that chance of a TTFT miss, "
+        "from the error the gateway measures).",
+        "",
+        "| load | admission | requests | rejected (429) | failed | admitted within SLO | "
+        "within TTFT | within TBT | TTFT p50 / p99 | TBT p99 | 429 answer p50 / p99 / max "
+        "| gateway RSS growth | in flight, most |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|",
+    ]
+    for r in section["rows"]:
+        rule = r["rule"] + (f" ({r['ttft_miss_risk']:g})" if r.get("ttft_miss_risk") else "")
+        if "run_error" in r:
+            lines.append(f"| {r['factor']:g}× | {rule} | run failed: {r['run_error']} |"
+                         + " |" * 10)
+            continue
+        lines.append(
+            f"| {r['factor']:g}× | {rule} | {r['requests']} | {r['rejected']} | {r['failed']} "
+            f"| **{_pct(r['admitted_within_slo'])}** | {_pct(r['within_ttft'])} | "
+            f"{_pct(r['within_tbt'])} | {_num(r['ttft_p50_s'], '.1f')} / "
+            f"{_num(r['ttft_p99_s'], '.1f')} s | {_num(r['tbt_p99_ms'], '.0f')} ms | "
+            f"{_num(r['reject_ms_p50'], '.0f')} / {_num(r['reject_ms_p99'], '.0f')} / "
+            f"{_num(r['reject_ms_max'], '.0f')} ms | {r['memory']['growth']:+.1%} | "
+            f"{r['inflight_max']} |")
+    lines += ["", *reading(section, target), ""]
+    return lines
+
+
+def reading(section: Mapping[str, Any], target: float) -> list[str]:
+    """One line per row: met or missed ``target``, and what the misses were."""
+    out = []
+    for r in section["rows"]:
+        if "run_error" in r:
+            continue
+        rule = r["rule"]
+        share = r["admitted_within_slo"]
+        verdict = "meets" if share >= target else "**misses**"
+        why = []
+        if r["within_ttft"] < 1:
+            why.append(f"TTFT {_pct(1 - r['within_ttft'])} of the admitted")
+        if r["within_tbt"] < 1:
+            why.append(f"TBT {_pct(1 - r['within_tbt'])}")
+        if r["failed"]:
+            why.append(f"{r['failed']} failed")
+        rej = ", ".join(f"{k} ×{v}" for k, v in (r.get("rejected_by") or {}).items())
+        out.append(
+            f"- {r['factor']:g}×, {rule}: {verdict} {_pct(target)} ({_pct(share)} of "
+            f"{r['admitted']} admitted within both SLOs"
+            + (f"; missed on {', '.join(why)}" if why else "") + "). 429s by reason: "
+            + (rej or "none") + ".")
+    return out

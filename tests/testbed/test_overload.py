@@ -1,0 +1,85 @@
+"""The live overload judge (``mooncake_testbed.overload``): what counts as admitted and
+within SLO, the 429 latencies, and memory growth after warm-up."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+from mooncake_testbed import overload
+
+
+def _o(status: str, ttft: float = math.nan, tbt: float = math.nan, sent: float = 0.0,
+       done: float = 0.0) -> dict[str, object]:
+    return {"status": status, "ttft_s": ttft, "tbt_s": tbt, "sent_s": sent, "done_s": done}
+
+
+def test_admitted_counts_failures_as_misses_and_429s_not_at_all() -> None:
+    outs = [
+        _o("ok", 1.0, 0.05), _o("ok", 31.0, 0.05), _o("ok", 2.0, 0.2),
+        _o("failed"), _o("rejected", sent=1.0, done=1.02), _o("rejected", sent=2.0, done=2.1),
+    ]
+    r = overload.judge(outs, 30.0, 0.1)
+    assert (r["requests"], r["completed"], r["rejected"], r["failed"]) == (6, 3, 2, 1)
+    assert r["admitted"] == 4
+    assert r["admitted_within_slo"] == pytest.approx(1 / 4)
+    assert r["within_ttft"] == pytest.approx(2 / 4)
+    assert r["within_tbt"] == pytest.approx(2 / 4)
+    assert r["rejected_share"] == pytest.approx(2 / 6)
+    assert r["reject_ms_p50"] == pytest.approx(20.0)
+    assert r["reject_ms_max"] == pytest.approx(100.0)
+    assert r["tbt_p99_ms"] == pytest.approx(200.0)
+
+
+def test_nothing_admitted_is_not_a_success() -> None:
+    r = overload.judge([_o("rejected", sent=0, done=0.01)], 30.0, 0.1)
+    assert r["admitted"] == 0 and math.isnan(r["admitted_within_slo"])
+    lines = overload.reading({"rows": [{"factor": 4.0, "rule": "prediction", **r}]}, 0.95)
+    assert "misses" in lines[0]
+
+
+def test_percentile_is_nearest_rank() -> None:
+    xs = [float(x) for x in range(1, 101)]
+    assert overload.percentile(xs, 0.99) == 99.0
+    assert overload.percentile(xs, 0.5) == 50.0
+    assert math.isnan(overload.percentile([], 0.5))
+
+
+def test_memory_growth_is_the_worst_gateways_peak_after_warm_up() -> None:
+    samples = {
+        "a": [(1.0, 100), (2.0, 110), (5.0, 120), (9.0, 115)],  # warm at 2.0: 110 → 120
+        "b": [(1.0, 200), (6.0, 200)],
+    }
+    g = overload.rss_growth(samples, duration_s=10.0)  # warm-up: the first 2.5 s
+    assert g["gateways"]["a"]["warm_bytes"] == 110
+    assert g["growth"] == pytest.approx(120 / 110 - 1)
+    assert g["gateways"]["b"]["growth"] == 0.0
+    lone = overload.rss_growth({"c": [(1.0, 5)]}, duration_s=10.0)
+    assert math.isnan(lone["growth"])
+
+
+def test_rss_reads_this_process_and_none_for_a_gone_one(tmp_path: Path) -> None:
+    mine = overload.rss_bytes(os.getpid())
+    assert mine is not None and mine > 1 << 20
+    assert overload.rss_bytes(12345, proc=tmp_path) is None
+
+
+def test_the_page_names_met_and_missed_rows() -> None:
+    ok = overload.judge([_o("ok", 1.0, 0.05)] * 99 + [_o("ok", 40.0, 0.05)], 30.0, 0.1)
+    bad = overload.judge([_o("ok", 1.0, 0.05)] * 9 + [_o("ok", 40.0, 0.05)], 30.0, 0.1)
+    mem = {"growth": 0.02}
+    section = {"capacity": {"speed": 0.65, "command": "mooncake-operator capacity",
+                            "rejected_work_share": 0.48},
+               "requests": 100, "ttft_slo_s": 30.0, "tbt_slo_s": 0.1,
+               "rows": [{"factor": 2.0, "rule": "prediction", **ok, "memory": mem,
+                         "inflight_max": 9},
+                        {"factor": 4.0, "rule": "margin", "ttft_miss_risk": 0.01, **bad,
+                         "memory": mem, "inflight_max": 12},
+                        {"factor": 4.0, "rule": "prediction", "run_error": "boom"}]}
+    page = "\n".join(overload.markdown(section, 0.5, 64, 0.95))
+    assert "**99.00%**" in page and "**90.00%**" in page
+    assert "2×, prediction: meets 95.00%" in page
+    assert "4×, margin: **misses** 95.00%" in page and "TTFT 10.00% of the admitted" in page
+    assert "run failed: boom" in page
