@@ -66,7 +66,7 @@ class OperatorState:
     def create(cls, settings: OperatorSettings, api_client: Any) -> OperatorState:
         kube = Kube(api_client, settings.field_manager)
         gateway = GatewayClient(settings.gateway_url, settings.gateway_timeout_s,
-                                settings.gateway_admin_keys_dir)
+                                settings.gateway_admin_keys_dir, settings.gateway_public_url)
         leader = None
         if settings.leader_election:
             leader = LeaderElector(
