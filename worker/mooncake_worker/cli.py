@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-local-hostname", default=d["store_local_hostname"].default)
     p.add_argument("--store-connect-timeout", dest="store_connect_timeout_s", type=float,
                    default=d["store_connect_timeout_s"].default)
+    p.add_argument("--store-timeout", dest="store_timeout_s", type=float,
+                   default=d["store_timeout_s"].default,
+                   help="seconds a request waits for one store call before recomputing")
     p.add_argument("--store-payload-scale", type=float,
                    default=d["store_payload_scale"].default)
     p.add_argument("--time-scale", type=float, default=d["time_scale"].default,

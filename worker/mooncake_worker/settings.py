@@ -86,6 +86,10 @@ class WorkerSettings(BaseModel):
     store_connect_timeout_s: float = Field(
         5.0, gt=0, description="give up starting when the store does not answer by then"
     )
+    store_timeout_s: float = Field(
+        5.0, gt=0, description="a request waits this long for one store call, then "
+        "recomputes (the call may be stuck in the binding: a peer that stopped answering)"
+    )
 
     # -- relay mode (in front of a real engine) --------------------------------------------
     engine_url: str | None = Field(None, description="real engine's HTTP base URL: relay mode")

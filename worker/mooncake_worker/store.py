@@ -9,17 +9,25 @@ header against the tokens it expects, so a stale or foreign object is never used
 
 The transfer engine is pinned to loopback-or-configured ``store_local_hostname``
 (``MC_TCP_BIND_ADDRESS`` is set to it before the library is loaded). All store calls
-block, so they run in a worker thread.
+block, so they run on this client's own threads, and a request waits for one (queue
+included) at most ``store_timeout_s``: the binding can wait for ever (an RPC or a transfer
+to a peer that stopped answering: seen after a prefill engine that lends a segment was
+SIGSTOPped, with every store thread of the other prefill engine still waiting 100 s after
+it resumed). A call past its limit is left to finish in its thread, and while such calls
+take every thread the store is skipped at once: either way the handoff degrades to
+recomputation, as when a call fails.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import struct
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from .settings import WorkerSettings
@@ -29,10 +37,19 @@ MAGIC = b"MCKV1"
 _HEAD = struct.Struct("<5sQI")
 #: pause between connection attempts to a store that is not up yet
 CONNECT_RETRY_S = 0.5
+#: threads for store calls (as many as asyncio's default executor has); while calls stuck
+#: in the binding take all of them the store is skipped, so a stall never queues the
+#: engine's requests behind it
+STORE_THREADS = min(32, (os.cpu_count() or 1) + 4)
+T = TypeVar("T")
 
 
 class StoreError(RuntimeError):
     pass
+
+
+class StoreUnavailable(StoreError):
+    """A store call did not end in time, or was not made (every store thread is stuck)."""
 
 
 def encode_payload(key: int, tokens: Sequence[int], size: int) -> bytes:
@@ -61,6 +78,43 @@ class BlockStore:
         self._store: Any = None
         self.puts = 0
         self.gets = 0
+        #: calls given up after ``store_timeout_s``, and calls not made (threads all stuck)
+        self.timeouts = 0
+        self.skipped = 0
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            STORE_THREADS, thread_name_prefix="mooncake-store")
+        self._lock = threading.Lock()
+        self._stuck = 0  # calls given up that still hold a store thread
+
+    @property
+    def stuck(self) -> int:
+        """Calls given up after ``store_timeout_s`` that still run in their threads."""
+        return self._stuck
+
+    async def _call(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a store thread, waiting (queue included) at most
+        ``store_timeout_s``; raises :class:`StoreUnavailable` when it does not end in time
+        (one still queued is dropped; one running goes on in its thread, which stays taken
+        until it ends) or when every thread is taken by such calls."""
+        if self._stuck >= STORE_THREADS:
+            self.skipped += 1
+            raise StoreUnavailable(f"{what}: all {STORE_THREADS} store threads are stuck")
+        fut = self._pool.submit(fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut),
+                                          self.settings.store_timeout_s)
+        except TimeoutError:
+            self.timeouts += 1
+            if not fut.cancel():  # running: its thread is taken until the binding returns
+                with self._lock:
+                    self._stuck += 1
+                fut.add_done_callback(self._unstick)
+            raise StoreUnavailable(
+                f"{what}: no answer within {self.settings.store_timeout_s:g} s") from None
+
+    def _unstick(self, _fut: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._stuck -= 1
 
     def name(self, key: int) -> str:
         return f"{self.settings.store_key_prefix}{key:016x}"
@@ -120,6 +174,7 @@ class BlockStore:
         if self._store is not None:
             store, self._store = self._store, None
             await asyncio.to_thread(store.close)
+        self._pool.shutdown(wait=False)
 
     def _put(self, keys: Sequence[int], tokens: Sequence[Sequence[int]]) -> int:
         names = [self.name(k) for k in keys]
@@ -143,11 +198,15 @@ class BlockStore:
 
     async def put_blocks(self, keys: Sequence[int], tokens: Sequence[Sequence[int]]) -> int:
         """Store blocks not yet in the store; returns how many were written (0 when the
-        store fails: the handoff then degrades to recomputation, never to an error)."""
+        store fails or does not answer in time: the handoff then degrades to
+        recomputation, never to an error or a wait without end)."""
         if self._store is None or not keys:
             return 0
         try:
-            n = await asyncio.to_thread(self._put, keys, tokens)
+            n = await self._call("put", self._put, keys, tokens)
+        except StoreUnavailable as exc:
+            log.warning("Mooncake Store %s", exc)
+            return 0
         except Exception:  # the binding raises assorted types
             log.exception("Mooncake Store put failed")
             return 0
@@ -158,11 +217,15 @@ class BlockStore:
         return list(self._store.get_batch([self.name(k) for k in keys]))
 
     async def get_blocks(self, keys: Sequence[int]) -> list[tuple[int, list[int]] | None]:
-        """Fetch blocks; ``None`` for every block missing or malformed."""
+        """Fetch blocks; ``None`` for every block missing or malformed (all of them when
+        the store fails or does not answer in time)."""
         if self._store is None or not keys:
             return [None] * len(keys)
         try:
-            raw = await asyncio.to_thread(self._get, keys)
+            raw = await self._call("get", self._get, keys)
+        except StoreUnavailable as exc:
+            log.warning("Mooncake Store %s", exc)
+            return [None] * len(keys)
         except Exception:  # the binding raises assorted types
             log.exception("Mooncake Store get failed")
             return [None] * len(keys)
@@ -178,7 +241,10 @@ class BlockStore:
             return [False] * len(keys)
         names = [self.name(k) for k in keys]
         try:
-            res = await asyncio.to_thread(self._store.batch_is_exist, names)
+            res = await self._call("exists", self._store.batch_is_exist, names)
+        except StoreUnavailable as exc:
+            log.warning("Mooncake Store %s", exc)
+            return [False] * len(keys)
         except Exception:  # the binding raises assorted types
             log.exception("Mooncake Store batch_is_exist failed")
             return [False] * len(keys)
