@@ -1,5 +1,5 @@
 """Fault drills on the embedded cluster (``benchmarks/chaos.py``,
-the benchmark's short runs): find a pod's processes and signal them, read a
+``tests/operator/test_chaos_cluster.py``): find a pod's processes and signal them, read a
 gateway's view of one engine, judge a replay's outcomes around the moment of a fault, and
 list what a fault left broken.
 
