@@ -51,6 +51,8 @@ MODEL = "llama3-70b-sim"
 PSS_LABELS = {f"pod-security.kubernetes.io/{m}": "restricted"
               for m in ("enforce", "warn", "audit")}
 MCC = f"/apis/mooncake.io/v1alpha1/namespaces/{NS}/mooncakeclusters"
+#: the chart's default: two operator pods, one leading
+REPLICAS = 2
 ROLE = f"/apis/rbac.authorization.k8s.io/v1/namespaces/{NS}/roles/{FULLNAME}"
 #: the verb taken away in the RBAC test: scaling up needs it at reconcile time
 REMOVED = ("", "pods", "create")
@@ -102,11 +104,12 @@ class Install:
         self.seen_pod_uids |= {p["metadata"]["uid"] for p in items}
         return items
 
-    def operator_pod(self) -> dict[str, Any]:
+    def operator_pods(self) -> list[dict[str, Any]]:
+        """The chart's operator pods: the default's two, none terminating."""
         pods = [p for p in self.pods(f"app.kubernetes.io/instance={RELEASE}")
                 if not p["metadata"].get("deletionTimestamp")]
-        assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
-        return pods[0]
+        assert len(pods) == REPLICAS, [p["metadata"]["name"] for p in pods]
+        return sorted(pods, key=lambda p: str(p["metadata"]["name"]))
 
     def cluster(self) -> dict[str, Any]:
         return self.http.get(f"{MCC}/{CLUSTER}")
@@ -232,25 +235,9 @@ def _routable(url: str) -> int:
 
 # -- 1. the operator runs as itself -----------------------------------------------------------
 def test_operator_pod_runs_with_its_own_token_and_role(install: Install) -> None:
-    pod = install.operator_pod()
-    spec = pod["spec"]
-    assert spec["serviceAccountName"] == FULLNAME and spec["nodeName"].startswith("cpu-")
-    assert pod["status"]["phase"] == "Running"
-    assert all(c["ready"] for c in pod["status"]["containerStatuses"]), pod["status"]
-    # the token comes from the TokenRequest API through the projected volume
-    assert any("projected" in v and any("serviceAccountToken" in s
-                                        for s in v["projected"]["sources"])
-               for v in spec["volumes"]), spec["volumes"]
-    # the pod runner's processes: in-cluster config, never the admin kubeconfig
-    uid = pod["metadata"]["uid"]
-    for container in ("operator", "gateway"):
-        rec = install.k8s.state_dir / "pod-pids" / f"{uid}-{container}.pid.json"
-        assert rec.is_file(), f"the pod runner runs no {container} process for {uid}"
-        pid = json.loads(rec.read_text())["pid"]
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        env = dict(e.decode(errors="replace").partition("=")[::2] for e in environ if e)
-        assert "KUBECONFIG" not in env, f"{container} got KUBECONFIG={env['KUBECONFIG']}"
-        assert env.get("KUBERNETES_SERVICE_HOST") and env.get("KUBERNETES_SERVICE_PORT")
+    pods = install.operator_pods()
+    for pod in pods:
+        _runs_with_its_own_token(install, pod)
     # exactly the Role: every grant of permissions.py, nothing more on those resources
     verbs = (*permissions.VERB_ORDER, "update", "deletecollection")
     for rule in permissions.RULES:
@@ -273,9 +260,31 @@ def test_operator_pod_runs_with_its_own_token_and_role(install: Install) -> None
     out = install.kubectl("auth", "can-i", "get", "secrets", f"--as={SA_USER}", "-n", NS,
                           check=False)
     assert out.strip() == "no", out
-    # the one replica leads: the chart's Lease names its pod
+    # one of the replicas leads: the chart's Lease names its pod
     lease = install.http.get(f"/apis/coordination.k8s.io/v1/namespaces/{NS}/leases/{FULLNAME}")
-    assert lease["spec"]["holderIdentity"] == pod["metadata"]["name"], lease["spec"]
+    assert lease["spec"]["holderIdentity"] in {p["metadata"]["name"] for p in pods}, \
+        lease["spec"]
+
+
+def _runs_with_its_own_token(install: Install, pod: dict[str, Any]) -> None:
+    spec = pod["spec"]
+    assert spec["serviceAccountName"] == FULLNAME and spec["nodeName"].startswith("cpu-")
+    assert pod["status"]["phase"] == "Running"
+    assert all(c["ready"] for c in pod["status"]["containerStatuses"]), pod["status"]
+    # the token comes from the TokenRequest API through the projected volume
+    assert any("projected" in v and any("serviceAccountToken" in s
+                                        for s in v["projected"]["sources"])
+               for v in spec["volumes"]), spec["volumes"]
+    # the pod runner's processes: in-cluster config, never the admin kubeconfig
+    uid = pod["metadata"]["uid"]
+    for container in ("operator", "gateway"):
+        rec = install.k8s.state_dir / "pod-pids" / f"{uid}-{container}.pid.json"
+        assert rec.is_file(), f"the pod runner runs no {container} process for {uid}"
+        pid = json.loads(rec.read_text())["pid"]
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        env = dict(e.decode(errors="replace").partition("=")[::2] for e in environ if e)
+        assert "KUBECONFIG" not in env, f"{container} got KUBECONFIG={env['KUBECONFIG']}"
+        assert env.get("KUBERNETES_SERVICE_HOST") and env.get("KUBERNETES_SERVICE_PORT")
 
 
 # -- 2. the example reconciles and serves -----------------------------------------------------
@@ -305,7 +314,8 @@ def test_every_pod_in_the_namespace_is_admitted_and_restricted(llama: Install) -
     pods = llama.pods()
     roles = sorted((p["metadata"].get("labels") or {}).get(
         "mooncake.io/role", "chart") for p in pods)
-    assert roles == ["chart", "decode", "prefill", "store-master", "store-node"], roles
+    assert roles == [*["chart"] * REPLICAS, "decode", "prefill", "store-master",
+                     "store-node"], roles
     for p in pods:
         name = p["metadata"]["name"]
         assert p["status"]["phase"] == "Running", (name, p["status"])
@@ -314,7 +324,7 @@ def test_every_pod_in_the_namespace_is_admitted_and_restricted(llama: Install) -
 
 # -- 4. a verb missing from the Role is reported, not crashed on ------------------------------
 def test_a_missing_verb_is_reported_and_the_cluster_recovers(llama: Install) -> None:
-    before = llama.operator_pod()
+    before = {p["metadata"]["uid"] for p in llama.operator_pods()}
     role = llama.http.get(ROLE)
     rules = role["rules"]
     group, resource, verb = REMOVED
@@ -337,11 +347,12 @@ def test_a_missing_verb_is_reported_and_the_cluster_recovers(llama: Install) -> 
         q = urllib.parse.quote(f"involvedObject.name={CLUSTER},reason=Forbidden")
         events = llama.http.get(f"/api/v1/namespaces/{NS}/events?fieldSelector={q}")["items"]
         assert events and all(e["type"] == "Warning" for e in events), events
-        # the operator did not crash: the same pod, no container restarted, still serving
-        now = llama.operator_pod()
-        assert now["metadata"]["uid"] == before["metadata"]["uid"]
-        assert [c["restartCount"] for c in now["status"]["containerStatuses"]] == [0, 0], \
-            now["status"]["containerStatuses"]
+        # no operator crashed: the same pods, no container restarted, still serving
+        now = llama.operator_pods()
+        assert {p["metadata"]["uid"] for p in now} == before
+        for p in now:
+            assert [c["restartCount"] for c in p["status"]["containerStatuses"]] == [0, 0], \
+                p["status"]["containerStatuses"]
         assert_openai_serves(llama.gateway_url(), MODEL)
     finally:
         llama.http.patch(ROLE, {"rules": rules})
@@ -354,14 +365,19 @@ def test_a_missing_verb_is_reported_and_the_cluster_recovers(llama: Install) -> 
 # -- 5. helm upgrade --------------------------------------------------------------------------
 def test_helm_upgrade_keeps_the_cluster_ready_and_serving(llama: Install) -> None:
     engines = {p["metadata"]["uid"] for p in llama.pods(ENGINES)}
-    old = llama.operator_pod()["metadata"]["uid"]
+    old = {p["metadata"]["uid"] for p in llama.operator_pods()}
     t0 = time.monotonic()
     llama.helm_install("upgrade", "--set", "gateway.logLevel=INFO")
     print(f"helm upgrade --wait: {time.monotonic() - t0:.0f} s")
-    pod = llama.operator_pod()
-    assert pod["metadata"]["uid"] != old  # the new pod template rolled the operator pod
-    gw = next(c for c in pod["spec"]["containers"] if c["name"] == "gateway")
-    assert gw["args"][gw["args"].index("--log-level") + 1] == "INFO", gw["args"]
+    llama.wait(lambda: len([p for p in llama.pods(f"app.kubernetes.io/instance={RELEASE}")
+                            if p["metadata"]["uid"] in old]) == 0, 120,
+               "the old operator pods to go")
+    pods = llama.operator_pods()
+    # the new pod template rolled every operator pod
+    assert not {p["metadata"]["uid"] for p in pods} & old
+    for pod in pods:
+        gw = next(c for c in pod["spec"]["containers"] if c["name"] == "gateway")
+        assert gw["args"][gw["args"].index("--log-level") + 1] == "INFO", gw["args"]
     status = json.loads(llama.helm("status", RELEASE, "-n", NS, "-o", "json"))
     assert (status["version"], status["info"]["status"]) == (2, "deployed")
     url = llama.gateway_url()
