@@ -161,6 +161,8 @@ class Conductor:
         self.calibrate = _own(cfg.calibrate, policy.calibrates)
         self.overrun = (OverrunEstimator(cfg.overrun)
                         if _own(cfg.overrun.enabled, policy.reestimates) else None)
+        #: prefills reported through :meth:`observe_prefill`
+        self.observed_prefills = 0
         self._log_scale = math.log(self.config.calibration.initial_scale)
         if self._log_scale:
             self.cost.set_prefill_scale(self.config.calibration.initial_scale)
@@ -169,6 +171,7 @@ class Conductor:
         """A prefill predicted to take ``predicted_s`` (by the current model) took
         ``observed_s``: with calibration on, move the model's prefill scale towards it;
         with overrun re-estimation on, measure the prediction error's spread."""
+        self.observed_prefills += 1
         if self.overrun is not None:
             self.overrun.observe(predicted_s, observed_s)
         self.admission_rule.observe(predicted_s, observed_s)

@@ -67,22 +67,9 @@ WORD_BITS = 64  # instance ids per uint64 holder mask
 
 #: weight of the newest measurement in moving averages of prefill time
 EWMA_ALPHA = 0.2
-#: bounds of an instance's measured slowdown (actual / predicted prefill seconds)
-SLOWDOWN_MIN = 0.1
-SLOWDOWN_MAX = 100.0
 #: wall seconds between a held prefill's own checks of its turn (a safety net: turns are
 #: handed out when an engine answers, or when a steal moves the prefill)
 TURN_RECHECK_S = 1.0
-
-
-def _conductor(cfg: ModelSettings) -> Conductor:
-    """The model's Conductor, with the core's one global prefill scale off: here each
-    instance's measured slowdown is the calibration (:meth:`ModelRuntime.slowdown`). Both
-    at once would disagree: the slowdown makes predicted and actual *means* meet, which
-    leaves the log-ratios the global scale follows below zero whenever durations spread,
-    so the scale would sink to its floor while the slowdowns rose to match, and a
-    request's own prefill, which the slowdown does not stretch, would be underpriced."""
-    return Conductor(cfg.conductor.model_copy(update={"calibrate": False}))
 
 
 @dataclass(slots=True)
@@ -199,7 +186,7 @@ class ModelRuntime:
         self.m = ModelMetrics(metrics, cfg.name)
         for role in Role:  # 0 until instances register
             metrics.routable.labels(cfg.name, role.value).set(0)
-        self.conductor = _conductor(cfg)
+        self.conductor = Conductor(cfg.conductor)
         self.cost = self.conductor.cost
         self.slo = SloCounter(metrics.slo_requests, cfg.name, cfg.conductor.slo.ttft_s,
                               cfg.conductor.slo.tbt_s, self.time_scale)
@@ -231,9 +218,6 @@ class ModelRuntime:
         self.engine_cached_tokens = 0
         self.engine_prompt_tokens = 0
         self.prefill_seconds = 0.0
-        # per prefill instance: EWMA of actual and of predicted seconds (dispatch → answer)
-        self._actual_s: dict[int, float] = {}
-        self._predicted_s: dict[int, float] = {}
         # late binding: every placed, unanswered prefill by request id; per instance the
         # ones held here (queue order) and the count sent to its engine
         self._prefills: dict[int, QueuedPrefill] = {}
@@ -544,7 +528,7 @@ class ModelRuntime:
         replication settings are unchanged."""
         old = self.conductor
         self.cfg = cfg
-        self.conductor = _conductor(cfg)
+        self.conductor = Conductor(cfg.conductor)
         self.cost = self.conductor.cost
         if old.config.replication != cfg.conductor.replication:
             self.hot_tokens = self._hot_tokens()
@@ -573,20 +557,10 @@ class ModelRuntime:
                 d.capacity_tokens = stats.num_gpu_blocks * self.cfg.block_size
 
     # -- in-flight accounting --------------------------------------------------------------
-    def slowdown(self, iid: int) -> float:
-        """How much longer than predicted this instance's prefills take (1: as modelled).
-
-        Measured per instance as EWMA(actual) / EWMA(predicted) of dispatch → answer times,
-        so an engine slower than the cost model (other hardware, CPU contention) drains its
-        predicted queue more slowly and its predicted wait stays truthful."""
-        pred = self._predicted_s.get(iid, 0.0)
-        if pred <= 0:
-            return 1.0
-        return min(SLOWDOWN_MAX, max(SLOWDOWN_MIN, self._actual_s[iid] / pred))
-
     def drain(self, now: float) -> None:
-        """Retire ``now - last`` modelled seconds (over the instance's slowdown) of prefill
-        work from each queue's front. With the Conductor's overrun re-estimation on, a
+        """Retire ``now - last`` modelled seconds of prefill work from each queue's front
+        (queued work is priced by the calibrated cost model, so a second drains a second:
+        :meth:`prefill_done`). With the Conductor's overrun re-estimation on, a
         prefill whose work ran out with no answer yet keeps the work it is now expected
         to take (:mod:`mooncake_conductor.overrun`) instead of none; the time past its
         predicted end still drains the prefills behind it (a worker answers once its KV
@@ -599,8 +573,7 @@ class ModelRuntime:
         for p in self.cluster.prefill:
             if not p.queue or (p.queued_work_s <= 0 and est is None):
                 continue
-            slow = self.slowdown(p.iid)
-            left = elapsed / slow
+            left = elapsed
             for item in sorted(p.queue):
                 if left <= 0:
                     break
@@ -610,7 +583,7 @@ class ModelRuntime:
                 q = self._prefills.get(item.rid)
                 if item.work_s <= 0 and est is not None and q is not None and q.overdue is None:
                     # predicted done when its work ran out, and no answer came
-                    q.overdue = (q.work_s * slow, now - left * slow)
+                    q.overdue = (q.work_s, now - left)
             if est is not None:
                 # a prefill past its predicted end is not done (mooncake_conductor.overrun)
                 for item in p.queue:
@@ -618,7 +591,7 @@ class ModelRuntime:
                     if q is not None and q.overdue is not None:
                         predicted, ran_out = q.overdue
                         until = est.busy_until(now, ran_out - predicted, predicted)
-                        item.work_s = (until - now) / slow
+                        item.work_s = until - now
             p.queued_work_s = sum(q.work_s for q in p.queue)
 
     def request_info(
@@ -756,17 +729,10 @@ class ModelRuntime:
         if predicted_s is not None:
             self.metrics.instance_prefills.labels(self.cfg.name, inst.name).inc()
         if predicted_s is not None and predicted_s > 0:
-            iid = inst.iid
             # the core's one path for an observed prefill (the simulator's too): the
-            # overrun estimate and the admission margin's measured error learn the error
-            # left after this instance's slowdown (the gateway's calibration: _conductor)
-            self.conductor.observe_prefill(predicted_s * self.slowdown(iid), elapsed_s)
-            if iid in self._actual_s:
-                a = EWMA_ALPHA
-                self._actual_s[iid] = (1 - a) * self._actual_s[iid] + a * elapsed_s
-                self._predicted_s[iid] = (1 - a) * self._predicted_s[iid] + a * predicted_s
-            else:
-                self._actual_s[iid], self._predicted_s[iid] = elapsed_s, predicted_s
+            # calibration of the cost model's prefill scale, the overrun estimate and the
+            # admission margin's measured error
+            self.conductor.observe_prefill(predicted_s, elapsed_s)
         with contextlib.suppress(StopIteration):
             p.pop(req.rid)
         self.index.remove_pending(inst.iid, req.keys)
@@ -853,8 +819,7 @@ class ModelRuntime:
             if i.role is Role.PREFILL:
                 p = self.cluster.prefill[i.iid]
                 v.update({"predicted_wait_s": p.wait_time(now), "queued": len(p.queue),
-                          "pending_blocks": feeder.index.pending_size(i.iid),
-                          "slowdown": self.slowdown(i.iid)})
+                          "pending_blocks": feeder.index.pending_size(i.iid)})
             else:
                 d = self.cluster.decode[i.iid]
                 v.update({"batch": d.batch, "context_tokens": d.context_tokens,
@@ -864,6 +829,8 @@ class ModelRuntime:
         return {
             "model": self.cfg.name,
             "policy": self.cfg.conductor.policy,
+            "calibration": {"prefill_scale": self.cost.prefill_scale,
+                            "observed_prefills": self.conductor.observed_prefills},
             "admission": {"on": self.conductor.admission,
                           "rule": self.cfg.conductor.admission_rule.rule,
                           "ttft_miss_risk": self.cfg.conductor.admission_rule.ttft_miss_risk},

@@ -93,12 +93,10 @@ def test_time_past_an_overdue_prefill_still_drains_the_queue_behind() -> None:
 
 def test_an_answer_reaches_the_cores_one_observation_path() -> None:
     """The gateway observes a prefill as the simulator does (Conductor.observe_prefill):
-    the admission margin's measured error learns from it, not only the overrun estimate.
-    The global prefill scale stays put even when asked for: here the instance's slowdown
-    is the calibration (runtime._conductor)."""
+    the cost model's calibration, the overrun estimate and the admission margin's
+    measured error all learn from it."""
     cfg = ModelSettings(name="m", conductor={
-        "overrun": {"min_samples": 1}, "admission_rule": {"ttft_miss_risk": 0.01},
-        "calibrate": True})
+        "overrun": {"min_samples": 1}, "admission_rule": {"ttft_miss_risk": 0.01}})
     rt = ModelRuntime(cfg, GatewaySettings(), GatewayMetrics())
     rt.set_endpoints(Role.PREFILL, [Endpoint(url=f"http://{HOST}:1")])
     rt.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
@@ -113,9 +111,22 @@ def test_an_answer_reaches_the_cores_one_observation_path() -> None:
         req, work = _place(rt, i + 1)
         rt.prefill_done(rt.prefill[0], req, 2.0 * work, work)
         assert margin.samples == i + 1
-    assert rt.slowdown(0) == pytest.approx(2.0)
-    assert rt.cost.prefill_time(TOKENS, 0) == before
     est = rt.conductor.overrun
     assert est is not None and est.samples == 3
-    # the first answer met no slowdown yet (2x), the next ones met it (1x)
-    assert est.mu == pytest.approx(np.log(2.0) / 3)
+    assert est.mu == pytest.approx(np.log(2.0))
+    # three steps of the calibration rate towards 2x
+    rate = rt.conductor.config.calibration.rate
+    assert rt.state()["calibration"] == {"prefill_scale": pytest.approx(2.0 ** (3 * rate)),
+                                         "observed_prefills": 3}
+    assert rt.cost.prefill_time(TOKENS, 0) > before
+
+
+def test_queued_work_drains_a_modelled_second_per_second() -> None:
+    """Queued work is priced by the calibrated model, so it drains at the clock's pace
+    whatever the engines' speed: the calibration, not the drain, absorbs a slow engine."""
+    rt = _runtime(enabled=False)
+    t0 = rt.now()
+    rt.drain(t0)
+    _req, work = _place(rt, 1)
+    rt.drain(t0 + 0.25 * work)
+    assert rt.cluster.prefill[0].queued_work_s == pytest.approx(0.75 * work, rel=1e-6)

@@ -166,13 +166,15 @@ async def _one_pool_down(pool: str) -> tuple[str, dict[str, Any]]:
 def test_token_accounting_of_prefilled_and_direct_requests() -> None:
     """p0 holds the first two blocks of a three-block prompt: each P/D request counts
     2 blocks reused and 1 computed and adds its predicted prefill GPU time; a direct
-    request counts its whole prompt as computed and adds no prefill time."""
+    request counts its whole prompt as computed and adds no prefill time. Calibration
+    off: the scripted engine's instant answers would rescale the second prediction."""
     async def main() -> None:
         pub = ScriptedPublisher()
         tokens = prompt_ids(3 * BLOCK, 5)
         try:
             async with engines("p0", "d0") as (p0, d0), running_gateway(
-                    [model([p0.endpoint(**pub.endpoint_fields())], [d0])]) as gw:
+                    [model([p0.endpoint(**pub.endpoint_fields())], [d0],
+                           conductor={"calibrate": False})]) as gw:
                 seq = await pub.publish([BlockStored([11, 12], None, tokens[:2 * BLOCK],
                                                      BLOCK)])
                 await _applied(gw, "prefill", seq)

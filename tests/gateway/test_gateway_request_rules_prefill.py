@@ -1,5 +1,5 @@
 """The prefill half of a P/D request against scripted engines over real HTTP: the
-measured prefill time handed to the instance's calibration (in modelled seconds, only
+measured prefill time handed to the Conductor's calibration (in modelled seconds, only
 for answered prefills), the engine's usage counted with its defaults, the decode's
 ``kv_transfer_params`` when the prefill's answer carries none usable, and both HTTP
 clients (the lean one and aiohttp) sending JSON and naming what failed."""
@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from mooncake_conductor.engine import CalibrationConfig
 
 from .scripted import MODEL, Call, ScriptedEngine, engines, model, prompt_ids, running_gateway
 
@@ -19,8 +20,8 @@ CMPL = "/v1/completions"
 DELAY_S = 0.3
 #: the gateway's own time around an engine call (HTTP on loopback, a loaded 2-core host)
 OVERHEAD_S = 2.0
-#: a prompt whose predicted prefill (about 0.2 s) keeps the measured slowdown well inside
-#: its clamp (0.1 to 100) even with OVERHEAD_S on top
+#: a prompt whose predicted prefill (about 0.2 s) keeps one calibration step well inside
+#: the scale's clamp even with OVERHEAD_S on top
 LONG_PROMPT = 2048
 
 
@@ -44,11 +45,11 @@ def _prefill_answer(engine: ScriptedEngine, call: Call, **fields: Any) -> web.Re
 
 
 @pytest.mark.parametrize("time_scale", [1.0, 0.5])
-def test_a_prefill_time_calibrates_its_instance_in_modelled_seconds(
+def test_a_prefill_time_calibrates_the_model_in_modelled_seconds(
         time_scale: float) -> None:
-    """p0 answers its prefill after DELAY_S: its slowdown becomes the modelled time
-    (wall / time_scale) over the placement's predicted TTFT. A refused prefill on p1
-    (retried on p0) leaves p1's calibration alone."""
+    """p0 answers its prefill after DELAY_S: the Conductor's prefill scale takes one step
+    (its calibration rate) towards the modelled time (wall / time_scale) over the
+    placement's predicted TTFT. A refused prefill on p1 (retried on p0) is not observed."""
     async def main() -> None:
         async with engines("p0", "p1", "d0") as (p0, p1, d0), running_gateway(
                 [model([p0, p1], [d0])], time_scale=time_scale) as gw:
@@ -68,12 +69,13 @@ def test_a_prefill_time_calibrates_its_instance_in_modelled_seconds(
             assert rec["attempts"][-1] == {"prefill": "p0", "status": 200}
             predicted = rec["predicted"]["ttft_s"]
             assert predicted > 0.05
-            slow_p0, slow_p1 = [p["slowdown"] for p in (await gw.state())["prefill"]]
-            low = DELAY_S / time_scale / predicted
-            high = (DELAY_S + OVERHEAD_S) / time_scale / predicted
-            assert high < 100.0  # the bounds stay clear of the clamp
-            assert low <= slow_p0 <= high, (slow_p0, low, high)
-            assert slow_p1 == 1.0
+            cal = (await gw.state())["calibration"]
+            assert cal["observed_prefills"] == 1
+            rate = CalibrationConfig().rate
+            low = (DELAY_S / time_scale / predicted) ** rate
+            high = ((DELAY_S + OVERHEAD_S) / time_scale / predicted) ** rate
+            assert high < CalibrationConfig().max_scale  # the bounds stay clear of the clamp
+            assert low <= cal["prefill_scale"] <= high, (cal, low, high)
             assert len(p1.calls) == (1 if rec["attempts"][0]["prefill"] == "p1" else 0)
 
     asyncio.run(main())
