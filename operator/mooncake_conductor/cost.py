@@ -140,6 +140,8 @@ class CostModel:
         self.kv_capacity_tokens = max(0, int(kv_hbm * e.kv_hbm_fraction / self.kv_bytes_per_token))
         #: multiplies every predicted prefill compute time (online calibration sets it)
         self.prefill_scale = 1.0
+        #: multiplies every predicted decode step (decode calibration sets it)
+        self.decode_scale = 1.0
         #: bumped on every change of the constants, so cached copies know to refresh
         self.version = 0
 
@@ -153,6 +155,19 @@ class CostModel:
         self.prefill_scale = scale
         self._peak = h.peak_flops / scale
         self._prefill_overhead = e.prefill_overhead_s * scale
+        self.version += 1
+
+    def set_decode_scale(self, scale: float) -> None:
+        """Predict every decode step ``scale`` x slower than the configured model: HBM
+        bandwidth and decode FLOPs divided, the fixed overhead multiplied by it (both arms
+        of the step scale alike, so the instances' order by step does not change)."""
+        if not scale > 0:
+            raise ValueError("scale must be positive")
+        h, e = self.config.hardware, self.config.efficiency
+        self.decode_scale = scale
+        self._hbm = h.hbm_bytes_per_s * e.hbm_efficiency / scale
+        self._decode_peak = h.peak_flops * e.decode_mfu / scale
+        self._decode_overhead = e.decode_overhead_s * scale
         self.version += 1
 
     # -- prefill -----------------------------------------------------------------------------

@@ -134,6 +134,7 @@ class TBTSLODecode(DecodeSelector):
         super().__init__(cost, tbt_slo_s, rng)
         self.candidates = candidates or CandidatesConfig()
         self._consts = np.array(cost.decode_constants())
+        self._consts_version = cost.version
         self._step = np.empty(0)
         self._ties = np.empty(0, dtype=np.int64)
         self._ahead_n = np.empty(0, dtype=np.int64)
@@ -150,6 +151,9 @@ class TBTSLODecode(DecodeSelector):
         them (:func:`.topology.narrow_to_nearest`)."""
         if not decode:
             return DecodeChoice(None, reject_reason="no-decode-instance")
+        if self.cost.version != self._consts_version:  # the model was recalibrated
+            self._consts = np.array(self.cost.decode_constants())
+            self._consts_version = self.cost.version
         topo = self.topology
         local = bool(near) and topo is not None and topo.active
         board = board_of(decode)  # every instance's load, kept current by the states

@@ -22,6 +22,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .admission import AdmissionConfig, create_admission
+from .calibration import IDLE_CONTEXT_TOKENS, DecodeCalibrationConfig, LogScale, idle_cap
 from .candidates import CandidatesConfig
 from .cost import CostModel, CostModelConfig
 from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
@@ -84,6 +85,10 @@ class ConductorConfig(BaseModel):
     calibrate: bool | None = Field(
         None, description="learn the prefill-time scale online (default: the policy's own)")
     calibration: CalibrationConfig = CalibrationConfig()
+    decode_calibration: DecodeCalibrationConfig = Field(
+        DecodeCalibrationConfig(), description="learn the decode-step scale from the TBT "
+        "finished streams got (mooncake_conductor.calibration; off: the simulator's "
+        "engines are the model)")
     overrun: OverrunConfig = OverrunConfig()
     candidates: CandidatesConfig = CandidatesConfig()
     topology: TopologyConfig = Field(
@@ -163,6 +168,10 @@ class Conductor:
                         if _own(cfg.overrun.enabled, policy.reestimates) else None)
         #: prefills reported through :meth:`observe_prefill`
         self.observed_prefills = 0
+        dc = self.config.decode_calibration
+        cap = idle_cap(self.cost.decode_step_time(1, IDLE_CONTEXT_TOKENS),
+                       self.config.slo.tbt_s, dc.idle_share)
+        self.decode_scale = LogScale(dc.rate, dc.min_scale, min(dc.max_scale, cap))
         self._log_scale = math.log(self.config.calibration.initial_scale)
         if self._log_scale:
             self.cost.set_prefill_scale(self.config.calibration.initial_scale)
@@ -182,6 +191,17 @@ class Conductor:
         lo, hi = math.log(cal.min_scale), math.log(cal.max_scale)
         self._log_scale = min(hi, max(lo, self._log_scale))
         self.cost.set_prefill_scale(math.exp(self._log_scale))
+
+    def observe_decode(self, predicted_tbt_s: float, observed_tbt_s: float,
+                       intervals: int) -> None:
+        """A stream predicted a TBT of ``predicted_tbt_s`` (by the current model) got
+        ``observed_tbt_s`` over ``intervals`` token intervals: with decode calibration
+        on, move the model's decode-step scale towards it (:mod:`.calibration`)."""
+        dc = self.config.decode_calibration
+        if not dc.enabled or intervals < dc.min_intervals:
+            return
+        if self.decode_scale.observe(predicted_tbt_s, observed_tbt_s):
+            self.cost.set_decode_scale(self.decode_scale.scale)
 
     def overdue_until(self, now: float, started: float, predicted_s: float) -> float | None:
         """A prefill that started at ``started``, predicted to take ``predicted_s``, is still

@@ -59,7 +59,7 @@ from .hottokens import HotPrefixTokens
 from .kvindex import IndexFeeder
 from .metrics import GatewayMetrics, ModelMetrics
 from .settings import Endpoint, GatewaySettings, ModelSettings, Role
-from .slo import SloCounter
+from .slo import SloCounter, request_tbt
 
 log = logging.getLogger(__name__)
 
@@ -746,6 +746,15 @@ class ModelRuntime:
             )
         self._hand_turn(inst.iid)
 
+    def decode_observed(self, predicted_tbt_s: float, intervals_wall_s: list[float]) -> None:
+        """A stream relayed to its end: its TBT (the mean of its longest tenth of token
+        intervals, in modelled seconds) against the decode selector's prediction, for the
+        Conductor's decode calibration (:mod:`mooncake_conductor.calibration`)."""
+        if predicted_tbt_s <= 0 or not intervals_wall_s:
+            return
+        observed = request_tbt(intervals_wall_s) / self.time_scale
+        self.conductor.observe_decode(predicted_tbt_s, observed, len(intervals_wall_s))
+
     def decode_started(self, inst: Instance, req: RequestInfo) -> None:
         d = self.cluster.decode[inst.iid]
         d.batch += 1
@@ -830,7 +839,9 @@ class ModelRuntime:
             "model": self.cfg.name,
             "policy": self.cfg.conductor.policy,
             "calibration": {"prefill_scale": self.cost.prefill_scale,
-                            "observed_prefills": self.conductor.observed_prefills},
+                            "observed_prefills": self.conductor.observed_prefills,
+                            "decode_scale": self.cost.decode_scale,
+                            "observed_decodes": self.conductor.decode_scale.observed},
             "admission": {"on": self.conductor.admission,
                           "rule": self.cfg.conductor.admission_rule.rule,
                           "ttft_miss_risk": self.cfg.conductor.admission_rule.ttft_miss_risk},

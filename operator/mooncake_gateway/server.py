@@ -975,7 +975,11 @@ class Gateway:
                 resp: Answer
                 if p.stream:
                     assert request is not None  # the fast front end hands streams to aiohttp
-                    resp = await self._stream(request, rt, inst, path, body, headers, arrived)
+                    # the TBT the decode selector predicted, for its own choice only
+                    predicted = (decision.decode.predicted_tbt_s
+                                 if iid == decision.decode.decode else 0.0)
+                    resp = await self._stream(request, rt, inst, path, body, headers, arrived,
+                                              predicted)
                 else:
                     resp = await self._unary(rt, inst, path, body, headers, record, explain,
                                              plain=request is None)
@@ -1023,7 +1027,7 @@ class Gateway:
 
     async def _stream(self, request: web.Request, rt: ModelRuntime, inst: Instance, path: str,
                       body: bytes, headers: dict[str, str],
-                      arrived: float) -> web.StreamResponse:
+                      arrived: float, predicted_tbt_s: float = 0.0) -> web.StreamResponse:
         assert self.session is not None
         try:
             upstream = await self.session.post(inst.endpoint.url + path, data=body,
@@ -1081,6 +1085,7 @@ class Gateway:
             await resp.write_eof()
             if first is not None:
                 rt.slo.served(first - arrived, intervals)
+                rt.decode_observed(predicted_tbt_s, intervals)
             return resp
 
 

@@ -311,6 +311,7 @@ def gateway_model(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
         conductor["decode_selector"] = cond.decode_selector
     if cond.admission is not None:
         conductor["admission"] = cond.admission
+    conductor["decode_calibration"] = {"enabled": cond.decode_calibration}
     if cond.ttft_miss_risk is not None:
         conductor["admission_rule"] = {"ttft_miss_risk": cond.ttft_miss_risk}
     if cond.shedding is not None:

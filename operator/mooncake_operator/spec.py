@@ -434,6 +434,11 @@ class ConductorSpec(_Model):
         "most this (e.g. 0.01: a margin that keeps admitted requests within the SLO under "
         "overload, docs/results/overload.md); unset: the predicted TTFT against the "
         "objective as is (the paper's rule)."))
+    decode_calibration: bool = Field(True, description=(
+        "Learn how much slower than the cost model the decode engines step, from the TBT "
+        "each stream gets through the gateway, and predict decode steps that much slower: "
+        "with admission on, requests whose TBT would miss are then held or refused "
+        "(mooncake_conductor.calibration)."))
     overrun: bool | None = Field(None, description=(
         "A prefill still running past its predicted end gets a new expected end (from the "
         "prediction error measured so far) instead of its instance counting as free; "

@@ -717,6 +717,9 @@ class Simulation:
         st.reserved_tokens = dec.reserved - st.context_tokens
         r.tbt = self._tbt(dec, r)
         assert r.decision is not None
+        # the core's one path for a finished stream (the gateway's too; off by default)
+        self.conductor.observe_decode(r.decision.decode.predicted_tbt_s, r.tbt,
+                                      dec.steps - r.s0)
         self.conductor.finished(r.info, r.decision)
         if self._holding:
             self._release_held()

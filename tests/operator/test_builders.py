@@ -224,6 +224,21 @@ def test_ttft_miss_risk_reaches_the_admission_rule(risk: float | None) -> None:
     assert conductor_config(spec).admission_rule.ttft_miss_risk == risk
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_decode_calibration_reaches_the_gateway(value: bool) -> None:
+    """spec.conductor.decodeCalibration (on unless set off): the gateway's Conductor
+    learns the decode-step scale from relayed streams."""
+    from mooncake_gateway.settings import ModelSettings
+
+    ref, spec = example("simulated")
+    assert spec.conductor.decode_calibration is True
+    spec = spec.model_copy(update={"conductor": spec.conductor.model_copy(
+        update={"decode_calibration": value})})
+    cm = builders.gateway_configmap(ref, spec)
+    model = ModelSettings.model_validate(yaml.safe_load(cm["data"][c.GATEWAY_MODEL_KEY]))
+    assert model.conductor.decode_calibration.enabled is value
+
+
 @pytest.mark.parametrize("risk", [0, 0.5, -0.1])
 def test_ttft_miss_risk_out_of_range_is_refused_by_field(risk: float) -> None:
     from mooncake_operator.spec import ConductorSpec
