@@ -747,6 +747,12 @@ def markdown(doc: JsonDict) -> str:
         f"{s['hold_s']:g} s. After the replay the run waits up to {s['settle_s']:g} s for "
         "everything to be healthy, then lists what is not.",
         "",
+        *(["Rows re-run later on the same set-up and merged here: "
+           + "; ".join(f"{', '.join(f'`{x}`' for x in m['faults'])} on "
+                       f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(m['started']))} UTC "
+                       f"(`{m['command']}`, {m['reason']})" for m in doc["merged"])
+           + ". The other rows are from the run above.", ""]
+          if doc.get("merged") else []),
         "| fault | completed | rejected (429) | failed | failed in flight / after | "
         "recovery s | Ready again s | TTFT p50 before → after | leftovers |",
         "|---|---:|---:|---:|---:|---:|---:|---|---|",
@@ -918,6 +924,26 @@ def shortfalls(doc: JsonDict) -> list[str]:
     return out + FALLS_SHORT
 
 
+def merged(base: JsonDict, new: JsonDict, reason: str) -> JsonDict:
+    """``base`` with ``new``'s rows in place of its rows of the same faults (new faults
+    appended) and ``new``'s overload section, if any; ``merged`` records what came from
+    where. The set-up and header stay ``base``'s."""
+    out = dict(base)
+    fresh = {r["fault"]: r for r in new["results"]}
+    rows = [fresh.pop(r["fault"], r) for r in base["results"]]
+    out["results"] = rows + list(fresh.values())
+    if new.get("overload"):
+        out["overload"] = new["overload"]
+    out["merged"] = [*base.get("merged", []), {
+        "faults": [r["fault"] for r in new["results"]]
+        + (["overload"] if new.get("overload") else []),
+        "started": new["started"], "command": new["settings"]["command"],
+        "reason": reason or "re-run", "machine": new["machine"],
+        "load_start": new["load_start"], "load_end": new["load_end"],
+        "wall_seconds": new["wall_seconds"]}]
+    return out
+
+
 # -- main -----------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
@@ -937,6 +963,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--keep-state", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
+    ap.add_argument("--merge-into", type=Path, default=None,
+                    help="an earlier run's JSON: this run's rows replace its rows of the same "
+                    "faults (and its overload section, if this run has one); the page says so")
+    ap.add_argument("--merge-reason", default="",
+                    help="with --merge-into: why these rows were re-run (one phrase)")
     ap.add_argument("--from-json", type=Path, default=None,
                     help="only write the markdown page from an earlier run's JSON")
     ap.add_argument("--list", action="store_true", help="list the faults and exit")
@@ -1026,6 +1057,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if overload_doc is not None:
         doc["overload"] = overload_doc
+    if a.merge_into is not None:
+        doc = merged(json.loads(a.merge_into.read_text()), doc, a.merge_reason)
     doc["falls_short"] = shortfalls(doc)
     if a.json:
         a.json.write_text(json.dumps(doc, indent=1) + "\n")
