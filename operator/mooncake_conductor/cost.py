@@ -28,6 +28,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -142,6 +144,8 @@ class CostModel:
         self.prefill_scale = 1.0
         #: multiplies every predicted decode step (decode calibration sets it)
         self.decode_scale = 1.0
+        #: :meth:`decode_constants` as the compiled decode pricing takes them, kept current
+        self.decode_array: npt.NDArray[np.float64] = np.array(self.decode_constants())
         #: bumped on every change of the constants, so cached copies know to refresh
         self.version = 0
 
@@ -168,6 +172,7 @@ class CostModel:
         self._hbm = h.hbm_bytes_per_s * e.hbm_efficiency / scale
         self._decode_peak = h.peak_flops * e.decode_mfu / scale
         self._decode_overhead = e.decode_overhead_s * scale
+        self.decode_array = np.array(self.decode_constants())
         self.version += 1
 
     # -- prefill -----------------------------------------------------------------------------

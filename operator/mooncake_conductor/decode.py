@@ -133,8 +133,6 @@ class TBTSLODecode(DecodeSelector):
                  candidates: CandidatesConfig | None = None) -> None:
         super().__init__(cost, tbt_slo_s, rng)
         self.candidates = candidates or CandidatesConfig()
-        self._consts = np.array(cost.decode_constants())
-        self._consts_version = cost.version
         self._step = np.empty(0)
         self._ties = np.empty(0, dtype=np.int64)
         self._ahead_n = np.empty(0, dtype=np.int64)
@@ -151,9 +149,6 @@ class TBTSLODecode(DecodeSelector):
         them (:func:`.topology.narrow_to_nearest`)."""
         if not decode:
             return DecodeChoice(None, reject_reason="no-decode-instance")
-        if self.cost.version != self._consts_version:  # the model was recalibrated
-            self._consts = np.array(self.cost.decode_constants())
-            self._consts_version = self.cost.version
         topo = self.topology
         local = bool(near) and topo is not None and topo.active
         board = board_of(decode)  # every instance's load, kept current by the states
@@ -173,7 +168,7 @@ class TBTSLODecode(DecodeSelector):
             rows = None
             ahead_n, ahead_tokens = self._ahead(board)
         count, fastest = rank_decode(
-            self._consts, req.input_tokens, need, self.tbt_slo_s,
+            self.cost.decode_array, req.input_tokens, need, self.tbt_slo_s,
             self.near_tolerance if local else self.tie_tolerance,
             _TIE_EPS, board["up"], board["context_tokens"], board["batch"],
             board["reserved_tokens"], board["capacity_tokens"], step, ties, rows,
@@ -192,7 +187,7 @@ class TBTSLODecode(DecodeSelector):
         return DecodeChoice(decode[row].iid, float(step[row]))
 
     def _order(self, board: Board) -> DecodeOrder:
-        consts = self._consts.tolist()
+        consts = self.cost.decode_array.tolist()
         order: DecodeOrder = order_of(board, lambda b: DecodeOrder(b, consts))
         return order
 
