@@ -917,10 +917,31 @@ def shortfalls(doc: JsonDict) -> list[str]:
         out.append(
             f"The hung engine {cost}, and TTFT p50 of the requests sent in the "
             f"30 s after it rose to {_s(hang.get('ttft_p50_after_s'))} s (reference run: "
-            f"{_s((by.get('none') or {}).get('ttft_p50_after_s'))} s). In the CI test "
-            "(a short CI version, engines at time scale 0.1, since withdrawn) one run saw "
-            "4 requests in flight on the hung engine end only at the client's 60 s timeout "
-            "after it resumed; that path is not understood yet.")
+            f"{_s((by.get('none') or {}).get('ttft_p50_after_s'))} s). Its short CI "
+            "version (`tests/operator/test_chaos_cluster.py`, engines at time scale 0.1, in "
+            "the loopback-only network namespace) was withdrawn for a while after requests "
+            "ended only at the client's 60 s timeout: the hung engine lends part of the "
+            "Mooncake Store, and the other prefill engine's store calls were still stuck "
+            "100 s after SIGCONT, holding every prefill sent to it. Each engine now waits "
+            "at most `--store-timeout` (5 s) for a store call, then recomputes; the test is "
+            "back in CI.")
+    ol = [r for r in (doc.get("overload") or {}).get("rows", []) if "run_error" not in r]
+    missed = [r for r in ol if not r["admitted_within_slo"] >= LIVE_TARGET]
+    if missed:
+        worst_429 = max(r["reject_ms_p99"] for r in ol)
+        worst_rss = max(r["memory"]["growth"] for r in ol)
+        out.append(
+            f"**Live overload misses {LIVE_TARGET:.0%}** in {len(missed)} of {len(ol)} runs ("
+            + ", ".join(f"{r['factor']:g}× {r['rule']}: {r['admitted_within_slo']:.1%}"
+                        for r in ol)
+            + "). The embedded cluster's engines, store, both gateways, the control plane "
+            "and the replay client share 2 cores: under these loads they run slower than "
+            "the cost model says, which the gateway learns only from answers (prefill and "
+            "decode calibration, issue 32 item 7), and at 4× its own event loop is starved "
+            f"too: 429 answers took up to {worst_429:.0f} ms at p99 (goal 50 ms) and "
+            f"gateway memory grew up to {worst_rss:+.0%} after warm-up (goal ≤ +10%). The "
+            "simulator's overload table ([overload](overload.md)) holds ≥ 99% with the "
+            "margin on the modelled engines; this host cannot show the same live.")
     return out + FALLS_SHORT
 
 
