@@ -884,10 +884,12 @@ def shortfalls(doc: JsonDict) -> list[str]:
             f"**Streams through a gateway that dies are lost**: {gw['failed']} of the "
             f"{i.get('inflight_at_fault', '?')} requests in flight through the killed gateway "
             "failed (the connection closed mid-stream); new requests went to the other "
-            "gateway at once. The client has to retry. While that gateway restarted, the "
-            "leading operator, which reads the registry of the gateway in its own pod, "
-            f"reported the cluster not Ready for {rd.get('not_ready_s', 0):.0f} s "
-            f"({', '.join(rd.get('reasons') or [])}) although the other gateway served.")
+            "gateway at once. The client has to retry. "
+            + (f"While that gateway restarted, the cluster was reported not Ready for "
+               f"{rd.get('not_ready_s', 0):.0f} s ({', '.join(rd.get('reasons') or [])}) "
+               "although the other gateway served." if rd.get("left_ready") else
+               "The cluster stayed Ready: the leading operator, whose own sidecar was the "
+               "killed gateway, read the registry through the gateway Service meanwhile."))
     ks = (by.get("operator-sigkill") or {}).get("info") or {}
     if ks.get("new_leader") and ks.get("new_leader") == ks.get("victim"):
         out.append(
