@@ -99,6 +99,10 @@ class ReplayConfig:
     #: seconds between reads of the gateway's counters during the run (0: none, only before
     #: and after; set it for runs across gateway restarts)
     sample_s: float = 0.0
+    #: reads of ``/conductor/state`` before and after the run, each on a new connection,
+    #: so that every gateway replica behind a Service is read (8: a replica of two is
+    #: missed with odds of 1 in 128 under random balancing, never under round robin)
+    state_reads: int = 8
     #: sent as ``Authorization: Bearer`` on every call (a locked gateway; an admin key
     #: for the hit ratio, which ``/conductor/state`` gives)
     api_key: str | None = None
@@ -109,8 +113,9 @@ class ReplayError(Exception):
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str,
-                    params: dict[str, str] | None = None) -> Any:
-    async with session.get(url, params=params) as r:
+                    params: dict[str, str] | None = None,
+                    headers: dict[str, str] | None = None) -> Any:
+    async with session.get(url, params=params, headers=headers) as r:
         if r.status != 200:
             hint = (" (a locked gateway: put a key in MOONCAKE_API_KEY, an admin key for "
                     "/conductor/state)" if r.status in (401, 403) else "")
@@ -119,9 +124,22 @@ async def _get_json(session: aiohttp.ClientSession, url: str,
         return await r.json()
 
 
-async def _state(session: aiohttp.ClientSession, url: str, model: str) -> dict[str, Any]:
-    data = await _get_json(session, f"{url}/conductor/state", {"model": model})
+async def _state(session: aiohttp.ClientSession, url: str, model: str,
+                 fresh: bool = False) -> dict[str, Any]:
+    """The model's state from the gateway at ``url``; ``fresh``: on a connection of its
+    own, closed after it (behind a Service, the next read may reach another replica)."""
+    data = await _get_json(session, f"{url}/conductor/state", {"model": model},
+                           {"Connection": "close"} if fresh else None)
     return dict(data["models"][0])
+
+
+async def _read_every_replica(session: aiohttp.ClientSession, cfg: ReplayConfig, model: str,
+                              counted: CounterIncrease) -> None:
+    """``cfg.state_reads`` reads of the state, each on a new connection: every gateway
+    replica a Service spreads them over is read (their counters are each their own), so
+    each has a first and a last value."""
+    for _ in range(cfg.state_reads):
+        counted.add(await _state(session, cfg.url, model, fresh=True))
 
 
 #: the ``/conductor/state`` token counters the results read
@@ -228,7 +246,7 @@ async def replay(records: list[TraceRecord], cfg: ReplayConfig) -> dict[str, Any
             for rec in records
         ]
         counted = CounterIncrease(time.time())
-        counted.add(await _state(session, cfg.url, model))
+        await _read_every_replica(session, cfg, model, counted)
         outs = [Outcome() for _ in records]
         t0 = time.perf_counter() + 0.1
         if cfg.on_start is not None:
@@ -263,7 +281,7 @@ async def replay(records: list[TraceRecord], cfg: ReplayConfig) -> dict[str, Any
             with contextlib.suppress(asyncio.CancelledError):
                 await sampler
         wall = time.perf_counter() - started
-        counted.add(await _state(session, cfg.url, model))
+        await _read_every_replica(session, cfg, model, counted)
     return results(records, outs, counted.total(), counted.policy, cfg, wall)
 
 

@@ -52,3 +52,69 @@ def test_an_old_gateway_without_owner_ids_still_reads_as_before() -> None:
         c.add(s)
     assert c.total()["prefill_seconds"] == pytest.approx(2.5)
     assert c.total()["prompt"] == 60
+
+
+def test_two_replicas_behind_one_address_are_both_counted() -> None:
+    """Behind a Service a keep-alive connection stays on one gateway: the replay reads the
+    state on new connections, so both replicas have a first and a last read. Here each
+    new connection reaches the other replica, and each replica counts 10 prompt tokens
+    per completion it serves."""
+    import asyncio
+    import socket
+
+    from aiohttp import web
+    from mooncake_gateway.replay import ReplayConfig, replay
+    from mooncake_sim.trace import TraceRecord
+
+    served = {"a": 0, "b": 0}
+    turn: dict[int, str] = {}  # client port -> replica
+
+    def replica(request: web.Request) -> str:
+        peer = request.transport.get_extra_info("peername")[1] if request.transport else 0
+        if peer not in turn:
+            turn[peer] = "ab"[len(turn) % 2]
+        return turn[peer]
+
+    async def state(request: web.Request) -> web.Response:
+        r = replica(request)
+        tokens = dict.fromkeys(COUNTERS, 0.0)
+        # replica b hits its cache on every token, a on none: the hit ratio tells whose
+        # counts were read
+        tokens.update(prompt=10.0 * served[r], engine_prompt=10.0 * served[r],
+                      engine_cached=10.0 * served[r] if r == "b" else 0.0)
+        return web.json_response({"models": [{
+            "policy": "conductor", "counters": {"id": r, "since": 0.0}, "tokens": tokens}]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        served[replica(request)] += 1
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(3):
+            await resp.write(b'data: {"choices":[{"text":"x"}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def main() -> dict[str, Any]:
+        app = web.Application()
+        app.router.add_get("/conductor/state", state)
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            records = [TraceRecord(timestamp_ms=10.0 * i, input_length=16, output_length=2,
+                                   hash_ids=[i]) for i in range(6)]
+            return await replay(records, ReplayConfig(
+                url=f"http://127.0.0.1:{port}", model="m", speed=100.0))
+        finally:
+            await runner.cleanup()
+
+    res = asyncio.run(main())
+    assert res["completed"] == 6
+    assert served["a"] > 0 and served["b"] > 0, served  # six at once: several connections
+    # every completion counted, whichever replica served it
+    assert res["token_hit_ratio"] == pytest.approx(served["b"] / 6)
