@@ -68,6 +68,13 @@ TIME_SCALE = 0.5
 #: the dashboard's key numbers must agree with the replay client's within this (relative;
 #: TTFT p90 also within one histogram bucket)
 AGREE = 0.05
+#: SLO attainment (both) within this absolute share instead: it counts each request against
+#: the TBT threshold, and the gateway times token gaps as it relays them, the client as it
+#: reads them; on the starved 2-core host chunks sent apart can reach the client together
+#: (a gap of 0, then a long one), so requests near the threshold flip. Measured: 0.06 and
+#: 0.08 apart in two runs on 2026-12-05, 0.00 in others. A wrong query (another SLO: TTFT
+#: alone met by 0.8-1.0 of these requests) is further off than this.
+SLO_AGREE_ABS = 0.1
 REPLAY_REQUESTS = 100
 REPLAY_LOAD = 0.7
 VALUES: dict[str, Any] = {
@@ -333,7 +340,8 @@ def test_dashboard_agrees_with_the_replay_client(stack: Stack) -> None:
                   f"({res['rejected']} rejected):")
     REPORT.extend("  " + line for line in lines)
     # a histogram quantile is interpolated within its bucket: TTFT's are 5.9% wide
-    bucket = {"TTFT p90 (s)": _bucket_width(pairs["TTFT p90 (s)"][1])}
+    bucket = {"TTFT p90 (s)": _bucket_width(pairs["TTFT p90 (s)"][1]),
+              "SLO attainment (both)": SLO_AGREE_ABS}
     off = {k: (p, c) for k, (p, c) in pairs.items()
            if abs(p - c) > max(AGREE * abs(c), bucket.get(k, 0.0))}
     assert not off, "Prometheus and the client disagree: " + "; ".join(lines)
