@@ -45,7 +45,7 @@ from typing import Any
 
 import yaml
 from mooncake_gateway.replay import ReplayConfig, replay
-from mooncake_localcluster import cluster, components
+from mooncake_localcluster import cluster, components, procs
 from mooncake_localcluster.kubehttp import ApiError, KubeHttp
 from mooncake_localcluster.settings import LocalClusterSettings
 from mooncake_sim.presets import speed_for_utilization
@@ -184,6 +184,17 @@ class Bench:
                 out[p["metadata"]["name"]] = chaos.rejections(url)
         return out
 
+    def rejected_since(self, then: dict[str, dict[str, float]]) -> dict[str, int]:
+        """429s by reason since ``then`` (:meth:`rejections`), summed over the gateways; a
+        gateway whose counters went back (it restarted) counts from zero."""
+        out: dict[str, int] = {}
+        for pod, now in self.rejections().items():
+            before = then.get(pod, {})
+            restarted = any(v < before.get(k, 0.0) for k, v in now.items())
+            for k, v in chaos.increase(now, {} if restarted else before).items():
+                out[k] = out.get(k, 0) + v
+        return out
+
     def leftovers(self) -> list[str]:
         return chaos.leftovers(self.http, NS, CLUSTER, MODEL, self.gateway_urls(),
                                self.state_dir)
@@ -302,12 +313,7 @@ class Bench:
         stop.set()
         monitor.join(5)
         restarts1 = chaos.restarts(self.pods())
-        rejected_by: dict[str, int] = {}
-        for pod, now in self.rejections().items():
-            then = rejected0.get(pod, {})
-            restarted = any(v < then.get(k, 0.0) for k, v in now.items())
-            for k, v in chaos.increase(now, {} if restarted else then).items():
-                rejected_by[k] = rejected_by.get(k, 0) + v
+        rejected_by = self.rejected_since(rejected0)
         outcomes: list[JsonDict] = res.pop("outcomes", [])
         out: JsonDict = {
             "fault": name, "what": fault.what, "how": fault.how, "started": t_start,
@@ -556,8 +562,9 @@ class Bench:
                 total = 0
                 for pod in self.operator_pods():
                     for pid in chaos.container_pids(self.state_dir, pod, "gateway"):
-                        if (b := overload.rss_bytes(pid)) is not None:
-                            rss.setdefault(pod["metadata"]["name"], []).append((t, b))
+                        if kib := procs.rss_kib(pid):  # 0: the process is gone
+                            rss.setdefault(pod["metadata"]["name"], []).append(
+                                (t, kib * 1024))
                     with contextlib.suppress(OSError, ValueError, KeyError):
                         url = f"http://{pod['status']['podIP']}:{GATEWAY_PORT}"
                         total += sum(int(i.get("inflight", 0)) for i in
@@ -579,10 +586,7 @@ class Bench:
         if "error" in res:
             raise RuntimeError(f"the replay failed: {res['error']}")
         out: JsonDict = overload.judge(res.pop("outcomes"), TTFT_SLO_S, TBT_SLO_S)
-        rejected_by: dict[str, int] = {}
-        for pod, now in self.rejections().items():
-            for k, v in chaos.increase(now, rejected0.get(pod, {})).items():
-                rejected_by[k] = rejected_by.get(k, 0) + v
+        rejected_by = self.rejected_since(rejected0)
         out.update({"speed": speed, "wall_seconds": res.get("wall_seconds"),
                     "rejected_by": rejected_by,
                     "memory": overload.rss_growth(rss, float(res.get("wall_seconds") or 0)),

@@ -18,22 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
+
+from mooncake_sim.metrics import percentile
 
 JsonDict = dict[str, Any]
 #: share of the replay's wall time counted as warm-up for memory growth
 WARMUP_SHARE = 0.25
-PAGE_KB = 1024
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in [0, 1]); NaN for no values."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    k = min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))
-    return xs[k]
 
 
 def judge(outcomes: Iterable[Mapping[str, Any]], ttft_slo_s: float,
@@ -49,9 +40,9 @@ def judge(outcomes: Iterable[Mapping[str, Any]], ttft_slo_s: float,
     in_tbt = sum(1 for o in served if o["tbt_s"] <= tbt_slo_s)
     in_both = sum(1 for o in served
                   if o["ttft_s"] <= ttft_slo_s and o["tbt_s"] <= tbt_slo_s)
-    reject_ms = [1000.0 * (o["done_s"] - o["sent_s"]) for o in rejected]
-    ttfts = [float(o["ttft_s"]) for o in served]
-    tbts = [1000.0 * float(o["tbt_s"]) for o in served]
+    reject_ms = sorted(1000.0 * (o["done_s"] - o["sent_s"]) for o in rejected)
+    ttfts = sorted(float(o["ttft_s"]) for o in served)
+    tbts = sorted(1000.0 * float(o["tbt_s"]) for o in served)
 
     def share(n: int) -> float:
         return n / admitted if admitted else math.nan
@@ -66,20 +57,8 @@ def judge(outcomes: Iterable[Mapping[str, Any]], ttft_slo_s: float,
         "tbt_p99_ms": percentile(tbts, 0.99),
         "reject_ms_p50": percentile(reject_ms, 0.5),
         "reject_ms_p99": percentile(reject_ms, 0.99),
-        "reject_ms_max": max(reject_ms) if reject_ms else math.nan,
+        "reject_ms_max": reject_ms[-1] if reject_ms else math.nan,
     }
-
-
-def rss_bytes(pid: int, proc: Path = Path("/proc")) -> int | None:
-    """Resident memory of process ``pid`` (``VmRSS``), or ``None`` when it is gone."""
-    try:
-        text = (proc / str(pid) / "status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * PAGE_KB
-    return None
 
 
 def rss_growth(samples: Mapping[str, Sequence[tuple[float, int]]], duration_s: float,

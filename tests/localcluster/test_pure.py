@@ -324,3 +324,15 @@ def test_stop_record_stops_the_whole_group_after_exec(tmp_path: Path) -> None:
     assert all(procs.is_zombie(pid) for pid in members)
     assert procs.records(pid_dir) == []
     assert not procs.alive(record)
+
+
+def test_rss_kib_reads_a_live_process_and_zero_for_a_gone_one() -> None:
+    import os
+    import subprocess
+
+    from mooncake_localcluster.procs import rss_kib
+
+    assert rss_kib(os.getpid()) > 1024  # this interpreter holds more than 1 MiB
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert rss_kib(gone.pid) == 0

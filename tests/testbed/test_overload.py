@@ -4,8 +4,6 @@ within SLO, the 429 latencies, and memory growth after warm-up."""
 from __future__ import annotations
 
 import math
-import os
-from pathlib import Path
 
 import pytest
 from mooncake_testbed import overload
@@ -40,13 +38,6 @@ def test_nothing_admitted_is_not_a_success() -> None:
     assert "misses" in lines[0]
 
 
-def test_percentile_is_nearest_rank() -> None:
-    xs = [float(x) for x in range(1, 101)]
-    assert overload.percentile(xs, 0.99) == 99.0
-    assert overload.percentile(xs, 0.5) == 50.0
-    assert math.isnan(overload.percentile([], 0.5))
-
-
 def test_memory_growth_is_the_worst_gateways_peak_after_warm_up() -> None:
     samples = {
         "a": [(1.0, 100), (2.0, 110), (5.0, 120), (9.0, 115)],  # warm at 2.0: 110 → 120
@@ -58,12 +49,6 @@ def test_memory_growth_is_the_worst_gateways_peak_after_warm_up() -> None:
     assert g["gateways"]["b"]["growth"] == 0.0
     lone = overload.rss_growth({"c": [(1.0, 5)]}, duration_s=10.0)
     assert math.isnan(lone["growth"])
-
-
-def test_rss_reads_this_process_and_none_for_a_gone_one(tmp_path: Path) -> None:
-    mine = overload.rss_bytes(os.getpid())
-    assert mine is not None and mine > 1 << 20
-    assert overload.rss_bytes(12345, proc=tmp_path) is None
 
 
 def test_the_page_names_met_and_missed_rows() -> None:
