@@ -67,17 +67,18 @@ def idle_cap(step_of_one: float, tbt_slo_s: float, idle_share: float) -> float:
 
 class LogScale:
     """An exponentially weighted mean of ``log(observed / predicted)``, clamped; its
-    exponential is the scale."""
+    exponential is the scale (the prefill calibration's and the decode calibration's)."""
 
-    def __init__(self, rate: float, min_scale: float, max_scale: float) -> None:
+    def __init__(self, rate: float, min_scale: float, max_scale: float,
+                 initial_scale: float = 1.0) -> None:
         self.rate = rate
         self._lo, self._hi = math.log(min_scale), math.log(max_scale)
-        self._log = 0.0
+        self.log = math.log(initial_scale)
         self.observed = 0
 
     @property
     def scale(self) -> float:
-        return math.exp(self._log)
+        return math.exp(self.log)
 
     def observe(self, predicted: float, observed: float) -> bool:
         """Move towards ``observed / predicted``; whether the pair was usable."""
@@ -85,5 +86,5 @@ class LogScale:
             return False
         self.observed += 1
         step = self.rate * (math.log(observed) - math.log(predicted))
-        self._log = min(self._hi, max(self._lo, self._log + step))
+        self.log = min(self._hi, max(self._lo, self.log + step))
         return True

@@ -11,7 +11,6 @@ it is worth under saturation is rejected as ``overload``.
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -172,9 +171,11 @@ class Conductor:
         cap = idle_cap(self.cost.decode_step_time(1, IDLE_CONTEXT_TOKENS),
                        self.config.slo.tbt_s, dc.idle_share)
         self.decode_scale = LogScale(dc.rate, dc.min_scale, min(dc.max_scale, cap))
-        self._log_scale = math.log(self.config.calibration.initial_scale)
-        if self._log_scale:
-            self.cost.set_prefill_scale(self.config.calibration.initial_scale)
+        cal = self.config.calibration
+        self.prefill_scale = LogScale(cal.rate, cal.min_scale, cal.max_scale,
+                                      cal.initial_scale)
+        if self.prefill_scale.log:
+            self.cost.set_prefill_scale(cal.initial_scale)
 
     def observe_prefill(self, predicted_s: float, observed_s: float) -> None:
         """A prefill predicted to take ``predicted_s`` (by the current model) took
@@ -184,13 +185,8 @@ class Conductor:
         if self.overrun is not None:
             self.overrun.observe(predicted_s, observed_s)
         self.admission_rule.observe(predicted_s, observed_s)
-        if not self.calibrate or predicted_s <= 0 or observed_s <= 0:
-            return
-        cal = self.config.calibration
-        self._log_scale += cal.rate * (math.log(observed_s) - math.log(predicted_s))
-        lo, hi = math.log(cal.min_scale), math.log(cal.max_scale)
-        self._log_scale = min(hi, max(lo, self._log_scale))
-        self.cost.set_prefill_scale(math.exp(self._log_scale))
+        if self.calibrate and self.prefill_scale.observe(predicted_s, observed_s):
+            self.cost.set_prefill_scale(self.prefill_scale.scale)
 
     def observe_decode(self, predicted_tbt_s: float, observed_tbt_s: float,
                        intervals: int) -> None:

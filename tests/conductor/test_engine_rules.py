@@ -42,7 +42,7 @@ def test_sub_second_prefills_calibrate_too() -> None:
     assert c.cost.prefill_scale == pytest.approx(2 ** 0.05, rel=1e-12)
     c.observe_prefill(0.5, 0.25)  # back by the same log step
     assert c.cost.prefill_scale == pytest.approx(1.0, rel=1e-12)
-    assert math.isclose(c._log_scale, 0.0, abs_tol=1e-15)
+    assert math.isclose(c.prefill_scale.log, 0.0, abs_tol=1e-15)
 
 
 def _rejected(d: Decision) -> Decision:
