@@ -271,6 +271,8 @@ class PrefillState(_Instance):
         "avg_prefill_s",
         "cache_capacity_tokens",
         "completed",
+        "foreign_requests",
+        "foreign_work_s",
         "queue",
         "queued_blocks",
         "queued_tokens",
@@ -303,6 +305,9 @@ class PrefillState(_Instance):
         self.cache_capacity_tokens = cache_capacity_tokens
         self.avg_prefill_s = avg_prefill_s
         self.completed = completed
+        #: the part of ``queued_work_s`` that other schedulers queued here (set_foreign)
+        self.foreign_work_s = 0.0
+        self.foreign_requests = 0
         self._seq = 0
 
     def __repr__(self) -> str:
@@ -331,7 +336,24 @@ class PrefillState(_Instance):
         wait = left if left > 0.0 else 0.0
         if priority is None:
             return wait + self._queued_work_s
-        return wait + sum(q.work_s for q in self.queue if q.priority <= priority)
+        return wait + self.foreign_work_s + sum(q.work_s for q in self.queue
+                                                if q.priority <= priority)
+
+    def set_foreign(self, work_s: float, requests: int = 1) -> None:
+        """Prefill work (of ``requests`` prefills) that other schedulers (the other
+        replicas of a gateway) have queued here, as they last reported it: part of
+        ``queued_work_s`` (so every wait and kernel counts it), never of ``queue``; it is
+        ahead of every new request, whatever its priority (the engine serves in arrival
+        order). :mod:`mooncake_conductor.peerload`."""
+        work_s = max(0.0, work_s)
+        self.foreign_requests = max(0, requests) if work_s > 0 else 0
+        self.queued_work_s = max(0.0, self.queued_work_s + work_s - self.foreign_work_s)
+        self.foreign_work_s = work_s
+
+    @property
+    def own_work_s(self) -> float:
+        """Queued work of this scheduler's own requests (``queued_work_s`` less foreign)."""
+        return max(0.0, self.queued_work_s - self.foreign_work_s)
 
     def enqueue(self, rid: int, priority: float, work_s: float, blocks: int, tokens: int) -> None:
         self._seq += 1
@@ -352,7 +374,8 @@ class PrefillState(_Instance):
             self.queue.pop()
             heapq.heapify(self.queue)
         self.queue_len = len(self.queue)
-        self.queued_work_s = max(0.0, self.queued_work_s - item.work_s) if self.queue else 0.0
+        self.queued_work_s = (max(self.foreign_work_s, self.queued_work_s - item.work_s)
+                              if self.queue else self.foreign_work_s)
         self.queued_blocks -= item.blocks
         self.queued_tokens -= item.tokens
         return item
@@ -375,6 +398,7 @@ class DecodeState(_Instance):
         "_capacity_tokens",
         "_context_tokens",
         "_reserved_tokens",
+        "foreign",
         "tokens_per_s",
         "waiting",
     )
@@ -397,10 +421,31 @@ class DecodeState(_Instance):
         self.reserved_tokens = reserved_tokens
         #: tokens per second of one running sequence (1 / step time)
         self.tokens_per_s = tokens_per_s
+        #: the part of (batch, context_tokens, reserved_tokens) other schedulers placed
+        self.foreign: tuple[int, int, int] = (0, 0, 0)
 
     def __repr__(self) -> str:
         return (f"DecodeState(iid={self.iid}, name={self.name!r}, up={self.up}, "
                 f"batch={self.batch}, context_tokens={self.context_tokens})")
+
+    def set_foreign(self, batch: int, context_tokens: int, reserved_tokens: int) -> None:
+        """Sequences and KV that other schedulers placed here, as they last reported
+        them: part of ``batch``, ``context_tokens`` and ``reserved_tokens`` (so the
+        decode selector and the KV-room checks count them). As
+        :meth:`PrefillState.set_foreign`."""
+        new = (max(0, batch), max(0, context_tokens), max(0, reserved_tokens))
+        old = self.foreign
+        self.batch = max(0, self.batch + new[0] - old[0])
+        self.context_tokens = max(0, self.context_tokens + new[1] - old[1])
+        self.reserved_tokens = max(0, self.reserved_tokens + new[2] - old[2])
+        self.foreign = new
+
+    @property
+    def own(self) -> tuple[int, int, int]:
+        """(batch, context_tokens, reserved_tokens) of this scheduler's own requests."""
+        f = self.foreign
+        return (max(0, self.batch - f[0]), max(0, self.context_tokens - f[1]),
+                max(0, self.reserved_tokens - f[2]))
 
     @property
     def kv_usage(self) -> float:

@@ -75,7 +75,10 @@ def instance(cluster: ClusterState, iid: int) -> PrefillState | None:
 
 def work_ahead(inst: PrefillState, now: float, priority: float | None) -> list[float]:
     """Predicted seconds of the prefills a new one with ``priority`` waits for on
-    ``inst`` (``None``: all queued, FIFO), the running one's remainder first."""
+    ``inst`` (``None``: all queued, FIFO), the running one's remainder first, then
+    the other replicas' prefills there (foreign: their mean each)."""
     work = [max(0.0, inst.busy_until - now)]
+    if inst.foreign_requests:
+        work += [inst.foreign_work_s / inst.foreign_requests] * inst.foreign_requests
     work += [q.work_s for q in inst.queue if priority is None or q.priority <= priority]
     return work
