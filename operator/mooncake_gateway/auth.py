@@ -24,6 +24,9 @@ routed, so nothing is prefilled for a request over its key's limit. Every key ha
 of its own: one key over its limit never delays another. A refused request gets 429 with
 ``Retry-After``, the seconds until its bucket holds enough.
 
+**Replicas.** A gateway asks its peers for their load (``/conductor/load``, peers.py)
+with the first admin key by file name, so the replicas need the same admin Secret.
+
 Nothing here ever logs, counts or returns a key: only its file name.
 """
 
@@ -79,6 +82,8 @@ class KeyRing:
         self._by_digest: dict[bytes, Principal] = {}
         self._read_at = -math.inf
         self.reloads = 0
+        #: the key this gateway sends to its peers (the first admin key by name)
+        self.peer_key: str | None = None
         if settings.enabled:
             self.refresh()
 
@@ -104,6 +109,8 @@ class KeyRing:
                             "before", directory, exc.strerror or type(exc).__name__)
                 found.update({d: p for d, p in self._by_digest.items() if p.admin == admin})
                 continue
+            if admin:
+                self.peer_key = keys[min(keys)] if keys else None
             for name, key in keys.items():
                 digest = _digest(key)
                 # the same key in both directories is an admin key

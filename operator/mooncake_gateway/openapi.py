@@ -169,6 +169,9 @@ def openapi_spec(models: list[str]) -> dict[str, Any]:
             "/conductor/models": {"get": {"responses": {
                 "200": _json(MODEL_CATALOG) | {"description": "served models, invalid and "
                                                "conflicting ConfigMaps"}}}},
+            "/conductor/load": {"get": {"responses": {
+                "200": {"description": "per model, this replica's own in-flight load per "
+                        "instance (what the other replicas add to theirs)"}}}},
             "/conductor/decisions": {"get": {
                 "parameters": [{"name": "limit", "in": "query",
                                 "schema": {"type": "integer", "minimum": 0}}],

@@ -47,6 +47,7 @@ from mooncake_conductor.blockkeys import namespace_seed
 from mooncake_conductor.engine import Conductor
 from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.keytable import SLOTS, KeyMaskTable
+from mooncake_conductor.peerload import LoadReport, PeerLoads, own_report
 from mooncake_conductor.policies.base import Placement
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
 from mooncake_contract.topology import place_values
@@ -225,6 +226,8 @@ class ModelRuntime:
         self._sent: dict[int, int] = {}
         self._prefill_seq = 0
         self.steals = 0
+        #: the other gateway replicas' in-flight load on these engines (peers.py)
+        self.peers = PeerLoads(gw.peers.stale_s)
 
     # -- clock -----------------------------------------------------------------------------
     def now(self) -> float:
@@ -571,9 +574,11 @@ class ModelRuntime:
             return
         est = self.conductor.overrun
         for p in self.cluster.prefill:
-            if not p.queue or (p.queued_work_s <= 0 and est is None):
+            own = p.own_work_s
+            if not p.queue or (own <= 0 and est is None):
                 continue
-            left = elapsed
+            # the engine serves the other replicas' work too: ours drains at our share
+            left = elapsed * own / (own + p.foreign_work_s) if own > 0 else elapsed
             for item in sorted(p.queue):
                 if left <= 0:
                     break
@@ -592,7 +597,27 @@ class ModelRuntime:
                         predicted, ran_out = q.overdue
                         until = est.busy_until(now, ran_out - predicted, predicted)
                         item.work_s = until - now
-            p.queued_work_s = sum(q.work_s for q in p.queue)
+            p.queued_work_s = sum(q.work_s for q in p.queue) + p.foreign_work_s
+
+    # -- replicas ----------------------------------------------------------------------------
+    def load_report(self) -> LoadReport:
+        """This replica's own in-flight load, for the other replicas (peers.py)."""
+        self.drain(self.now())
+        return own_report(self.cluster)
+
+    def peer_heard(self, peer: str, report: LoadReport | None) -> None:
+        """A peer's latest report (``None``: it is gone); every view is updated at once."""
+        if report is None:
+            self.peers.forget(peer)
+        else:
+            self.peers.update(peer, report, self.now())
+        self.apply_peers()
+
+    def apply_peers(self) -> None:
+        """Fold the fresh peers' load into the cluster state (stale reports count 0)."""
+        now = self.now()
+        self.drain(now)
+        self.peers.apply(self.cluster, now)
 
     def request_info(
         self, n_tokens: int, keys: npt.NDArray[np.uint64], max_tokens: int
@@ -828,11 +853,12 @@ class ModelRuntime:
             if i.role is Role.PREFILL:
                 p = self.cluster.prefill[i.iid]
                 v.update({"predicted_wait_s": p.wait_time(now), "queued": len(p.queue),
-                          "pending_blocks": feeder.index.pending_size(i.iid)})
+                          "pending_blocks": feeder.index.pending_size(i.iid),
+                          "foreign_work_s": p.foreign_work_s})
             else:
                 d = self.cluster.decode[i.iid]
                 v.update({"batch": d.batch, "context_tokens": d.context_tokens,
-                          "reserved_tokens": d.reserved_tokens})
+                          "reserved_tokens": d.reserved_tokens, "foreign_batch": d.foreign[0]})
             return v
 
         return {
@@ -845,6 +871,7 @@ class ModelRuntime:
             "admission": {"on": self.conductor.admission,
                           "rule": self.cfg.conductor.admission_rule.rule,
                           "ttft_miss_risk": self.cfg.conductor.admission_rule.ttft_miss_risk},
+            "peers": self.peers.summary(now),
             "block_size": self.cfg.block_size,
             "namespace_seed": self.seed,
             "prefill": [inst_view(i) for i in self.prefill],

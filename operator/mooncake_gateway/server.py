@@ -38,6 +38,7 @@ from .front import FrontServer, PlainJson
 from .handshake import Handshake, Transfer, handshake
 from .metrics import GatewayMetrics, RequestCounter
 from .openapi import openapi_spec
+from .peers import PeerSync
 from .runtime import Instance, ModelRuntime
 from .settings import GatewaySettings, ModelSettings, Role, TokenizerMode
 from .tokens import PromptTokenizer, Tokens
@@ -102,6 +103,8 @@ class Gateway:
         self.keys = KeyRing(settings.auth)
         self.limits = KeyLimiter(settings.auth)
         self.bodies = BodyBudget(settings.max_buffered_bytes)
+        self.peer_sync = PeerSync(settings.peers, lambda: self.models, self.keys, kube_api,
+                                  watch_factory)
         self.app = self._build_app()
 
     # -- app -------------------------------------------------------------------------------
@@ -120,6 +123,7 @@ class Gateway:
         r.add_get("/conductor/decisions", self.decisions)
         r.add_get("/conductor/registry", self.registry)
         r.add_get("/conductor/models", self.model_catalog)
+        r.add_get("/conductor/load", self.peer_sync.load)
         r.add_get("/openapi.json", self.openapi)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -142,6 +146,7 @@ class Gateway:
             await rt.start()
         if self.catalog_watch is not None:
             await self.catalog_watch.start(self._on_documents)
+        await self.peer_sync.start()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._health_loop()),
                        loop.create_task(self._scrape_loop())]
@@ -158,6 +163,7 @@ class Gateway:
                 await t
         if self.catalog_watch is not None:
             await self.catalog_watch.stop()
+        await self.peer_sync.stop()
         for task in [self._reconciler, *self._background]:
             if task is not None:
                 task.cancel()

@@ -188,6 +188,30 @@ class AuthSettings(BaseModel):
         return self.keys_dir is not None or self.admin_keys_dir is not None
 
 
+class PeerSettings(BaseModel):
+    """The other replicas of this gateway, whose in-flight load each adds to its own
+    (``GatewaySettings.peers``; the rule is in ``mooncake_conductor/peerload.py``, the
+    exchange in ``peers.py``). No peers: each replica sees only its own requests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    urls: list[str] = Field(default_factory=list, description="fixed peers' base URLs")
+    pod_selector: str | None = Field(
+        None, description="label selector of the gateway's pods (Kubernetes): every "
+        "running one but this pod is a peer")
+    namespace: str | None = Field(None, description="the namespace of those pods")
+    port: int = Field(8080, gt=0, le=65535, description="the peers' gateway port")
+    pod_name: str | None = Field(None, description="this pod's name (it is not a peer)")
+    interval_s: float = Field(0.25, gt=0, description="how often each peer is asked")
+    timeout_s: float = Field(0.5, gt=0, description="one ask's limit")
+    stale_s: float = Field(2.0, gt=0, description="a report older than this counts nothing")
+    watch_timeout_s: int = Field(300, gt=0, description="pod watch length before a re-list")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.urls) or self.pod_selector is not None
+
+
 class GatewaySettings(BaseSettings):
     """Settings of one gateway process."""
 
@@ -227,6 +251,8 @@ class GatewaySettings(BaseSettings):
         "(bodies.py). At least max_body_bytes")
     auth: AuthSettings = Field(default_factory=AuthSettings,
                                description="API keys and per-key limits (auth.py)")
+    peers: PeerSettings = Field(default_factory=PeerSettings,
+                                description="other replicas sharing their in-flight load")
     decisions_kept: int = Field(1000, gt=0, description="recent decisions kept for inspection")
     explain_top: int = Field(5, gt=0, description="candidates shown per explained decision")
     replay_timeout_s: float = Field(2.0, gt=0, description="KV-event replay request timeout")

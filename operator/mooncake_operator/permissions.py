@@ -65,7 +65,8 @@ RULES: tuple[Rule, ...] = (
          "kopf watches pods (handlers.child_changed); reconcile lists a cluster's pods, "
          "creates engine pods, patches the drain annotation and deletes drained pods; "
          "runtime.controller_round lists prefill pods and patches mooncake.io/replicas; "
-         "the gateway lists and watches each model's pods (discovery.KubernetesPodSource)"),
+         "the gateway lists and watches each model's pods (discovery.KubernetesPodSource) "
+         "and its own replicas' pods (peers.PeerSync)"),
     Rule("", "services", ("get", "list", "create", "patch", "delete"),
          "reconcile.Reconciler._apply_children: the store Service (get, create, patch when "
          "its hash changed, list + delete when no longer wanted)"),

@@ -245,10 +245,10 @@ class GatewayClient:
 @contextlib.asynccontextmanager
 async def running_gateway(models: list[dict[str, Any]], wait_ready: bool = True,
                           **settings: Any) -> AsyncIterator[GatewayClient]:
-    """:func:`~mooncake_gateway.server.serve` on a free port of 127.0.0.1 (``QUIET``
-    settings unless overridden), cancelled on exit."""
+    """:func:`~mooncake_gateway.server.serve` on 127.0.0.1 (a free port unless ``port``
+    is given; ``QUIET`` settings unless overridden), cancelled on exit."""
     cfg = GatewaySettings.model_validate(
-        {**QUIET, **settings, "host": HOST, "port": 0, "models": models})
+        {**QUIET, "port": 0, **settings, "host": HOST, "models": models})
     loop = asyncio.get_running_loop()
     port: asyncio.Future[int] = loop.create_future()
     task = loop.create_task(serve(cfg, port.set_result))
