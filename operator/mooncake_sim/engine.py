@@ -79,6 +79,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .gcpause import gc_paused
 from .metrics import latency_summary
+from .replicas import ReplicaViews
 from .trace import TRACE_BLOCK_TOKENS, TraceRecord
 
 #: bounds of the realism knobs (beyond them the model says nothing useful)
@@ -127,6 +128,11 @@ class SimConfig(BaseModel):
     domain_assignment: Literal["blocked", "round-robin"] = Field(
         "blocked", description="instance i of each pool goes to finest domain "
         "i * domains[0] // pool size (blocked) or i % domains[0] (round-robin)")
+    replicas: int = Field(1, gt=0, description="Conductor replicas behind a round-robin "
+                          "front (replicas.py); 1: one Conductor")
+    replica_lag_ms: float = Field(
+        0.0, ge=0, description="how late a replica hears of the others' placements, ms "
+        "(inf: never, each sees only its own)")
     conductor: ConductorConfig = ConductorConfig()
     progress: bool = False
 
@@ -273,6 +279,7 @@ class Simulation:
         self._pairs: list[tuple[float, float]] = []  # (predicted, executed) per prefill
         #: (start, predicted seconds) of the prefill running on each instance
         self._started: dict[int, tuple[float, float]] = {}
+        self.replicas = ReplicaViews(config.replicas, config.replica_lag_ms / 1000.0)
 
     # -- event queue ---------------------------------------------------------------------------
     def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
@@ -408,7 +415,13 @@ class Simulation:
         placed. A request refused only for decode room is held (policies that hold) and
         stays held on a failed retry; the hold's end rejects it."""
         req = self.reqs[rid]
-        decision = self.conductor.schedule(req.info, self.cluster, now)
+        views = self.replicas
+        if views.active:
+            replica = views.replica_of(req.info)
+            with views.view(replica, self.cluster, now, self._where, self._running):
+                decision = self.conductor.schedule(req.info, self.cluster, now)
+        else:
+            decision = self.conductor.schedule(req.info, self.cluster, now)
         req.decision = decision
         if decision.rejected:
             until = self.conductor.hold_until(req.info, decision, now)
@@ -426,6 +439,8 @@ class Simulation:
         pl = decision.placement
         assert pl.prefill is not None
         req.placed_at = now
+        if views.active:
+            views.placed(replica, rid, now)
         prio = pl.priority if pl.priority is not None else req.info.arrival
         blocks = len(req.info.keys)
         members = pl.cpp_group or [pl.prefill]
@@ -439,6 +454,17 @@ class Simulation:
             if self._running_rid[iid] < 0:
                 self._start_next(inst, now)
         return True
+
+    def _where(self, rid: int) -> list[int]:
+        """The prefill instances request ``rid``'s work is on (none once prefilled)."""
+        req = self.reqs[rid]
+        if not math.isnan(req.ttft) or req.decision is None or req.decision.rejected:
+            return []
+        pl = req.decision.placement
+        return list(pl.cpp_group) if pl.cpp_group else [] if pl.prefill is None else [pl.prefill]
+
+    def _running(self, iid: int) -> int:
+        return self._running_rid[iid]
 
     def _reject(self, decision: Decision | None) -> None:
         assert decision is not None and decision.reject_reason is not None
@@ -680,6 +706,9 @@ class Simulation:
         st.context_tokens += req.info.input_tokens + 1
         dec.reserved += req.info.input_tokens + req.info.output_tokens
         st.reserved_tokens = dec.reserved - st.context_tokens
+        if self.replicas.active:
+            self.replicas.joined(self.replicas.replica_of(req.info), rid, st.iid,
+                                 req.info.input_tokens + 1, req.info.output_tokens - 1, now)
 
     def _step_time(self, st: DecodeState) -> float:
         return self.cost.decode_step_time(st.batch, st.context_tokens) * self._slow
@@ -713,6 +742,9 @@ class Simulation:
         r = self.reqs[rid]
         st.batch -= 1
         st.context_tokens -= r.info.input_tokens + 1 + dec.steps - r.s0
+        if self.replicas.active:
+            self.replicas.finished(self.replicas.replica_of(r.info), rid, st.iid,
+                                   r.info.input_tokens + 1 + dec.steps - r.s0, dec.last)
         dec.reserved -= r.info.input_tokens + r.info.output_tokens
         st.reserved_tokens = dec.reserved - st.context_tokens
         r.tbt = self._tbt(dec, r)
