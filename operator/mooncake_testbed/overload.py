@@ -91,13 +91,13 @@ def _num(x: float | None, fmt: str) -> str:
 
 
 def markdown(section: Mapping[str, Any], time_scale: float, max_output_tokens: int,
-             target: float) -> list[str]:
+             target: float, title: str = "Overload") -> list[str]:
     """The overload part of docs/results/reliability.md: one row per load and rule, then
     a reading of each against ``target`` (the share of admitted requests within SLO the
     issue asks for on this host)."""
     cap = section["capacity"]
     lines = [
-        "## Overload",
+        f"## {title}",
         "",
         f"Each row replays the bundled conversation trace's first {section['requests']} "
         f"requests (a fresh token salt, at most {max_output_tokens} output tokens) through "
