@@ -8,9 +8,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from aiohttp import web
+from mooncake_gateway.peers import peer_urls
+from mooncake_gateway.settings import PeerSettings
 
 from .gateway_fixtures import HOST, free_port
 from .scripted import MODEL, engines, model, prompt_ids, running_gateway, until
@@ -151,3 +154,22 @@ def test_a_peer_that_stops_answering_stops_counting_and_bad_reports_are_ignored(
             await until(dropped, what="a silent peer's load drops when stale")
             assert (await state())[0]["peers"][url]["fresh"] is False
     asyncio.run(main())
+
+
+def _pod(name: str, ip: str | None, phase: str = "Running", deleting: bool = False) -> Any:
+    meta = SimpleNamespace(name=name, namespace="ops",
+                           deletion_timestamp="2026-01-01T00:00:00Z" if deleting else None)
+    return SimpleNamespace(metadata=meta, status=SimpleNamespace(phase=phase, pod_ip=ip))
+
+
+def test_peers_in_kubernetes_are_the_other_running_pods_of_the_selector() -> None:
+    cfg = PeerSettings(pod_selector="app=op", namespace="ops", port=8080, pod_name="op-a")
+    pods = {f"ops/{p.metadata.name}": p for p in (
+        _pod("op-a", "10.0.0.1"),  # this pod
+        _pod("op-b", "10.0.0.2"),
+        _pod("op-c", "fd00::3"),
+        _pod("op-d", None, phase="Pending"),
+        _pod("op-e", "10.0.0.5", deleting=True),
+        _pod("op-f", "10.0.0.6", phase="Succeeded"))}
+    assert peer_urls(pods, cfg) == {"ops/op-b": "http://10.0.0.2:8080",
+                                    "ops/op-c": "http://[fd00::3]:8080"}
