@@ -180,9 +180,10 @@ def reading(doc: dict[str, Any]) -> list[str]:
         if cells:
             out.append(f"- On {what}, every N: " + ", ".join(cells) + ".")
     out.append(
-        "- The loss is herding: replicas that cannot see each other's latest choices send "
-        "requests to the same instance that looked best. It grows with the lag and with "
-        "how many requests arrive within one lag. The bundled conversation trace's "
+        "- The loss is collisions: a replica that has not heard of another's latest "
+        "placements sends its request to the instance that looked best to both, which the "
+        "other has just filled. It grows with the lag and with how many requests arrive "
+        "within one lag. The bundled conversation trace's "
         "timestamps come in steps (its first 400 requests share 48 instants, up to 16 "
         "each), so there any lag hides whole bursts; the synthetic shapes' arrivals are "
         "spread.")
