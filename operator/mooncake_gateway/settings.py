@@ -202,7 +202,7 @@ class PeerSettings(BaseModel):
     namespace: str | None = Field(None, description="the namespace of those pods")
     port: int = Field(8080, gt=0, le=65535, description="the peers' gateway port")
     pod_name: str | None = Field(None, description="this pod's name (it is not a peer)")
-    interval_s: float = Field(0.25, gt=0, description="how often each peer is asked")
+    interval_s: float = Field(0.05, gt=0, description="how often each peer is asked")
     timeout_s: float = Field(0.5, gt=0, description="one ask's limit")
     stale_s: float = Field(2.0, gt=0, description="a report older than this counts nothing")
     watch_timeout_s: int = Field(300, gt=0, description="pod watch length before a re-list")
