@@ -120,7 +120,10 @@ class PeerSync:
     # -- asking ------------------------------------------------------------------------------
     async def _run(self) -> None:
         while True:
-            await self.sync_once()
+            try:
+                await self.sync_once()
+            except Exception:  # one bad round must not end the sharing for good
+                log.exception("sharing load with the gateway peers failed; trying again")
             await asyncio.sleep(self.cfg.interval_s)
 
     async def sync_once(self) -> None:

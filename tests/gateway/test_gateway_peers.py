@@ -12,8 +12,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from aiohttp import web
-from mooncake_gateway.peers import peer_urls
-from mooncake_gateway.settings import PeerSettings
+from mooncake_gateway.auth import KeyRing
+from mooncake_gateway.peers import PeerSync, peer_urls
+from mooncake_gateway.settings import AuthSettings, PeerSettings
 
 from .gateway_fixtures import HOST, free_port
 from .scripted import MODEL, engines, model, prompt_ids, running_gateway, until
@@ -173,3 +174,25 @@ def test_peers_in_kubernetes_are_the_other_running_pods_of_the_selector() -> Non
         _pod("op-f", "10.0.0.6", phase="Succeeded"))}
     assert peer_urls(pods, cfg) == {"ops/op-b": "http://10.0.0.2:8080",
                                     "ops/op-c": "http://[fd00::3]:8080"}
+
+
+def test_a_failing_round_does_not_end_the_sharing() -> None:
+    async def main() -> None:
+        sync = PeerSync(PeerSettings(urls=["http://127.0.0.1:1"], interval_s=0.01),
+                        lambda: {}, KeyRing(AuthSettings()))
+        rounds: list[int] = []
+        again = asyncio.Event()
+
+        async def flaky() -> None:
+            rounds.append(1)
+            if len(rounds) == 1:
+                raise RuntimeError("one bad round")
+            again.set()
+        sync.sync_once = flaky  # type: ignore[method-assign]
+        task = asyncio.create_task(sync._run())
+        try:
+            await asyncio.wait_for(again.wait(), timeout=5)
+        finally:
+            task.cancel()
+        assert len(rounds) >= 2
+    asyncio.run(main())
