@@ -68,8 +68,6 @@ class PeerSync:
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._failing: set[str] = set()
-        self.asks = 0
-        self.failures = 0
 
     # -- the route the peers call ------------------------------------------------------------
     async def load(self, _r: web.Request) -> web.Response:
@@ -112,7 +110,7 @@ class PeerSync:
         for gone in set(self.peers) - set(urls):
             log.info("gateway peer %s is gone", gone)
             for rt in self._runtimes().values():
-                rt.peer_heard(gone, None)
+                rt.peer_gone(gone)
         for new in set(urls) - set(self.peers):
             log.info("gateway peer %s at %s", new, urls[new])
         self.peers = urls
@@ -148,7 +146,6 @@ class PeerSync:
 
     async def _ask(self, peer: str, url: str) -> dict[str, Any] | None:
         assert self._session is not None
-        self.asks += 1
         headers: dict[str, str] = {}
         if self._keys.enabled:
             if self._keys.peer_key is None:
@@ -175,7 +172,6 @@ class PeerSync:
         return models
 
     def _failed(self, peer: str, why: str) -> None:
-        self.failures += 1
         if peer not in self._failing:  # once per outage, not every interval
             self._failing.add(peer)
             log.warning("gateway peer %s: %s; its last report counts until %.1f s old",

@@ -605,12 +605,9 @@ class ModelRuntime:
         self.drain(self.now())
         return own_report(self.cluster)
 
-    def peer_heard(self, peer: str, report: LoadReport | None) -> None:
-        """A peer's latest report (``None``: it is gone); every view is updated at once."""
-        if report is None:
-            self.peers.forget(peer)
-        else:
-            self.peers.update(peer, report, self.now())
+    def peer_gone(self, peer: str) -> None:
+        """A peer is gone: its load leaves the view at once, not when it turns stale."""
+        self.peers.forget(peer)
         self.apply_peers()
 
     def apply_peers(self) -> None:
