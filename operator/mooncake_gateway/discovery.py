@@ -106,17 +106,28 @@ def core_v1_api() -> Any:
     return k8s.client.CoreV1Api()
 
 
+def running_pod_host(pod: Any) -> str | None:
+    """The URL host of a running pod that is not being deleted (a bracketed IPv6
+    address), ``None`` for any other pod. ``pod`` is a V1Pod."""
+    status, meta = pod.status, pod.metadata
+    if status is None or meta is None or not status.pod_ip or status.phase != "Running":
+        return None
+    if meta.deletion_timestamp is not None:
+        return None
+    ip = status.pod_ip
+    return f"[{ip}]" if ":" in ip else ip
+
+
 def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
     """Endpoint of a running, ready pod (``None`` otherwise). ``pod`` is a V1Pod.
 
     The pod's revision label becomes :attr:`Endpoint.revision` (empty without one), its
     drain annotation (``"true"``) :attr:`Endpoint.draining` and its topology annotation
     :attr:`Endpoint.topology`."""
+    host = running_pod_host(pod)
+    if host is None:
+        return None
     status, meta = pod.status, pod.metadata
-    if status is None or meta is None or not status.pod_ip or status.phase != "Running":
-        return None
-    if meta.deletion_timestamp is not None:
-        return None
     ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
     if not ready:
         return None
@@ -133,8 +144,6 @@ def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
             log.warning("pod %s: annotation %s=%r is not a port", meta.name, key, raw)
             return default
 
-    ip = status.pod_ip
-    host = f"[{ip}]" if ":" in ip else ip
     http = port(cfg.http_port_annotation, cfg.http_port)
     kv = port(cfg.kv_events_port_annotation, cfg.kv_events_port)
     replay = port(cfg.kv_replay_port_annotation, cfg.kv_replay_port)

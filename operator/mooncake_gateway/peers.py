@@ -26,7 +26,7 @@ from aiohttp import web
 from mooncake_conductor.peerload import LoadReport
 
 from .auth import KeyRing
-from .discovery import ListWatch, core_v1_api
+from .discovery import ListWatch, core_v1_api, running_pod_host
 from .runtime import ModelRuntime
 from .settings import PeerSettings
 
@@ -41,13 +41,9 @@ def peer_urls(pods: Mapping[str, Any], cfg: PeerSettings) -> dict[str, str]:
     IP, other than ``cfg.pod_name`` and pods being deleted."""
     out: dict[str, str] = {}
     for key, pod in pods.items():
-        meta, status = pod.metadata, pod.status
-        if meta is None or status is None or meta.deletion_timestamp is not None:
-            continue
-        if meta.name == cfg.pod_name or status.phase != "Running" or not status.pod_ip:
-            continue
-        ip = status.pod_ip
-        out[key] = f"http://{f'[{ip}]' if ':' in ip else ip}:{cfg.port}"
+        host = running_pod_host(pod)
+        if host is not None and pod.metadata.name != cfg.pod_name:
+            out[key] = f"http://{host}:{cfg.port}"
     return out
 
 
