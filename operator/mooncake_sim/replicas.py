@@ -23,12 +23,21 @@ Source: ours; the sync channel is the one the live gateways use
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
+from mooncake_conductor.state import (
+    ClusterState,
+    DecodeState,
+    PrefillState,
+    QueuedWork,
+    RequestInfo,
+)
+
+#: what a view changed on a prefill state: (state, busy_until, queued_work_s, queue_len,
+#: queue), restored on exit
+_PrefillUndo = tuple[PrefillState, float, float, int, list[QueuedWork]]
 
 
 @dataclass(slots=True)
@@ -114,7 +123,7 @@ class ReplicaViews:
 
     def _hide_prefills(self, replica: int, cluster: ClusterState, now: float,
                        where: Callable[[int], list[int]], running: Callable[[int], int]
-                       ) -> list[tuple[PrefillState, float, float, int, list]]:  # type: ignore[type-arg]
+                       ) -> list[_PrefillUndo]:
         hidden: dict[int, set[int]] = {}  # instance -> unheard-of request ids on it
         for other, placed in enumerate(self._placed):
             if other == replica:
@@ -126,7 +135,7 @@ class ReplicaViews:
                     continue
                 for iid in members:
                     hidden.setdefault(iid, set()).add(rid)
-        undo = []
+        undo: list[_PrefillUndo] = []
         pool = cluster.prefill
         for iid, rids in hidden.items():
             p = pool[iid]
@@ -172,7 +181,3 @@ class ReplicaViews:
             st.reserved_tokens = max(0, st.reserved_tokens + r)
         return undo
 
-
-def never() -> float:
-    """The lag of replicas that never share their load."""
-    return math.inf
