@@ -270,6 +270,18 @@ async def running_gateway(models: list[dict[str, Any]], wait_ready: bool = True,
             await task
 
 
+@contextlib.asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` (a stand-in gateway or peer) on a free port of 127.0.0.1; its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, HOST, 0).start()
+        yield f"http://{HOST}:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
 async def until(cond: Callable[[], Awaitable[Any]], timeout: float = 10.0,
                 what: str = "condition") -> Any:
     """Poll ``cond`` until it returns something true; that value."""

@@ -17,7 +17,7 @@ from mooncake_gateway.peers import PeerSync, peer_urls
 from mooncake_gateway.settings import AuthSettings, PeerSettings
 
 from .gateway_fixtures import HOST, free_port
-from .scripted import MODEL, engines, model, prompt_ids, running_gateway, until
+from .scripted import MODEL, engines, model, prompt_ids, running_gateway, serving, until
 
 PROMPT_TOKENS = 16_384  # ~2 s of predicted prefill each: outlasts the reads below
 FAST_SYNC = {"interval_s": 0.05, "timeout_s": 0.5, "stale_s": 0.6}
@@ -100,15 +100,8 @@ async def scripted_peer() -> AsyncIterator[tuple[ScriptedPeer, str]]:
     peer = ScriptedPeer()
     app = web.Application()
     app.router.add_get("/conductor/load", peer.load)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    site = web.TCPSite(runner, HOST, port)
-    await site.start()
-    try:
-        yield peer, f"http://{HOST}:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield peer, url
 
 
 def test_a_peer_that_stops_answering_stops_counting_and_bad_reports_are_ignored(

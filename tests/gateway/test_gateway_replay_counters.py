@@ -60,11 +60,12 @@ def test_two_replicas_behind_one_address_are_both_counted() -> None:
     new connection reaches the other replica, and each replica counts 10 prompt tokens
     per completion it serves."""
     import asyncio
-    import socket
 
     from aiohttp import web
     from mooncake_gateway.replay import ReplayConfig, replay
     from mooncake_sim.trace import TraceRecord
+
+    from .scripted import serving
 
     served = {"a": 0, "b": 0}
     turn: dict[int, str] = {}  # client port -> replica
@@ -99,19 +100,10 @@ def test_two_replicas_behind_one_address_are_both_counted() -> None:
         app = web.Application()
         app.router.add_get("/conductor/state", state)
         app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
+        async with serving(app) as url:
             records = [TraceRecord(timestamp_ms=10.0 * i, input_length=16, output_length=2,
                                    hash_ids=[i]) for i in range(6)]
-            return await replay(records, ReplayConfig(
-                url=f"http://127.0.0.1:{port}", model="m", speed=100.0))
-        finally:
-            await runner.cleanup()
+            return await replay(records, ReplayConfig(url=url, model="m", speed=100.0))
 
     res = asyncio.run(main())
     assert res["completed"] == 6

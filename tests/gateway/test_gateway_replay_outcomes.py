@@ -11,13 +11,13 @@ from typing import Any
 from aiohttp import web
 from mooncake_gateway.replay import ReplayConfig, replay
 from mooncake_sim.trace import TraceRecord
-from mooncake_testbed.procs import HOST, free_port
+
+from .scripted import serving
 
 
 def test_replay_keeps_each_requests_outcome_and_times() -> None:
     """A stub gateway: the first prompt streams two tokens, the second is refused with
     429, the third gets an SSE error."""
-    port = free_port()
     state = {"models": [{"policy": "stub", "counters": {"id": "x", "since": 0.0},
                          "tokens": {"prompt": 0, "reused_predicted": 0, "engine_prompt": 0,
                                     "engine_cached": 0, "prefill_seconds": 0.0}}]}
@@ -52,15 +52,9 @@ def test_replay_keeps_each_requests_outcome_and_times() -> None:
         app = web.Application()
         app.router.add_get("/conductor/state", conductor_state)
         app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, HOST, port).start()
-        try:
+        async with serving(app) as url:
             return await replay(records, ReplayConfig(
-                url=f"http://{HOST}:{port}", model="m", speed=1.0, keep_outcomes=True,
-                on_start=starts.append))
-        finally:
-            await runner.cleanup()
+                url=url, model="m", speed=1.0, keep_outcomes=True, on_start=starts.append))
 
     res = asyncio.run(main())
     assert len(starts) == 1
