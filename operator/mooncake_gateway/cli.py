@@ -56,6 +56,10 @@ def register(subparsers: Any) -> None:
     r.add_argument("--ttft-slo", type=float, default=30.0, help="TTFT SLO, seconds")
     r.add_argument("--tbt-slo", type=float, default=100.0, help="TBT SLO, milliseconds")
     r.add_argument("--timeout", type=float, default=600.0, help="per-request limit, seconds")
+    r.add_argument("--retries", type=int, default=2,
+                   help="send a request again, at most this often, when its connection "
+                   "failed before any answer came (the OpenAI Python client's default; "
+                   "a stream that had begun is never sent again)")
     r.add_argument("--counter-sample", type=float, default=0.0, metavar="SECONDS",
                    help="also read the gateway's counters this often during the run, so a "
                    "gateway restart loses less (0: before and after only; each read costs "
@@ -132,8 +136,8 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.speed <= 0 or args.time_scale <= 0 or args.max_output_tokens <= 0:
         print("--speed, --time-scale and --max-output-tokens must be positive", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.counter_sample < 0:
-        print("--counter-sample must be 0 or positive", file=sys.stderr)
+    if args.counter_sample < 0 or args.retries < 0:
+        print("--counter-sample and --retries must be 0 or positive", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         records = load_trace(args.trace or bundled_trace(), limit=args.limit)
@@ -144,7 +148,7 @@ def run_replay(args: argparse.Namespace) -> int:
                        max_output_tokens=args.max_output_tokens, time_scale=args.time_scale,
                        ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo / 1000.0,
                        timeout_s=args.timeout, sample_s=args.counter_sample,
-                       api_key=os.environ.get(API_KEY_ENV) or None)
+                       retries=args.retries, api_key=os.environ.get(API_KEY_ENV) or None)
     try:
         res = asyncio.run(replay(records, cfg))
     except OSError as exc:
@@ -159,7 +163,8 @@ def run_replay(args: argparse.Namespace) -> int:
                 "ttft_slo_s": cfg.ttft_slo_s, "tbt_slo_s": cfg.tbt_slo_s}
     out = {"settings": settings, "results": [_clean(res)]}
     print(f"{res['policy']}: {res['completed']}/{res['requests']} done, "
-          f"{res['rejected']} rejected, {res['failed']} failed; TTFT mean "
+          f"{res['rejected']} rejected, {res['failed']} failed, {res['retried']} "
+          f"sent again; TTFT mean "
           f"{res['ttft_mean_s']:.3f} s p90 {res['ttft_p90_s']:.3f} s; TBT p90 "
           f"{res['tbt_p90_ms']:.1f} ms; SLO {100 * res['slo_attainment']:.1f}%; hit "
           f"{100 * res['token_hit_ratio']:.1f}%; wall {res['wall_seconds']:.1f} s")

@@ -69,6 +69,8 @@ class Outcome:
     tbt_s: float = math.nan
     intervals: list[float] = field(default_factory=list)
     error: str = ""
+    #: times it was sent again after its connection failed before any answer came
+    retries: int = 0
     #: wall seconds since the replay's first scheduled send: when sent, when it ended
     sent_s: float = math.nan
     done_s: float = math.nan
@@ -106,6 +108,14 @@ class ReplayConfig:
     #: sent as ``Authorization: Bearer`` on every call (a locked gateway; an admin key
     #: for the hit ratio, which ``/conductor/state`` gives)
     api_key: str | None = None
+    #: sends again a request whose connection failed before any answer came (refused,
+    #: reset, or closed by a gateway that died), as often as this, after
+    #: ``retry_delay_s`` doubling up to ``retry_delay_max_s``: what the OpenAI Python
+    #: client does by default (``max_retries=2``, 0.5 s to 8 s). A stream that had begun
+    #: is never sent again; its failure counts. The time spent counts in its TTFT.
+    retries: int = 2
+    retry_delay_s: float = 0.5
+    retry_delay_max_s: float = 8.0
 
 
 class ReplayError(Exception):
@@ -186,12 +196,45 @@ async def _one(session: aiohttp.ClientSession, cfg: ReplayConfig, body: bytes,
         out.done_s = time.perf_counter() - t0
 
 
+class _NoAnswer(Exception):
+    """The connection failed before any answer came: nothing was streamed, so the
+    request may be sent again."""
+
+
 async def _exchange(session: aiohttp.ClientSession, cfg: ReplayConfig, body: bytes,
                     sent: float, out: Outcome) -> None:
+    delay = cfg.retry_delay_s
+    while True:
+        try:
+            await _attempt(session, cfg, body, sent, out)
+            return
+        except _NoAnswer as exc:
+            if out.retries >= cfg.retries:
+                out.status, out.error = "failed", str(exc)
+                return
+        out.retries += 1
+        await asyncio.sleep(delay)
+        delay = min(2.0 * delay, cfg.retry_delay_max_s)
+
+
+async def _post(session: aiohttp.ClientSession, cfg: ReplayConfig,
+                body: bytes) -> aiohttp.ClientResponse:
+    """The request's answer head; :class:`_NoAnswer` when the connection failed first
+    (a read timeout is not retried: the server may still be working on it)."""
+    try:
+        return await session.post(f"{cfg.url}/v1/completions", data=body,
+                                  headers={"Content-Type": "application/json"})
+    except aiohttp.ServerTimeoutError:
+        raise
+    except aiohttp.ClientConnectionError as exc:
+        raise _NoAnswer(type(exc).__name__) from exc
+
+
+async def _attempt(session: aiohttp.ClientSession, cfg: ReplayConfig, body: bytes,
+                   sent: float, out: Outcome) -> None:
     last = 0.0
     try:
-        async with session.post(f"{cfg.url}/v1/completions", data=body,
-                                headers={"Content-Type": "application/json"}) as r:
+        async with await _post(session, cfg, body) as r:
             if r.status == 429:
                 out.status = "rejected"
                 await r.read()
@@ -303,6 +346,7 @@ def results(records: list[TraceRecord], outs: list[Outcome], counted: dict[str, 
         "rejected": sum(1 for o in outs if o.status == "rejected"),
         "failed": sum(1 for o in outs if o.status == "failed"),
         "errors": errors,
+        "retried": sum(1 for o in outs if o.retries),
         **latency_summary([(o.ttft_s, o.tbt_s) for o in served], n, cfg.ttft_slo_s,
                           cfg.tbt_slo_s),
         "token_hit_ratio": eng_cached / eng_prompt if eng_prompt else 0.0,
@@ -311,7 +355,8 @@ def results(records: list[TraceRecord], outs: list[Outcome], counted: dict[str, 
         "wall_seconds": wall,
         **({"ttft_samples_s": [o.ttft_s for o in served]} if cfg.keep_samples else {}),
         **({"outcomes": [{"sent_s": o.sent_s, "done_s": o.done_s, "status": o.status,
-                          "ttft_s": o.ttft_s, "tbt_s": o.tbt_s, "error": o.error}
+                          "ttft_s": o.ttft_s, "tbt_s": o.tbt_s, "error": o.error,
+                          "retries": o.retries}
                          for o in outs]}
            if cfg.keep_outcomes else {}),
     }

@@ -8,7 +8,9 @@ import json
 import math
 from typing import Any
 
+import pytest
 from aiohttp import web
+from mooncake_cli.main import main
 from mooncake_gateway.replay import ReplayConfig, replay
 from mooncake_sim.trace import TraceRecord
 
@@ -66,3 +68,67 @@ def test_replay_keeps_each_requests_outcome_and_times() -> None:
         assert abs(o["sent_s"] - i * 0.1) < 0.08, o
         assert o["done_s"] >= o["sent_s"]
     assert outs[0]["ttft_s"] > 0 and math.isnan(outs[1]["ttft_s"])
+
+
+def test_replay_sends_again_only_what_got_no_answer() -> None:
+    """A gateway that dies before answering loses nothing the client sends again, as the
+    OpenAI client does; one that dies mid-stream loses that stream, never sent twice.
+
+    Prompt 1 is cut off before any answer on its first two sends, then served; prompt 2
+    streams a token and is cut off; prompt 3 is cut off on every send."""
+    state = {"models": [{"policy": "stub", "counters": {"id": "x", "since": 0.0},
+                         "tokens": {"prompt": 0, "reused_predicted": 0, "engine_prompt": 0,
+                                    "engine_cached": 0, "prefill_seconds": 0.0}}]}
+    sends: dict[int, int] = {}
+
+    async def conductor_state(_r: web.Request) -> web.Response:
+        return web.json_response(state)
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        first = body["prompt"][0]
+        kind = order.setdefault(first, len(order))
+        sends[kind] = sends.get(kind, 0) + 1
+        resp = web.StreamResponse()
+        if (kind == 0 and sends[kind] <= 2) or kind == 2:
+            assert request.transport is not None
+            request.transport.abort()  # gone before the status line
+            return resp
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        if kind == 1:
+            await asyncio.sleep(0.01)
+            assert request.transport is not None
+            request.transport.abort()  # gone mid-stream
+            return resp
+        await resp.write(b'data: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n')
+        return resp
+
+    order: dict[int, int] = {}
+    records = [TraceRecord(timestamp_ms=i * 100.0, input_length=32, output_length=4,
+                           hash_ids=(i + 1,)) for i in range(3)]
+
+    async def main() -> dict[str, Any]:
+        app = web.Application()
+        app.router.add_get("/conductor/state", conductor_state)
+        app.router.add_post("/v1/completions", completions)
+        async with serving(app) as url:
+            return await replay(records, ReplayConfig(
+                url=url, model="m", speed=1.0, keep_outcomes=True, retries=2,
+                retry_delay_s=0.05))
+
+    res = asyncio.run(main())
+    outs = res["outcomes"]
+    assert [o["status"] for o in outs] == ["ok", "failed", "failed"]
+    assert [o["retries"] for o in outs] == [2, 0, 2]
+    assert sends == {0: 3, 1: 1, 2: 3}
+    assert outs[0]["ttft_s"] >= 0.05 + 0.1  # the waits before each send count in TTFT
+    assert outs[2]["error"] == "ServerDisconnectedError"
+    assert res["retried"] == 2 and res["failed"] == 2
+
+
+@pytest.mark.parametrize("flag", [["--retries", "-1"], ["--counter-sample", "-1"]])
+def test_replay_refuses_negative_counts(flag: list[str],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", "--url", "http://127.0.0.1:9", *flag]) == 2
+    assert "--counter-sample and --retries must be 0 or positive" in capsys.readouterr().err
