@@ -845,6 +845,7 @@ class ModelRuntime:
                            "gaps": sub.gaps if sub else 0,
                            "replayed": sub.replayed if sub else 0,
                            "lost": sub.lost if sub else 0,
+                           "duplicates": sub.duplicates if sub else 0,
                            "restarts": sub.restarts if sub else 0},
             })
             if i.role is Role.PREFILL:

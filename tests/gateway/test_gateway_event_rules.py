@@ -38,7 +38,7 @@ class Recorder:
     """An :class:`EngineSubscriber` whose deliveries, losses and resets are logged in
     one timeline (so the order of ``lost`` against the batches shows)."""
 
-    def __init__(self, answer: Replayed, endpoint: str = "tcp://127.0.0.1:1",
+    def __init__(self, answer: Replayed | None, endpoint: str = "tcp://127.0.0.1:1",
                  topic: bytes = b"", replay_endpoint: str | None = "tcp://127.0.0.1:2",
                  replay_timeout_s: float = 2.0, context: Any = None) -> None:
         self.log: list[Any] = []
@@ -254,3 +254,41 @@ def test_malformed_frames_are_counted_bad_not_raised() -> None:
     assert r.sub.bad == 2
     assert r.log == [0, 1]
     assert (r.sub.restarts, r.sub.duplicates) == (0, 0)
+
+
+def test_batches_sent_out_of_order_reach_the_index_in_order_once_each() -> None:
+    """The worker's reordering fault (SIGUSR2, the chaos suite's ``kv-events-reorder``)
+    on real sockets: each overtaking batch is a gap filled from the replay buffer, each
+    late copy a duplicate; nothing is lost and nothing reads as a restart."""
+    from mooncake_worker.kvevents.publisher import KVEventPublisher
+
+    async def main() -> tuple[Recorder, KVEventPublisher]:
+        pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+        pub.start()
+        r = Recorder(None, endpoint=pub.endpoint,
+                     replay_endpoint=pub.replay_endpoint)
+        task = asyncio.get_running_loop().create_task(r.sub.run())
+        await asyncio.sleep(0.2)  # the slow joiner: let the subscription reach the PUB
+        pub.reordering = True
+        for s in range(6):
+            pub.publish_payload(payload(s))
+            await asyncio.sleep(0.01)
+        pub.reordering = False
+        await until_delivered(r, 6)
+        await asyncio.sleep(0.1)  # room for a late copy to be misread
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await pub.close()
+        return r, pub
+
+    async def until_delivered(r: Recorder, n: int) -> None:
+        deadline = time.monotonic() + 5.0
+        while len(r.log) < n and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    r, pub = asyncio.run(main())
+    assert pub.reordered == 3
+    assert r.log == [0, 1, 2, 3, 4, 5]
+    assert (r.sub.gaps, r.sub.replayed, r.sub.duplicates) == (3, 3, 3)
+    assert (r.sub.lost, r.sub.restarts) == (0, 0)

@@ -5,12 +5,16 @@ engine hashes to the Conductor's block keys."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 
+import zmq
+import zmq.asyncio
 from mooncake_conductor.blockkeys import block_keys, namespace_seed
 from mooncake_contract.kvevents import BlockRemoved, BlockStored, KVEventBatch
 from mooncake_contract.kvevents.codec import decode_seq, encode_seq
 from mooncake_contract.kvevents.subscriber import KVEventSubscriber
-from mooncake_worker.kvevents.publisher import KVEventPublisher
+from mooncake_worker.kvevents.publisher import REORDER_HOLD_S, KVEventPublisher
 from mooncake_worker.relay import CacheView
 
 
@@ -138,22 +142,75 @@ def test_dropping_numbers_batches_but_neither_sends_nor_keeps_them() -> None:
     assert sub.lost == 2 and sub.gaps == 1
 
 
-def test_sigusr1_toggles_dropping_in_a_running_worker() -> None:
+def test_sigusr1_and_sigusr2_toggle_dropping_and_reordering_in_a_running_worker() -> None:
     import os
     import signal
 
-    from mooncake_worker.server import _drop_events_on_signal
+    from mooncake_worker.server import _event_faults_on_signals
 
-    async def main() -> list[bool]:
+    async def main() -> list[tuple[bool, bool]]:
         pub = KVEventPublisher("tcp://127.0.0.1:*")
-        _drop_events_on_signal(pub)
+        _event_faults_on_signals(pub)
         seen = []
-        for _ in range(2):
-            os.kill(os.getpid(), signal.SIGUSR1)
+        for sig in (signal.SIGUSR1, signal.SIGUSR1, signal.SIGUSR2, signal.SIGUSR2):
+            os.kill(os.getpid(), sig)
             await asyncio.sleep(0.05)
-            seen.append(pub.dropping)
-        asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
+            seen.append((pub.dropping, pub.reordering))
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            asyncio.get_running_loop().remove_signal_handler(sig)
         await pub.close()
         return seen
 
-    assert asyncio.run(main()) == [True, False]
+    assert asyncio.run(main()) == [(True, False), (False, False), (False, True),
+                                   (False, False)]
+
+
+def _sent_order(publish: Callable[[KVEventPublisher], Awaitable[None]]) -> tuple[
+        list[int], KVEventPublisher]:
+    """The sequence numbers in the order the PUB socket sent them while ``publish`` ran."""
+    async def main() -> tuple[list[int], KVEventPublisher]:
+        pub = KVEventPublisher("tcp://127.0.0.1:*")
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(pub.endpoint)
+        await asyncio.sleep(0.2)  # the slow joiner: let the subscription reach the PUB
+        await publish(pub)
+        got = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                frames = await asyncio.wait_for(sub.recv_multipart(), 0.5)
+                got.append(decode_seq(frames[1]))
+        sub.close(0)
+        ctx.term()
+        await pub.close()
+        return got, pub
+
+    return asyncio.run(main())
+
+
+def test_reordering_sends_every_other_batch_after_the_next_and_keeps_the_buffer_true() -> None:
+    async def publish(pub: KVEventPublisher) -> None:
+        pub.reordering = True
+        for i in range(5):
+            pub.publish([stored(i)])
+        pub.reordering = False  # releases the held 4th at once
+        pub.publish([stored(5)])
+
+    order, pub = _sent_order(publish)
+    assert order == [1, 0, 3, 2, 4, 5]
+    assert [s for s, _ in pub.buffer] == [0, 1, 2, 3, 4, 5]
+    assert pub.reordered == 3
+
+
+def test_a_held_batch_goes_out_when_none_overtakes_it() -> None:
+    async def publish(pub: KVEventPublisher) -> None:
+        pub.reordering = True
+        pub.publish([stored(0)])
+        await asyncio.sleep(REORDER_HOLD_S / 2)
+        assert pub.reordered == 1  # still held
+        await asyncio.sleep(REORDER_HOLD_S)  # released by the timer
+        pub.publish([stored(1)])
+
+    order, _ = _sent_order(publish)
+    assert order == [0, 1]

@@ -540,16 +540,24 @@ class Worker:
         return n
 
 
-def _drop_events_on_signal(publisher: KVEventPublisher) -> None:
-    """Fault injection for drills and the alert tests: each SIGUSR1 starts or stops
-    dropping KV-event batches (see ``KVEventPublisher.dropping``)."""
-    def toggle() -> None:
+def _event_faults_on_signals(publisher: KVEventPublisher) -> None:
+    """Fault injection for drills, the alert tests and the chaos suite: each SIGUSR1
+    starts or stops dropping KV-event batches (``KVEventPublisher.dropping``), each
+    SIGUSR2 sending them out of order (``KVEventPublisher.reordering``)."""
+    def drop() -> None:
         publisher.dropping = not publisher.dropping
         log.warning("KV-event batches are %s (SIGUSR1)",
                     "dropped" if publisher.dropping else "published again")
 
-    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, toggle)
+    def reorder() -> None:
+        publisher.reordering = not publisher.reordering
+        log.warning("KV-event batches are sent %s (SIGUSR2)",
+                    "out of order" if publisher.reordering else "in order again")
+
+    loop = asyncio.get_running_loop()
+    for sig, toggle in ((signal.SIGUSR1, drop), (signal.SIGUSR2, reorder)):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, toggle)
 
 
 async def serve(settings: WorkerSettings, ready: Callable[[int], None] | None = None) -> None:
@@ -565,7 +573,7 @@ async def serve(settings: WorkerSettings, ready: Callable[[int], None] | None = 
         worker = Worker(settings)
         app, publisher = worker.app, worker.publisher
     if publisher is not None:
-        _drop_events_on_signal(publisher)
+        _event_faults_on_signals(publisher)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, backlog=1024)

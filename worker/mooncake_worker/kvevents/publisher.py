@@ -24,6 +24,10 @@ from mooncake_contract.kvevents.codec import (
 
 log = logging.getLogger(__name__)
 
+#: while reordering, how long a held batch waits for one to overtake it before it is sent
+#: anyway (an idle engine publishes nothing for a while)
+REORDER_HOLD_S = 0.25
+
 
 class KVEventPublisher:
     def __init__(
@@ -40,6 +44,13 @@ class KVEventPublisher:
         #: but neither sent nor kept for replay, as if lost beyond the replay's reach
         self.dropping = False
         self.dropped = 0
+        #: fault injection (SIGUSR2): every other batch is sent after the one that follows
+        #: it (or after :data:`REORDER_HOLD_S`), as a network that delivers out of order;
+        #: the replay buffer keeps the true order
+        self.reordered = 0
+        self._reordering = False
+        self._held: tuple[int, bytes] | None = None
+        self._release: asyncio.TimerHandle | None = None
         self.rank = data_parallel_rank
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._ctx = zmq.Context()
@@ -75,9 +86,38 @@ class KVEventPublisher:
             self.dropped += 1
             return seq
         self.buffer.append((seq, payload))
+        if self._reordering and self._held is None:
+            self._held = (seq, payload)
+            self.reordered += 1
+            with contextlib.suppress(RuntimeError):  # no loop: the next batch releases it
+                self._release = asyncio.get_running_loop().call_later(
+                    REORDER_HOLD_S, self._send_held)
+            return seq
+        self._send(seq, payload)
+        self._send_held()
+        return seq
+
+    @property
+    def reordering(self) -> bool:
+        return self._reordering
+
+    @reordering.setter
+    def reordering(self, on: bool) -> None:
+        self._reordering = on
+        if not on:
+            self._send_held()
+
+    def _send_held(self) -> None:
+        if self._release is not None:
+            self._release.cancel()
+            self._release = None
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._send(*held)
+
+    def _send(self, seq: int, payload: bytes) -> None:
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart([self.topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
-        return seq
 
     async def _serve_replay(self) -> None:
         assert self._router is not None
@@ -104,6 +144,8 @@ class KVEventPublisher:
             await router.send_multipart([ident, b"", b"", encode_seq(END_SEQ), b""])
 
     async def close(self) -> None:
+        if self._release is not None:
+            self._release.cancel()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
