@@ -19,7 +19,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from .runtime import EngineStats
+from .instances import EngineStats
 
 SUM, MAX = "sum", "max"
 

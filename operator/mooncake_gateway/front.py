@@ -26,12 +26,11 @@ import socket
 import time
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 from aiohttp import web
 
-if TYPE_CHECKING:
-    from .server import Gateway
+from .bodies import BodyBudget
 
 log = logging.getLogger(__name__)
 
@@ -257,10 +256,22 @@ def _parse_head(head: bytes,
     return chat, length, keep_alive, authorization
 
 
+class FrontDoor(Protocol):
+    """What the front end needs of the gateway (:class:`~.server.Gateway`)."""
+
+    @property
+    def bodies(self) -> BodyBudget: ...
+
+    def admits(self, chat: bool, authorization: str | None) -> bool: ...
+
+    async def serve_plain(self, raw: bytes, chat: bool, authorization: str | None = None
+                          ) -> web.Response | PlainJson | None: ...
+
+
 class FrontServer:
     """What every :class:`FrontProtocol` shares: the gateway, aiohttp's handler factory."""
 
-    def __init__(self, gateway: Gateway, make_handler: Callable[[], asyncio.Protocol],
+    def __init__(self, gateway: FrontDoor, make_handler: Callable[[], asyncio.Protocol],
                  max_body_bytes: int, idle_s: float) -> None:
         self.gateway = gateway
         self.make_handler = make_handler

@@ -14,8 +14,9 @@ from typing import Any
 
 from aiohttp import web
 from mooncake_contract.kvevents.codec import BlockStored
+from mooncake_gateway.enginemetrics import parse_engine_metrics
 from mooncake_gateway.openapi import openapi_spec
-from mooncake_gateway.server import loop_factory, parse_engine_metrics
+from mooncake_gateway.server import loop_factory
 from mooncake_gateway.settings import GatewaySettings
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families

@@ -15,7 +15,8 @@ import pytest
 from mooncake_conductor.policies.base import Placement
 from mooncake_conductor.state import RequestInfo
 from mooncake_gateway.metrics import GatewayMetrics
-from mooncake_gateway.runtime import ModelRuntime, QueuedPrefill
+from mooncake_gateway.prefillqueues import QueuedPrefill
+from mooncake_gateway.runtime import ModelRuntime
 from mooncake_gateway.settings import Endpoint, GatewaySettings, ModelSettings, Role
 
 from .scripted import HOST, MODEL, engines, model, prompt_ids, running_gateway, until
@@ -70,16 +71,16 @@ async def _behind_a_busy_instance(
 
 
 def test_late_binding_is_off_by_default_and_needs_a_stealing_policy() -> None:
-    assert not _runtime(prefill_dispatch_depth=0).late_binding  # the default
+    assert not _runtime(prefill_dispatch_depth=0).queues.late_binding  # the default
     assert GatewaySettings().prefill_dispatch_depth == 0
-    assert not _runtime(stealing=False).late_binding
-    assert _runtime().late_binding
+    assert not _runtime(stealing=False).queues.late_binding
+    assert _runtime().queues.late_binding
 
 
 def test_held_prefills_go_out_one_at_a_time_in_queue_order() -> None:
     async def main() -> None:
         rt = _runtime(prefill=1)
-        assert rt.late_binding
+        assert rt.queues.late_binding
         r1, r2, r3 = (_request(rt, i) for i in (1, 2, 3))
         _place(rt, 0, r1)
         _place(rt, 0, r2, priority=r1.arrival + 2.0)
@@ -134,7 +135,7 @@ def test_an_instance_that_goes_idle_takes_a_prefill_held_for_a_busy_one(
     books move); without, r2 was sent to p0 at once and stays there."""
     async def main() -> None:
         rt = _runtime(stealing=stealing)
-        assert rt.late_binding == stealing
+        assert rt.queues.late_binding == stealing
         (r0, r1, r2), t2 = await _behind_a_busy_instance(rt)
         await asyncio.sleep(0.05)
         assert t2.done() != stealing  # held here only with late binding
@@ -147,9 +148,9 @@ def test_an_instance_that_goes_idle_takes_a_prefill_held_for_a_busy_one(
             assert (rt.prefill[0].inflight, rt.prefill[1].inflight) == (1, 1)
             assert rt.index.match(1, r2.keys, include_pending=True) == len(r2.keys)
             assert rt.index.match(0, r2.keys, include_pending=True) == 0
-            assert rt.steals == 1
+            assert rt.queues.steals == 1
         else:
-            assert q.iid == 0 and _queued(rt) == [[r1.rid, r2.rid], []] and rt.steals == 0
+            assert q.iid == 0 and _queued(rt) == [[r1.rid, r2.rid], []] and rt.queues.steals == 0
         rt.prefill_done(rt.prefill[q.iid], r2, 1.0, 1.0)  # where it ran now
         rt.prefill_done(rt.prefill[0], r1, 1.0, 1.0)
         assert _queued(rt) == [[], []]
@@ -167,7 +168,7 @@ def test_nothing_is_stolen_across_engine_revisions() -> None:
         (r0, r1, r2), t2 = await _behind_a_busy_instance(rt)
         rt.prefill_done(rt.prefill[1], r0, 0.1, 2.0)
         await asyncio.sleep(0.05)
-        assert not t2.done() and rt.steals == 0
+        assert not t2.done() and rt.queues.steals == 0
         assert _queued(rt) == [[r1.rid, r2.rid], []]
         rt.prefill_done(rt.prefill[0], r1, 1.0, 1.0)
         assert (await asyncio.wait_for(t2, 2)).iid == 0
@@ -179,7 +180,7 @@ def test_depth_zero_sends_at_once_and_a_deeper_one_lets_that_many_go() -> None:
     async def main() -> None:
         for depth, sent_at_once in ((0, 3), (2, 2)):
             rt = _runtime(prefill=1, prefill_dispatch_depth=depth)
-            assert rt.late_binding == (depth > 0)
+            assert rt.queues.late_binding == (depth > 0)
             reqs = [_request(rt, i) for i in (1, 2, 3)]
             for r in reqs:
                 _place(rt, 0, r)

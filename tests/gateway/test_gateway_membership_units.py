@@ -33,7 +33,8 @@ from mooncake_gateway.catalog import (
 from mooncake_gateway.discovery import pod_endpoint
 from mooncake_gateway.hottokens import HotPrefixTokens
 from mooncake_gateway.metrics import GatewayMetrics
-from mooncake_gateway.runtime import ModelRuntime, unique_blocks
+from mooncake_gateway.reports import unique_blocks
+from mooncake_gateway.runtime import ModelRuntime
 from mooncake_gateway.settings import (
     Endpoint,
     GatewaySettings,

@@ -21,18 +21,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from mooncake_contract.tokenizer import VOCAB_SIZE
+from mooncake_gateway.admin import _bool_query, _int_query
+from mooncake_gateway.decoding import _has_token, _split_events
+from mooncake_gateway.dispatch import _header_view, finite
+from mooncake_gateway.enginecalls import relayed_error, splice_json
 from mooncake_gateway.errors import ApiError
 from mooncake_gateway.front import FrontServer, _Date
-from mooncake_gateway.server import (
-    _bool_query,
-    _finite,
-    _has_token,
-    _header_view,
-    _int_query,
-    _relayed_error,
-    _split_events,
-    splice_json,
-)
 from mooncake_gateway.upstream import UpstreamCallError, UpstreamPool, _Connection
 from mooncake_gateway.validate import _text_part, parse_request
 
@@ -45,20 +39,20 @@ def _err(e: ApiError) -> tuple[int, str, str | None, str | None]:
 def test_an_engine_4xx_keeps_its_status_message_param_and_code() -> None:
     body = {"error": {"message": "prompt too long", "type": "BadRequestError",
                       "param": "prompt", "code": "context_length_exceeded"}}
-    assert _err(_relayed_error(400, body)) == (400, "prompt too long", "prompt",
+    assert _err(relayed_error(400, body)) == (400, "prompt too long", "prompt",
                                                "context_length_exceeded")
-    assert _err(_relayed_error(499, body))[0] == 499
-    assert _err(_relayed_error(422, {"error": {"message": "bad", "param": None,
+    assert _err(relayed_error(499, body))[0] == 499
+    assert _err(relayed_error(422, {"error": {"message": "bad", "param": None,
                                                "code": "c"}})) == (422, "bad", None, "c")
     # the OpenAI shape of what the client gets
-    assert _relayed_error(404, body).body() == {"error": {
+    assert relayed_error(404, body).body() == {"error": {
         "message": "prompt too long", "type": "not_found_error", "param": "prompt",
         "code": "context_length_exceeded"}}
 
 
 def test_an_engine_error_outside_4xx_is_a_502() -> None:
     for status in (500, 501, 505, 302, 399):
-        e = _relayed_error(status, {"error": {"message": "boom", "param": "x", "code": "y"}})
+        e = relayed_error(status, {"error": {"message": "boom", "param": "x", "code": "y"}})
         assert _err(e) == (502, "boom", "x", "y")
         assert e.body()["error"]["type"] == "upstream_error"
 
@@ -68,9 +62,9 @@ def test_an_engine_error_without_an_openai_body_names_the_status() -> None:
                       {"error": [1]}, {"error": {}}, {"error": {"message": ""}},
                       {"error": {"message": None}}]
     for resp in odd:
-        assert _err(_relayed_error(418, resp)) == (418, "engine answered HTTP 418", None,
+        assert _err(relayed_error(418, resp)) == (418, "engine answered HTTP 418", None,
                                                    None), resp
-        assert _err(_relayed_error(503, resp)) == (502, "engine answered HTTP 503", None,
+        assert _err(relayed_error(503, resp)) == (502, "engine answered HTTP 503", None,
                                                    None), resp
 
 
@@ -97,12 +91,12 @@ def test_the_header_view_keeps_the_routing_fields_and_makes_floats_finite() -> N
 
 
 def test_finite_only_replaces_non_finite_floats() -> None:
-    assert _finite(1.5) == 1.5 and _finite(0.0) == 0.0 and _finite(-2.0) == -2.0
-    assert _finite(math.nan) is None and _finite(math.inf) is None
-    assert _finite(7) == 7 and _finite("inf") == "inf" and _finite(None) is None
-    assert _finite([1.0, [math.inf, {"a": -math.inf, "b": 2.0}]]) == \
+    assert finite(1.5) == 1.5 and finite(0.0) == 0.0 and finite(-2.0) == -2.0
+    assert finite(math.nan) is None and finite(math.inf) is None
+    assert finite(7) == 7 and finite("inf") == "inf" and finite(None) is None
+    assert finite([1.0, [math.inf, {"a": -math.inf, "b": 2.0}]]) == \
         [1.0, [None, {"a": None, "b": 2.0}]]
-    assert _finite({"k": 3, "l": [0.25]}) == {"k": 3, "l": [0.25]}
+    assert finite({"k": 3, "l": [0.25]}) == {"k": 3, "l": [0.25]}
 
 
 # -- query parameters -----------------------------------------------------------------------

@@ -306,7 +306,7 @@ def test_an_unexpected_error_is_a_500_in_openai_form_on_both_servers(
     async def main() -> None:
         async with engines("p0", "d0") as (p0, d0), \
                 running_gateway([model([p0], [d0])]) as gw:
-            monkeypatch.setattr("mooncake_gateway.server.parse_request", broken)
+            monkeypatch.setattr("mooncake_gateway.dispatch.parse_request", broken)
             for path, headers in ((CMPL, None), (CMPL, EXPLAIN),
                                   ("/v1/chat/completions", None)):
                 status, _h, raw = await gw.post(path, _body(prompt_ids(20)), headers)
@@ -417,7 +417,7 @@ def test_each_request_is_counted_once_by_its_outcome(monkeypatch: pytest.MonkeyP
             # a body over max_body_bytes: aiohttp refuses it while the gateway reads it
             status, _h, raw = await gw.post(CMPL, _body(prompt_ids(3000, 5)))
             assert status == 413, raw
-            monkeypatch.setattr("mooncake_gateway.server.parse_request",
+            monkeypatch.setattr("mooncake_gateway.dispatch.parse_request",
                                 lambda *_a, **_k: 1 / 0)
             assert (await gw.post("/v1/chat/completions", _body(prompt_ids(20, 4))))[0] == 500
             assert _outcomes(await gw.text("/metrics")) == {

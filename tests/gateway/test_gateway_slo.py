@@ -88,8 +88,8 @@ def test_every_reject_reason_and_outcome_is_exported_from_zero() -> None:
     from pathlib import Path
 
     import mooncake_conductor
+    from mooncake_gateway.dispatch import OUTCOME_BY_STATUS
     from mooncake_gateway.metrics import OUTCOMES, REJECT_REASONS, ModelMetrics
-    from mooncake_gateway.server import OUTCOME_BY_STATUS
 
     src = Path(mooncake_conductor.__file__).parent
     given = {m for f in src.rglob("*.py")

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
-from mooncake_gateway.server import parse_engine_metrics
+from mooncake_gateway.enginemetrics import parse_engine_metrics
 from mooncake_gateway.upstream import UpstreamCallError, UpstreamPool
 
 HOST = "127.0.0.1"
