@@ -65,6 +65,9 @@ GATEWAY_PORT = 8080
 PSS = {"pod-security.kubernetes.io/enforce": "restricted"}
 GROUP_PATH = "/apis/mooncake.io/v1alpha1"
 POLL_S = 0.5
+#: after a reordering fault ends: time for any replay to land (ending the fault sends the
+#: held batch at once)
+REORDER_SETTLE_S = 5.0
 #: the example's SLOs (examples/clusters/simulated.yaml), which the overload runs judge
 TTFT_SLO_S = 30.0
 TBT_SLO_S = 0.1
@@ -125,6 +128,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("kv-events-drop", "a KV-event stream dropping batches",
           "SIGUSR1 to a prefill engine: its KV-event batches are numbered but never sent "
           "(nor kept for replay) for --hold-s, then SIGUSR1 again"),
+    Fault("kv-events-reorder", "a KV-event stream reordering batches",
+          "SIGUSR2 to a prefill engine: every other KV-event batch is sent after the one "
+          "that follows it (its replay buffer keeps the true order) for --hold-s, then "
+          "SIGUSR2 again"),
 )}
 
 
@@ -322,7 +329,8 @@ class Bench:
             "requests": res.get("requests", len(self.records)),
             "completed": res.get("completed"), "rejected": res.get("rejected"),
             "failed": res.get("failed"), "errors": res.get("errors"),
-            "rejected_by": rejected_by, "replay_error": res.get("error"),
+            "retried": res.get("retried"), "rejected_by": rejected_by,
+            "replay_error": res.get("error"),
             "phases": chaos.phases(outcomes, inject_s),
             "recovery_s": chaos.recovery_s(outcomes, inject_s),
             "ready": chaos.ready_summary(samples, inject_s),
@@ -460,6 +468,16 @@ class Bench:
             time.sleep(max(0.0, 20.0 - (time.monotonic() - t)))
             info["events_20s_after"] = self._events(vname)
             return info
+        if name == "kv-events-reorder":
+            victim = self.engine("prefill", 1)
+            vname = f"{NS}/{victim['metadata']['name']}"
+            before = self._events(vname)
+            chaos.signal_container(self.state_dir, victim, "engine", signal.SIGUSR2)
+            time.sleep(hold)
+            chaos.signal_container(self.state_dir, victim, "engine", signal.SIGUSR2)
+            time.sleep(REORDER_SETTLE_S)
+            return {"victim": victim["metadata"]["name"], "hold_s": hold,
+                    "events_before": before, "events_after_reorder": self._events(vname)}
         raise KeyError(name)
 
     def _events(self, vname: str) -> dict[str, JsonDict]:
@@ -472,6 +490,7 @@ class Bench:
                             "index_blocks": inst.get("index_blocks"),
                             **{k: (inst.get("events") or {}).get(k)
                                for k in ("applied", "gaps", "lost", "resets", "replayed",
+                                         "duplicates", "restarts",
                                          "orphan_blocks", "gaps_kept", "kept_blocks",
                                          "unconfirmed_blocks")}}
         return out
@@ -707,6 +726,21 @@ def notes(r: JsonDict) -> str:
             f"{total('unconfirmed_blocks', a)}; orphan blocks (stored on a parent the "
             f"gateway never saw) +{total('orphan_blocks', a) - total('orphan_blocks', b)} "
             "(both gateways summed)")
+    if "events_after_reorder" in i:
+        b, a = i["events_before"], i["events_after_reorder"]
+
+        def grew(key: str) -> int:
+            return sum(int(a[g].get(key) or 0) - int((b.get(g) or {}).get(key) or 0)
+                       for g in a)
+        parts.append(
+            f"summed over the gateways: batches overtaken (gaps) +{grew('gaps')}, filled "
+            f"from the replay "
+            f"+{grew('replayed')}, late copies dropped as duplicates +{grew('duplicates')}, "
+            f"lost +{grew('lost')}, read as an engine restart +{grew('restarts')}, index "
+            f"resets +{grew('resets')}; events applied +{grew('applied')}; index blocks "
+            + ", ".join(f"{int((b.get(g) or {}).get('index_blocks') or 0):,} → "
+                        f"{int(a[g].get('index_blocks') or 0):,}" for g in a)
+            + " (per gateway)")
     rd = r.get("ready") or {}
     if rd.get("left_ready"):
         parts.append(f"not Ready for {rd['not_ready_s']:.1f} s in all (reasons seen: "
@@ -787,6 +821,8 @@ def markdown(doc: JsonDict) -> str:
         rej = ", ".join(f"{k} ×{v}" for k, v in (r.get("rejected_by") or {}).items())
         lines.append(f"- **{r['what']}** (`{r['fault']}`): {r['how']}. "
                      + (notes(r) or "—") + (f". Errors: {errs}" if errs else "")
+                     + (f". Sent again by the client (no answer had come): {r['retried']}"
+                        if r.get("retried") else "")
                      + (f". 429s by reason: {rej}" if rej else "") + ".")
     lines += [
         "",
@@ -795,7 +831,11 @@ def markdown(doc: JsonDict) -> str:
         "- *completed / rejected / failed*: the replay client's count. *Completed*: the "
         "stream delivered its tokens. *Rejected*: HTTP 429 from the gateway's admission "
         "(nothing was started; the client may retry). *Failed*: any other end — an HTTP "
-        "error, a broken connection, an SSE `error` event, a stream without a token.",
+        "error, a broken connection, an SSE `error` event, a stream without a token. "
+        "A request whose connection failed before any answer came (refused, reset, or "
+        "closed by a gateway that died) is sent again, at most twice, after 0.5 s and "
+        "1 s, as the OpenAI Python client does by default; its TTFT counts from the first "
+        "send. A stream that had begun is never sent again.",
         "- *failed in flight / after*: failed requests that were in flight at the "
         "injection (sent before it, not ended) / sent after it.",
         "- *recovery s*: from the injection until the last failed request ended (0 when "
@@ -833,12 +873,6 @@ def markdown(doc: JsonDict) -> str:
 
 
 FALLS_SHORT = [
-    "A KV-event stream that *reorders* messages is not injected here: the worker can only "
-    "drop batches (SIGUSR1). Reordering is covered by the subscriber's unit tests "
-    "(`tests/contract/test_kvevents_subscriber_rules.py`, "
-    "`tests/gateway/test_gateway_event_rules.py`: a later batch first is a gap filled from "
-    "the engine's replay buffer, the late copy is recognised as a duplicate), not end to "
-    "end.",
     "Deleting the store master loses the store's contents (its metadata is in memory); "
     "engines recompute what the store held. Nothing in the table counts that cost.",
     "One run per fault on a shared 2-core host: the failed counts of the engine faults "
@@ -883,14 +917,22 @@ def shortfalls(doc: JsonDict) -> list[str]:
                 "the oldest in the engine's LRU, so it is evicted first, and each costs at "
                 "most one mis-routed request until then.")
     gw = by.get("gateway-sigkill")
-    if gw and gw.get("failed"):
+    if gw and (gw.get("failed") or gw.get("retried")):
         i = gw.get("info") or {}
         rd = gw.get("ready") or {}
+        again = (f"The client sent {gw['retried']} requests again whose connection closed "
+                 "before any answer (still in prefill, nothing streamed); the Service's "
+                 "other gateway served them. " if gw.get("retried") else
+                 "The client has to retry. ")
+        lost = (f"**Streams through a gateway that dies are lost**: {gw['failed']} of the "
+                f"{i.get('inflight_at_fault', '?')} requests in flight through the killed "
+                "gateway failed (the connection closed mid-stream)" if gw.get("failed") else
+                "**A gateway that dies loses only the streams it had begun**: none of the "
+                f"{i.get('inflight_at_fault', '?')} requests in flight through the killed "
+                "gateway was streaming tokens yet, so none failed (a stream cut mid-decode "
+                "fails, with a broken connection)")
         out.append(
-            f"**Streams through a gateway that dies are lost**: {gw['failed']} of the "
-            f"{i.get('inflight_at_fault', '?')} requests in flight through the killed gateway "
-            "failed (the connection closed mid-stream); new requests went to the other "
-            "gateway at once. The client has to retry. "
+            lost + "; new requests went to the other gateway at once. " + again
             + (f"While that gateway restarted, the cluster was reported not Ready for "
                f"{rd.get('not_ready_s', 0):.0f} s ({', '.join(rd.get('reasons') or [])}) "
                "although the other gateway served." if rd.get("left_ready") else

@@ -14,7 +14,7 @@ from mooncake_conductor.blockkeys import block_keys, namespace_seed
 from mooncake_contract.kvevents import BlockRemoved, BlockStored, KVEventBatch
 from mooncake_contract.kvevents.codec import decode_seq, encode_seq
 from mooncake_contract.kvevents.subscriber import KVEventSubscriber
-from mooncake_worker.kvevents.publisher import REORDER_HOLD_S, KVEventPublisher
+from mooncake_worker.kvevents.publisher import KVEventPublisher
 from mooncake_worker.relay import CacheView
 
 
@@ -165,11 +165,14 @@ def test_sigusr1_and_sigusr2_toggle_dropping_and_reordering_in_a_running_worker(
                                    (False, False)]
 
 
+HOLD_S = 0.2  # the reordering publishers' wait, shorter than the default
+
+
 def _sent_order(publish: Callable[[KVEventPublisher], Awaitable[None]]) -> tuple[
         list[int], KVEventPublisher]:
     """The sequence numbers in the order the PUB socket sent them while ``publish`` ran."""
     async def main() -> tuple[list[int], KVEventPublisher]:
-        pub = KVEventPublisher("tcp://127.0.0.1:*")
+        pub = KVEventPublisher("tcp://127.0.0.1:*", reorder_hold_s=HOLD_S)
         ctx = zmq.asyncio.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -207,9 +210,9 @@ def test_a_held_batch_goes_out_when_none_overtakes_it() -> None:
     async def publish(pub: KVEventPublisher) -> None:
         pub.reordering = True
         pub.publish([stored(0)])
-        await asyncio.sleep(REORDER_HOLD_S / 2)
+        await asyncio.sleep(HOLD_S / 2)
         assert pub.reordered == 1  # still held
-        await asyncio.sleep(REORDER_HOLD_S)  # released by the timer
+        await asyncio.sleep(HOLD_S)  # released by the timer
         pub.publish([stored(1)])
 
     order, _ = _sent_order(publish)

@@ -25,8 +25,9 @@ from mooncake_contract.kvevents.codec import (
 log = logging.getLogger(__name__)
 
 #: while reordering, how long a held batch waits for one to overtake it before it is sent
-#: anyway (an idle engine publishes nothing for a while)
-REORDER_HOLD_S = 0.25
+#: anyway (an idle engine publishes nothing for a while; a simulated engine under a replay
+#: publishes a batch every second or two, so a shorter wait would only delay batches)
+REORDER_HOLD_S = 5.0
 
 
 class KVEventPublisher:
@@ -37,6 +38,7 @@ class KVEventPublisher:
         topic: bytes = b"",
         buffer_steps: int = 10000,
         data_parallel_rank: int | None = None,
+        reorder_hold_s: float = REORDER_HOLD_S,
     ) -> None:
         self.topic = topic
         self.seq = 0
@@ -45,9 +47,10 @@ class KVEventPublisher:
         self.dropping = False
         self.dropped = 0
         #: fault injection (SIGUSR2): every other batch is sent after the one that follows
-        #: it (or after :data:`REORDER_HOLD_S`), as a network that delivers out of order;
+        #: it (or after ``reorder_hold_s``), as a network that delivers out of order;
         #: the replay buffer keeps the true order
         self.reordered = 0
+        self.reorder_hold_s = reorder_hold_s
         self._reordering = False
         self._held: tuple[int, bytes] | None = None
         self._release: asyncio.TimerHandle | None = None
@@ -91,7 +94,7 @@ class KVEventPublisher:
             self.reordered += 1
             with contextlib.suppress(RuntimeError):  # no loop: the next batch releases it
                 self._release = asyncio.get_running_loop().call_later(
-                    REORDER_HOLD_S, self._send_held)
+                    self.reorder_hold_s, self._send_held)
             return seq
         self._send(seq, payload)
         self._send_held()
