@@ -105,9 +105,12 @@ class PrefillRunner:
                 continue
             finally:
                 ok = status == 200
-                rt.prefill_done(inst, req, (time.perf_counter() - started) / rt.time_scale,
-                                pl.ttft_s if ok else None)
-            record["attempts"].append({"prefill": inst.name, "status": status})
+                answered_s = (time.perf_counter() - started) / rt.time_scale
+                rt.prefill_done(inst, req, answered_s, pl.ttft_s if ok else None)
+            # modelled seconds from placement to answer, and what the placement predicted
+            # for it: the pair the calibration learns from
+            record["attempts"].append({"prefill": inst.name, "status": status,
+                                       "answered_s": answered_s, "predicted_s": pl.ttft_s})
             if status == 200 and isinstance(resp, dict):
                 usage = resp.get("usage") or {}
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0

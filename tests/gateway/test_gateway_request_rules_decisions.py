@@ -101,7 +101,10 @@ def test_a_served_decision_record_names_every_part_of_the_decision() -> None:
                 (False, 0, 0)
             # the scripted prefill answers 32 cached tokens in its usage
             assert rec["engine_cached_tokens"] == 32
-            assert rec["attempts"] == [{"prefill": "p0", "status": 200}]
+            [attempt] = rec["attempts"]
+            assert (attempt["prefill"], attempt["status"]) == ("p0", 200)
+            assert attempt["predicted_s"] == pytest.approx(pred["ttft_s"])
+            assert attempt["answered_s"] > 0
             assert rec["outcome"] == "ok"
             # the explain header: compact JSON of the routing fields of the same decision
             header = headers["x-conductor-decision"]

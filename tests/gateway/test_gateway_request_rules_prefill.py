@@ -66,9 +66,14 @@ def test_a_prefill_time_calibrates_the_model_in_modelled_seconds(
             status, _h, raw = await gw.post(CMPL, _body(1, n=LONG_PROMPT))
             assert status == 200, raw
             [rec] = await gw.get(f"/conductor/decisions?model={MODEL}")
-            assert rec["attempts"][-1] == {"prefill": "p0", "status": 200}
+            last = rec["attempts"][-1]
+            assert (last["prefill"], last["status"]) == ("p0", 200)
             predicted = rec["predicted"]["ttft_s"]
             assert predicted > 0.05
+            # what the calibration learnt from, in the decision: modelled seconds
+            assert last["predicted_s"] == pytest.approx(predicted)
+            assert DELAY_S / time_scale <= last["answered_s"] <= \
+                (DELAY_S + OVERHEAD_S) / time_scale
             cal = (await gw.state())["calibration"]
             assert cal["observed_prefills"] == 1
             rate = CalibrationConfig().rate
@@ -185,7 +190,8 @@ def test_refusals_on_every_prefill_instance_name_the_last_one() -> None:
             [rec] = await gw.get(f"/conductor/decisions?model={MODEL}")
             tried = [a["prefill"] for a in rec["attempts"]]
             assert sorted(tried) == ["p0", "p1"]
-            assert rec["attempts"] == [{"prefill": n, "status": 503} for n in tried]
+            assert [(a["prefill"], a["status"]) for a in rec["attempts"]] == \
+                [(n, 503) for n in tried]
             err = json.loads(raw)["error"]
             assert (err["message"], err["code"]) == (
                 f"prefill failed on every instance tried ({tried[-1]}: HTTP 503)",
