@@ -447,15 +447,9 @@ class Bench:
             took = cluster.restart(self.settings, comp, lambda m: log(f"    {m}"))
             return {"component": comp, "down_s": round(took, 2)}
         if name == "kv-events-drop":
-            victim = self.engine("prefill", 1)
-            vname = f"{NS}/{victim['metadata']['name']}"
-            before = self._events(vname)
-            chaos.signal_container(self.state_dir, victim, "engine", signal.SIGUSR1)
-            time.sleep(hold)
-            during = self._events(vname)
-            chaos.signal_container(self.state_dir, victim, "engine", signal.SIGUSR1)
+            victim, vname, before, during = self._event_fault(signal.SIGUSR1, hold)
             t = time.monotonic()
-            info = {"victim": victim["metadata"]["name"], "hold_s": hold,
+            info = {"victim": victim, "hold_s": hold,
                     "events_before": before, "events_end_of_drop": during}
 
             def lost() -> int:
@@ -469,16 +463,24 @@ class Bench:
             info["events_20s_after"] = self._events(vname)
             return info
         if name == "kv-events-reorder":
-            victim = self.engine("prefill", 1)
-            vname = f"{NS}/{victim['metadata']['name']}"
-            before = self._events(vname)
-            chaos.signal_container(self.state_dir, victim, "engine", signal.SIGUSR2)
-            time.sleep(hold)
-            chaos.signal_container(self.state_dir, victim, "engine", signal.SIGUSR2)
+            victim, vname, before, _during = self._event_fault(signal.SIGUSR2, hold)
             time.sleep(REORDER_SETTLE_S)
-            return {"victim": victim["metadata"]["name"], "hold_s": hold,
+            return {"victim": victim, "hold_s": hold,
                     "events_before": before, "events_after_reorder": self._events(vname)}
         raise KeyError(name)
+
+    def _event_fault(self, sig: int, hold: float) -> tuple[str, str, JsonDict, JsonDict]:
+        """``sig`` to the second prefill engine, and again ``hold`` seconds later (the
+        worker's KV-event faults toggle): its pod name, ``ns/pod``, and every gateway's
+        event counters for it before and at the end of the fault."""
+        victim = self.engine("prefill", 1)
+        vname = f"{NS}/{victim['metadata']['name']}"
+        before = self._events(vname)
+        chaos.signal_container(self.state_dir, victim, "engine", sig)
+        time.sleep(hold)
+        during = self._events(vname)
+        chaos.signal_container(self.state_dir, victim, "engine", sig)
+        return victim["metadata"]["name"], vname, before, during
 
     def _events(self, vname: str) -> dict[str, JsonDict]:
         """Each gateway's KV-event counters and index size for one instance."""

@@ -16,16 +16,19 @@ from mooncake_sim.trace import TraceRecord
 
 from .scripted import serving
 
+#: the stub gateway's ``/conductor/state``: one model, counters that never move
+STATE = {"models": [{"policy": "stub", "counters": {"id": "x", "since": 0.0},
+                     "tokens": {"prompt": 0, "reused_predicted": 0, "engine_prompt": 0,
+                                "engine_cached": 0, "prefill_seconds": 0.0}}]}
+
+
+async def _conductor_state(_r: web.Request) -> web.Response:
+    return web.json_response(STATE)
+
 
 def test_replay_keeps_each_requests_outcome_and_times() -> None:
     """A stub gateway: the first prompt streams two tokens, the second is refused with
     429, the third gets an SSE error."""
-    state = {"models": [{"policy": "stub", "counters": {"id": "x", "since": 0.0},
-                         "tokens": {"prompt": 0, "reused_predicted": 0, "engine_prompt": 0,
-                                    "engine_cached": 0, "prefill_seconds": 0.0}}]}
-
-    async def conductor_state(_r: web.Request) -> web.Response:
-        return web.json_response(state)
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -52,7 +55,7 @@ def test_replay_keeps_each_requests_outcome_and_times() -> None:
 
     async def main() -> dict[str, Any]:
         app = web.Application()
-        app.router.add_get("/conductor/state", conductor_state)
+        app.router.add_get("/conductor/state", _conductor_state)
         app.router.add_post("/v1/completions", completions)
         async with serving(app) as url:
             return await replay(records, ReplayConfig(
@@ -76,13 +79,7 @@ def test_replay_sends_again_only_what_got_no_answer() -> None:
 
     Prompt 1 is cut off before any answer on its first two sends, then served; prompt 2
     streams a token and is cut off; prompt 3 is cut off on every send."""
-    state = {"models": [{"policy": "stub", "counters": {"id": "x", "since": 0.0},
-                         "tokens": {"prompt": 0, "reused_predicted": 0, "engine_prompt": 0,
-                                    "engine_cached": 0, "prefill_seconds": 0.0}}]}
     sends: dict[int, int] = {}
-
-    async def conductor_state(_r: web.Request) -> web.Response:
-        return web.json_response(state)
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -110,7 +107,7 @@ def test_replay_sends_again_only_what_got_no_answer() -> None:
 
     async def main() -> dict[str, Any]:
         app = web.Application()
-        app.router.add_get("/conductor/state", conductor_state)
+        app.router.add_get("/conductor/state", _conductor_state)
         app.router.add_post("/v1/completions", completions)
         async with serving(app) as url:
             return await replay(records, ReplayConfig(
