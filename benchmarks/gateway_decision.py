@@ -48,8 +48,8 @@ from mooncake_conductor.blockkeys import block_keys, block_keys_array, namespace
 from mooncake_conductor.candidates import CandidatesConfig
 from mooncake_conductor.engine import Conductor, ConductorConfig
 from mooncake_conductor.index import PrefixIndex
-from mooncake_conductor.kernels import warm_up
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
+from mooncake_conductor.warmup import warm_up
 from mooncake_gateway.hottokens import HotPrefixTokens
 from mooncake_gateway.settings import GatewaySettings
 from mooncake_gateway.validate import _token_ids

@@ -31,8 +31,8 @@ import numpy as np
 from mooncake_conductor.blockkeys import block_keys, block_keys_array, namespace_seed
 from mooncake_conductor.engine import Conductor, ConductorConfig, Decision
 from mooncake_conductor.index import PrefixIndex
-from mooncake_conductor.kernels import warm_up
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
+from mooncake_conductor.warmup import warm_up
 from mooncake_gateway.hottokens import HotPrefixTokens
 from mooncake_gateway.settings import GatewaySettings
 

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mooncake_conductor.policies.base import policy_class
+from mooncake_conductor.policies.registry import policy_class
 from mooncake_sim.capacity import (
     DEFAULT_REL_TOL,
     DEFAULT_TARGET,

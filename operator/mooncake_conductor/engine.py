@@ -27,7 +27,8 @@ from .cost import CostModel, CostModelConfig
 from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
 from .holding import HoldingConfig, hold_deadline
 from .overrun import OverrunConfig, OverrunEstimator
-from .policies.base import Placement, PolicyContext, SLOConfig, create_policy, policy_class
+from .policies.base import Placement, PolicyContext, SLOConfig
+from .policies.registry import create_policy, policy_class
 from .replication import HotPrefixTracker, ReplicationAction, ReplicationConfig
 from .shedding import OverloadShedding, SheddingConfig
 from .state import ClusterState, PrefillState, RequestInfo, board_of

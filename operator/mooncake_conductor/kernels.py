@@ -40,8 +40,10 @@ bit, and the choices and random draws equal the Python pricing's).
 pass (home bucket, else overflow bucket with the home's count kept exact); the
 few keys with no room or in the stash go back to Python.
 
-numba is imported on first use only; :func:`warm_up` compiles everything (or
-loads it from numba's cache) up front, as the gateway does at startup.
+numba is imported on first use only; :func:`mooncake_conductor.warmup.warm_up`
+compiles everything (or loads it from numba's cache) up front, as the gateway does at
+startup. The key table's layout (slots per bucket, the hashes' multipliers) comes from
+:mod:`mooncake_conductor.tablehash`, which :mod:`~mooncake_conductor.keytable` shares.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
+
+from .tablehash import H1, H2, SLOTS
 
 U64Array = npt.NDArray[np.uint64]
 
@@ -70,13 +74,11 @@ def _compile() -> tuple[Callable[..., tuple[int, int, int]],
                         Callable[..., tuple[int, int, Any]]]:
     from numba import njit  # heavy import, deferred to the first large index
 
-    from .keytable import _H1, _H2, SLOTS
-
     # the helpers the kernels call are module globals, not closure cells: numba keys its
     # cache on the pickled closure, and a dispatcher pickles differently in every
     # process, so a kernel closing over one was compiled again by every process
     global _probe, _settle
-    h1, h2 = np.uint64(_H1), np.uint64(_H2)
+    h1, h2 = np.uint64(H1), np.uint64(H2)
     slots = SLOTS
 
     @njit(cache=True, nogil=True, inline="always")
@@ -233,10 +235,8 @@ def _compile_lengths_sets() -> Callable[..., tuple[int, int, Any]]:
         _kernel, _views = _compile()
     from numba import njit
 
-    from .keytable import _H1
-
     global _settle_at  # a module global, not a closure cell: see _compile
-    h1 = np.uint64(_H1)
+    h1 = np.uint64(H1)
     one, zero = np.uint64(1), np.uint64(0)
 
     @njit(cache=True, nogil=True, inline="always")
@@ -374,9 +374,7 @@ _upsert: Callable[..., int] | None = None
 def _compile_upsert() -> Callable[..., int]:
     from numba import njit
 
-    from .keytable import _H1, _H2, SLOTS
-
-    h1, h2 = np.uint64(_H1), np.uint64(_H2)
+    h1, h2 = np.uint64(H1), np.uint64(H2)
     slots = SLOTS
 
     @njit(cache=True, nogil=True)
@@ -501,34 +499,6 @@ def chain_keys(
     if _chain is None:
         _chain = _compile_chain()
     return _chain(tokens, block_size, weights, ones, np.uint64(q), np.uint64(seed))
-
-
-def warm_up() -> None:
-    """Compile (or load from numba's cache) every kernel now, so that the first large
-    index or long prompt of a server does not pay for it mid-request."""
-    from .blockkeys import block_keys_array
-    from .keytable import KeyMaskTable
-
-    block_keys_array(np.arange(1 << 12, dtype=np.int64), 16, 1)
-    table = KeyMaskTable()
-    keys = np.arange(1, 1 << 7, dtype=np.uint64)
-    table.assign(keys, np.ones((len(keys), 1), dtype=np.uint64))
-    drops = np.empty((len(keys) + 1, 3), dtype=np.uint64)
-    walk_keys([table.kernel_view()], keys, 1, drops)
-    walk_lengths(table.kernel_view(), table.kernel_view(), keys, 1, 1,
-                 np.zeros(64, dtype=np.int64), np.zeros(64, dtype=np.int64))
-    sets = np.zeros((2, 2), dtype=np.uint64)
-    sets[1] = 1
-    walk_lengths_sets(table.kernel_view(), table.kernel_view(), sets, keys,
-                      np.ones(2, dtype=np.uint64), np.ones(2, dtype=np.uint64),
-                      np.zeros(128, dtype=np.int64), np.zeros(128, dtype=np.int64))
-    lookup_values(table.kernel_view(), keys)
-    one_f, one_i = np.zeros(1), np.zeros(1, dtype=np.int64)
-    rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, 1.0, 1.0, 1.0, True, 0.0, 0.0,
-              np.ones(1, dtype=np.bool_), one_f, one_f, one_i, one_i, one_i, np.zeros(1),
-              np.zeros(1, dtype=np.bool_), one_i.copy())
-    rank_decode(np.ones(len(DECODE_FIELDS)), 1, 1, 1.0, 0.0, 0.0, np.ones(1, dtype=np.bool_),
-                one_i, one_i, one_i, one_i, np.zeros(1), one_i.copy())
 
 
 _stats: Callable[..., int] | None = None

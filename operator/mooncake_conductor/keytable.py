@@ -39,17 +39,18 @@ import numpy as np
 import numpy.typing as npt
 
 from .kernels import upsert_keys
+from .tablehash import H1, H2
+from .tablehash import SLOTS as SLOTS  # part of this module's interface too
 
-SLOTS = 4  #: slots per bucket (keys + one-word masks: one 64-byte cache line)
 MAX_LOAD = 0.4  #: keys per slot before the table doubles (keeps overflows rare)
 WORD_BITS = 64
 MIN_BUCKETS_LOG2 = 4
 STASH_SHIFT = 10  #: the stash holds up to capacity / 2**STASH_SHIFT keys
 MIN_STASH = 64
-_H1 = np.uint64(0x9E3779B97F4A7C15)  # odd multipliers (Fibonacci hashing)
-_H2 = np.uint64(0xC2B2AE3D27D4EB4F)
-_H1_INT = int(_H1)
-_H2_INT = int(_H2)
+_H1 = np.uint64(H1)  # the two hashes' odd multipliers (.tablehash)
+_H2 = np.uint64(H2)
+_H1_INT = H1
+_H2_INT = H2
 #: batches from this many keys (one-word masks) are assigned by a compiled loop
 COMPILED_MIN_BATCH = 64
 _MASK64 = (1 << WORD_BITS) - 1

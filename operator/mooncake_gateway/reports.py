@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from mooncake_conductor.index import PrefixIndex
-from mooncake_conductor.keytable import SLOTS, KeyMaskTable
+from mooncake_conductor.keytable import KeyMaskTable
 from mooncake_conductor.peerload import PeerLoads
 from mooncake_conductor.state import ClusterState
+from mooncake_conductor.tablehash import SLOTS
 
 from .instances import Instance
 from .liveconfig import LiveConfig

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from mooncake_conductor import kernels
+from mooncake_conductor.warmup import warm_up
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .admin import AdminApi
@@ -94,7 +94,7 @@ class Gateway:
     async def _on_startup(self, _app: web.Application) -> None:
         s = self.settings
         if s.warm_kernels:
-            kernels.warm_up()  # before serving: nothing waits on the loop yet
+            warm_up()  # before serving: nothing waits on the loop yet
         await self.calls.start()
         await self.fleet.start()
         await self.peer_sync.start()

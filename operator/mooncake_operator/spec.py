@@ -18,7 +18,7 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 from mooncake_conductor.decode import DECODE_SELECTORS
-from mooncake_conductor.policies.base import policy_names
+from mooncake_conductor.policies.registry import policy_names
 from mooncake_contract.topology import MAX_LEVELS as MAX_TOPOLOGY_LEVELS
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
 from pydantic.alias_generators import to_camel

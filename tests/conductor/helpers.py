@@ -6,7 +6,8 @@ import random
 
 from mooncake_conductor.cost import CostModel
 from mooncake_conductor.index import PrefixIndex
-from mooncake_conductor.policies.base import PolicyContext, PrefillPolicy, SLOConfig, create_policy
+from mooncake_conductor.policies.base import PolicyContext, PrefillPolicy, SLOConfig
+from mooncake_conductor.policies.registry import create_policy
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
 
 BT = 512

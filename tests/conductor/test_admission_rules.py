@@ -4,11 +4,16 @@ bare numbers, each rule on hand-made placements, and the rule in
 
 from __future__ import annotations
 
+import ast
 import math
 import random
+import subprocess
+import sys
+from pathlib import Path
 from statistics import NormalDist
 
 import pytest
+from mooncake_conductor import admission as admission_package
 from mooncake_conductor.admission import AdmissionConfig, admission_names, create_admission
 from mooncake_conductor.admission.prediction import PredictionAdmission
 from mooncake_conductor.admission.risk import (
@@ -126,6 +131,34 @@ def test_config_names_the_rule_and_checks_the_option() -> None:
     with pytest.raises(ValidationError):
         AdmissionConfig(ttft_miss_risk=0.6)
     assert z_of(0.01) == pytest.approx(Z99)
+
+
+#: modules of the admission package that define no rule (``risk``: the prediction rule's
+#: margin arithmetic)
+NOT_RULES = {"__init__", "base", "_all", "registry", "risk"}
+
+
+def test_all_imports_every_rule_module_and_each_registers_a_rule() -> None:
+    folder = Path(admission_package.__file__).parent
+    modules = {p.stem for p in folder.glob("*.py")} - NOT_RULES
+    tree = ast.parse((folder / "_all.py").read_text(encoding="utf-8"))
+    imported = {alias.name for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.level == 1 and not node.module
+                for alias in node.names}
+    assert imported == modules  # a rule module _all forgets is never registered
+    registered_by = {type(create_admission(AdmissionConfig(rule=n), SLO)).__module__
+                     for n in admission_names()}
+    assert registered_by == {f"{admission_package.__name__}.{m}" for m in modules}
+
+
+def test_a_config_made_with_the_base_module_alone_knows_every_rule() -> None:
+    # AdmissionConfig checks its rule against the registry .base keeps: importing .base runs
+    # the package's __init__ first, whose .registry import registers every rule module
+    code = ("from mooncake_conductor.admission.base import AdmissionConfig\n"
+            "print(AdmissionConfig(rule='current-load').rule)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "current-load"
 
 
 KEYS = list(range(40))  # 20,480 tokens: a few seconds of prefill

@@ -12,7 +12,8 @@ import random
 from mooncake_conductor.cost import CostModel
 from mooncake_conductor.cpp import CPPConfig, CPPPlan, choose_chunk, plan_cpp_for
 from mooncake_conductor.index import PrefixIndex
-from mooncake_conductor.policies.base import PolicyContext, SLOConfig, create_policy
+from mooncake_conductor.policies.base import PolicyContext, SLOConfig
+from mooncake_conductor.policies.registry import create_policy
 from mooncake_conductor.state import ClusterState
 
 from .helpers import BT, COST, cluster, policy, queue, request

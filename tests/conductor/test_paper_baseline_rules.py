@@ -5,7 +5,7 @@ from the rule in the policy's docstring (docs/policies.md), worked out in the co
 from __future__ import annotations
 
 import pytest
-from mooncake_conductor.policies.base import create_policy, policy_class
+from mooncake_conductor.policies.registry import create_policy, policy_class
 from mooncake_conductor.policies.round_robin import RoundRobinParams
 
 from .helpers import BT, COST, cluster, policy, queue, request

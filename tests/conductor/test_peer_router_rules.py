@@ -11,13 +11,8 @@ import random
 
 import pytest
 from mooncake_conductor.index import DRAM, STORE
-from mooncake_conductor.policies.base import (
-    Placement,
-    PolicyContext,
-    PrefillPolicy,
-    SLOConfig,
-    create_policy,
-)
+from mooncake_conductor.policies.base import Placement, PolicyContext, PrefillPolicy, SLOConfig
+from mooncake_conductor.policies.registry import create_policy
 from mooncake_conductor.state import ClusterState
 
 from .helpers import COST, cluster, policy, queue, request

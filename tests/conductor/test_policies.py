@@ -3,7 +3,8 @@ from collections import Counter
 import pytest
 from mooncake_conductor.index import DRAM, HBM
 from mooncake_conductor.policies import policy_names
-from mooncake_conductor.policies.base import Placement, SLOConfig, create_policy
+from mooncake_conductor.policies.base import Placement, SLOConfig
+from mooncake_conductor.policies.registry import create_policy
 from mooncake_conductor.state import PrefillState
 from pydantic import ValidationError
 

@@ -1,8 +1,11 @@
-"""The policy registry and shared helpers (``policies.base``) and the ``score`` policy's
-rule, on hand-made cases whose outcome is worked out from the docstrings."""
+"""The policy registry (kept by ``policies.base``, looked up through ``policies.registry``)
+and shared helpers (``policies.base``), and the ``score`` policy's rule, on hand-made cases
+whose outcome is worked out from the docstrings."""
 
+import ast
 import random
-import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,11 +18,10 @@ from mooncake_conductor.policies.base import (
     Placement,
     PrefillPolicy,
     least,
-    policy_class,
-    policy_names,
     register,
     router_mask,
 )
+from mooncake_conductor.policies.registry import policy_class, policy_names
 from mooncake_conductor.state import ClusterState, PrefillState, RequestInfo
 
 from .helpers import BT, COST, cluster, policy, queue, request
@@ -38,11 +40,18 @@ class _Dummy(PrefillPolicy):
         return Placement(prefill=live[0].iid)
 
 
-def test_register_adds_a_named_class_and_refuses_a_nameless_or_second_one(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    policy_names()  # every policy registered before the registry is copied
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+@pytest.fixture
+def scratch_registry() -> Iterator[None]:
+    """The registry as it is now, restored in place afterwards (``.registry`` reads the
+    very dict ``base`` keeps, so it is not swapped for a copy)."""
+    saved = dict(base._REGISTRY)
+    yield
+    base._REGISTRY.clear()
+    base._REGISTRY.update(saved)
+
+
+@pytest.mark.usefixtures("scratch_registry")
+def test_register_adds_a_named_class_and_refuses_a_nameless_or_second_one() -> None:
     named = type("Named", (_Dummy,), {"name": "test-named"})
     assert register(named) is named
     assert policy_class("test-named") is named
@@ -62,19 +71,23 @@ def test_unknown_policy_error_lists_the_known_names() -> None:
     assert "conductor, dynamo-kv" in msg  # sorted, comma separated
 
 
-def test_policy_names_imports_every_policy_module_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    name = "mooncake_conductor.policies._all"
-    policy_names()  # the policy modules loaded (they stay: only ``_all`` is reloaded)
-    monkeypatch.setattr(base, "_loader", [])
-    monkeypatch.delitem(sys.modules, name)
-    monkeypatch.delattr(policies_package, "_all")
-    names = policy_names()
-    assert name in sys.modules  # the first look-up imported them
-    assert {"conductor", "mooncake-paper", "score", "round-robin"} <= set(names)
-    del sys.modules[name]
-    delattr(policies_package, "_all")
-    policy_names()
-    assert name not in sys.modules  # and later ones do not import again
+#: modules of the policies package that define no policy
+NOT_POLICIES = {"__init__", "base", "_all", "registry"}
+
+
+def test_all_imports_every_policy_module_and_each_registers_a_policy() -> None:
+    folder = Path(policies_package.__file__).parent
+    modules = {p.stem for p in folder.glob("*.py")} - NOT_POLICIES
+    assert len(modules) >= 10
+    tree = ast.parse((folder / "_all.py").read_text(encoding="utf-8"))
+    imported = {alias.name for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.level == 1 and not node.module
+                for alias in node.names}
+    assert imported == modules  # a policy module _all forgets is never registered
+    registered_by = {policy_class(n).__module__ for n in policy_names()}
+    for module in sorted(modules):
+        assert f"{policies_package.__name__}.{module}" in registered_by, (
+            f"policies/{module}.py registers no policy (a helper: add it to NOT_POLICIES)")
 
 
 # -- helpers -------------------------------------------------------------------------------

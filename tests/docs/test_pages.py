@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from mooncake_conductor.decode import DECODE_SELECTORS
-from mooncake_conductor.policies.base import policy_class, policy_names
+from mooncake_conductor.policies.registry import policy_class, policy_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

@@ -83,7 +83,7 @@ def test_api_surface() -> None:
 
 
 def test_policy_enum_is_the_registry() -> None:
-    from mooncake_conductor.policies.base import policy_names
+    from mooncake_conductor.policies.registry import policy_names
 
     policy = _schema()["properties"]["spec"]["properties"]["conductor"]["properties"]["policy"]
     assert policy["enum"] == policy_names()

@@ -46,8 +46,8 @@ from mooncake_contract.kvevents.subscriber import KVEventSubscriber
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from .agent import AgentBase, Replica
+from .api import LIVENESS_PATH, ApiError
 from .kvevents.publisher import KVEventPublisher
-from .server import LIVENESS_PATH, ApiError
 from .settings import WorkerSettings
 
 log = logging.getLogger(__name__)

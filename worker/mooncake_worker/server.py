@@ -19,6 +19,7 @@ from mooncake_contract.tokenizer import VOCAB_SIZE, Tokenizer, chat_messages_pro
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .agent import PodAgent
+from .api import LIVENESS_PATH, ApiError
 from .engine import Engine, EngineObserver, EngineSeq, QueueFull, TooLarge
 from .kvevents.publisher import KVEventPublisher
 from .metrics import WorkerMetrics
@@ -35,39 +36,6 @@ def _is_part(part: Any) -> bool:
     return isinstance(part, dict)
 
 
-class ApiError(Exception):
-    """An OpenAI-style error response."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        type_: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type_ or {
-            400: "invalid_request_error",
-            404: "not_found_error",
-            405: "invalid_request_error",
-            413: "invalid_request_error",
-            429: "rate_limit_error",
-            503: "service_unavailable_error",
-        }.get(status, "server_error")
-        self.headers = headers
-
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-        return web.json_response(body, status=self.status, headers=self.headers)
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -76,9 +44,6 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool)
 
 
-#: the kubelet's liveness check: this process answers, whatever its engine is doing (in
-#: relay mode ``/health`` is the engine's, which may load weights for minutes)
-LIVENESS_PATH = "/livez"
 #: what the decode half must carry to pull the prefill's KV (vLLM 0.33's MooncakeConnector
 #: ignores ``do_remote_prefill`` without all three: "Got invalid KVTransferParams")
 PULL_PARAMS = ("remote_engine_id", "remote_bootstrap_addr", "transfer_id")

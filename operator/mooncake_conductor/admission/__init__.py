@@ -11,13 +11,8 @@ The rule applies only where admission is on (``ConductorConfig.admission`` or th
 policy's default). The decode side's refusal (``tbt-slo``) is the decode selector's.
 """
 
-from .base import (
-    AdmissionConfig,
-    AdmissionRule,
-    admission_names,
-    create_admission,
-    register,
-)
+from .base import AdmissionConfig, AdmissionRule, register
+from .registry import admission_names, create_admission
 
 __all__ = ["AdmissionConfig", "AdmissionRule", "admission_names", "create_admission",
            "register"]

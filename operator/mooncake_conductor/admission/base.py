@@ -1,4 +1,5 @@
-"""The admission interface: a rule by name, its configuration, and the registry."""
+"""The admission interface: a rule by name, its configuration, and the registry's storage
+(the look-ups are :mod:`.registry`'s)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ class AdmissionConfig(BaseModel):
 
     @model_validator(mode="after")
     def _known_rule(self) -> AdmissionConfig:
-        if self.rule not in admission_names():
-            known = ", ".join(admission_names())
+        # every rule module has registered by now: importing anything of this package runs
+        # its __init__, which imports .registry, which imports every rule module
+        if self.rule not in _REGISTRY:
+            known = ", ".join(sorted(_REGISTRY))
             raise ValueError(f"unknown admission rule {self.rule!r}; known: {known}")
         if self.ttft_miss_risk is not None and self.rule != "prediction":
             raise ValueError("ttft_miss_risk applies to the prediction rule only")
@@ -54,27 +57,15 @@ class AdmissionRule(ABC):
 
 
 R = TypeVar("R", bound=type[AdmissionRule])
+#: every registered rule class by name (filled by :func:`register`, read by :mod:`.registry`)
 _REGISTRY: dict[str, type[AdmissionRule]] = {}
 
 
 def register(cls: R) -> R:
+    """Class decorator: enter an admission rule in the registry under its ``name``."""
     if not cls.name:
         raise ValueError("an admission rule needs a name")
     if cls.name in _REGISTRY:
         raise ValueError(f"admission rule {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls
     return cls
-
-
-def _load() -> None:
-    from . import _all  # noqa: F401  (imports every rule module once)
-
-
-def admission_names() -> list[str]:
-    _load()
-    return sorted(_REGISTRY)
-
-
-def create_admission(config: AdmissionConfig, slo: SLOConfig) -> AdmissionRule:
-    _load()
-    return _REGISTRY[config.rule](config, slo)

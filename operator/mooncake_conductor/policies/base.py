@@ -1,18 +1,20 @@
-"""The one small interface every prefill policy implements, and its registry.
+"""The one small interface every prefill policy implements, and its registry's storage.
 
 A policy is a class with a ``name``, a pydantic ``Params`` model (its knobs and
 weights, with the published defaults) and ``pick(request, cluster, live, now) ->
-Placement``. Policies are created by name with :func:`create_policy`; each lives
-in its own module whose docstring states its rule and its source.
+Placement``. Each lives in its own module whose docstring states its rule and its
+source, and registers itself with :func:`register`; policies are looked up and created
+by name through :mod:`.registry` (:func:`~.registry.create_policy`), which imports
+every policy module.
 """
 
 from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -152,49 +154,18 @@ class PrefillPolicy(ABC):
 
 
 P = TypeVar("P", bound=type[PrefillPolicy])
+#: every registered policy class by name (filled by :func:`register`, read by :mod:`.registry`)
 _REGISTRY: dict[str, type[PrefillPolicy]] = {}
 
 
 def register(cls: P) -> P:
+    """Class decorator: enter a policy class in the registry under its ``name``."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
     if cls.name in _REGISTRY:
         raise ValueError(f"policy {cls.name!r} registered twice")
     _REGISTRY[cls.name] = cls
     return cls
-
-
-def policy_names() -> list[str]:
-    _load_all()
-    return sorted(_REGISTRY)
-
-
-def policy_class(name: str) -> type[PrefillPolicy]:
-    _load_all()
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown policy {name!r}; known: {', '.join(sorted(_REGISTRY))}"
-        ) from None
-
-
-def create_policy(
-    name: str, ctx: PolicyContext, params: dict[str, Any] | None = None
-) -> PrefillPolicy:
-    """Instantiate a registered policy by name with validated parameters."""
-    cls = policy_class(name)
-    return cls(cls.Params.model_validate(params or {}), ctx)
-
-
-_loader: list[Callable[[], None]] = []
-
-
-def _load_all() -> None:
-    if not _loader:
-        from . import _all  # noqa: F401  (imports every policy module once)
-
-        _loader.append(lambda: None)
 
 
 def router_mask(index: PrefixIndex, iids: Iterable[int]) -> int:

@@ -1,0 +1,50 @@
+"""Compile every kernel of :mod:`mooncake_conductor.kernels` ahead of need.
+
+:func:`warm_up` runs each compiled loop once on a tiny input (block keys of a long
+prompt, a small key table's upsert, walks and look-ups, both rankings), so numba
+compiles it or loads it from its cache now: a server calls it before serving (the
+gateway does, with ``warm_kernels``) and its first large index or long prompt does not
+pay for the compilation mid-request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .blockkeys import block_keys_array
+from .kernels import (
+    COST_FIELDS,
+    DECODE_FIELDS,
+    lookup_values,
+    rank_decode,
+    rank_fifo,
+    walk_keys,
+    walk_lengths,
+    walk_lengths_sets,
+)
+from .keytable import KeyMaskTable
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) every kernel now, so that the first large
+    index or long prompt of a server does not pay for it mid-request."""
+    block_keys_array(np.arange(1 << 12, dtype=np.int64), 16, 1)
+    table = KeyMaskTable()
+    keys = np.arange(1, 1 << 7, dtype=np.uint64)
+    table.assign(keys, np.ones((len(keys), 1), dtype=np.uint64))
+    drops = np.empty((len(keys) + 1, 3), dtype=np.uint64)
+    walk_keys([table.kernel_view()], keys, 1, drops)
+    walk_lengths(table.kernel_view(), table.kernel_view(), keys, 1, 1,
+                 np.zeros(64, dtype=np.int64), np.zeros(64, dtype=np.int64))
+    sets = np.zeros((2, 2), dtype=np.uint64)
+    sets[1] = 1
+    walk_lengths_sets(table.kernel_view(), table.kernel_view(), sets, keys,
+                      np.ones(2, dtype=np.uint64), np.ones(2, dtype=np.uint64),
+                      np.zeros(128, dtype=np.int64), np.zeros(128, dtype=np.int64))
+    lookup_values(table.kernel_view(), keys)
+    one_f, one_i = np.zeros(1), np.zeros(1, dtype=np.int64)
+    rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, 1.0, 1.0, 1.0, True, 0.0, 0.0,
+              np.ones(1, dtype=np.bool_), one_f, one_f, one_i, one_i, one_i, np.zeros(1),
+              np.zeros(1, dtype=np.bool_), one_i.copy())
+    rank_decode(np.ones(len(DECODE_FIELDS)), 1, 1, 1.0, 0.0, 0.0, np.ones(1, dtype=np.bool_),
+                one_i, one_i, one_i, one_i, np.zeros(1), one_i.copy())
