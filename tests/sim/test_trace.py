@@ -6,9 +6,12 @@ from pathlib import Path
 import pytest
 from mooncake_sim.trace import (
     TraceError,
+    TraceRecord,
+    arrival_tick_ms,
     bundled_trace,
     load_trace,
     reuse_ceiling,
+    spread_arrivals,
     trace_stats,
 )
 
@@ -105,3 +108,34 @@ def test_lines_off_the_fast_path_read_as_before(tmp_path: Path) -> None:
                          ({**plain, "timestamp": float("nan")}, "'timestamp' must be")]:
         with pytest.raises(TraceError, match=message):
             load_trace(write(tmp_path, [json.dumps(plain), json.dumps(bad)]))
+
+
+def _at(*stamps: float) -> list[TraceRecord]:
+    return [TraceRecord(timestamp_ms=t, input_length=10, output_length=1, hash_ids=(i,))
+            for i, t in enumerate(stamps)]
+
+
+def test_the_arrival_tick_is_the_median_step_of_grouped_timestamps() -> None:
+    # most requests share an instant: the tick is the median gap between instants
+    assert arrival_tick_ms(_at(0, 0, 0, 3000, 3000, 5999, 5999, 9000)) == 3000.0
+    # arrivals recorded apart have no tick, nor does a single instant
+    assert arrival_tick_ms(_at(0, 37, 90, 130)) == 0.0
+    assert arrival_tick_ms(_at(0, 0, 0, 0, 5, 9, 11, 12, 13)) == 0.0  # half grouped: apart
+    assert arrival_tick_ms(_at(5, 5, 5)) == 0.0
+    assert arrival_tick_ms(load_trace(bundled_trace())) == 3000.0
+
+
+def test_spread_arrivals_moves_each_within_its_tick_and_keeps_everything_else() -> None:
+    recs = _at(0, 0, 0, 3000, 3000)
+    moved = spread_arrivals(recs, 3000.0, seed=3)
+    assert [r.timestamp_ms for r in moved] == sorted(r.timestamp_ms for r in moved)
+    by_id = {r.hash_ids: r for r in moved}
+    for r in recs:
+        m = by_id[r.hash_ids]
+        assert r.timestamp_ms <= m.timestamp_ms < r.timestamp_ms + 3000.0
+        assert (m.input_length, m.output_length) == (r.input_length, r.output_length)
+    assert len({r.timestamp_ms for r in moved}) == 5  # no two at one instant now
+    assert spread_arrivals(recs, 3000.0, seed=3) == moved  # the seed decides
+    assert spread_arrivals(recs, 0.0) == recs
+    with pytest.raises(ValueError, match="tick_ms must be >= 0"):
+        spread_arrivals(recs, -1.0)
