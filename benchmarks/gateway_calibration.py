@@ -27,7 +27,6 @@ import math
 import os
 import sys
 import time
-import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -41,18 +40,8 @@ MAX_OUTPUT_TOKENS = 4
 #: the issue's bar: the prediction error after this many prefills
 AFTER_PREFILLS = 200
 TARGET_ERROR = 0.10
-
-
-def post(url: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return json.loads(r.read())
+#: one completion of the longest prompt, on a loaded host, with room to spare
+COMPLETION_TIMEOUT_S = 120.0
 
 
 def prompts(n: int, low: int, high: int, seed: int) -> list[list[int]]:
@@ -75,16 +64,18 @@ def run(args: argparse.Namespace, calibrate: bool, asks: list[list[int]]) -> dic
         scales: list[float] = []
         started = time.perf_counter()
         for i, ids in enumerate(asks, 1):
-            post(f"{gw.url}/v1/completions",
-                 {"model": MODEL, "prompt": ids, "max_tokens": MAX_OUTPUT_TOKENS})
+            status, _headers, answer = gw.post(
+                "/v1/completions",
+                {"model": MODEL, "prompt": ids, "max_tokens": MAX_OUTPUT_TOKENS},
+                timeout=COMPLETION_TIMEOUT_S)
+            if status != 200:
+                raise RuntimeError(f"request {i} answered HTTP {status}: {answer}")
             if i % args.window == 0:
-                state = get(f"{gw.url}/conductor/state?model={MODEL}")["models"][0]
-                scales.append(float(state["calibration"]["prefill_scale"]))
+                scales.append(float(gw.state(MODEL)["calibration"]["prefill_scale"]))
                 print(f"  calibration {'on' if calibrate else 'off'}: {i}/{len(asks)} "
                       f"requests, prefill scale {scales[-1]:.3f}", file=sys.stderr, flush=True)
         wall = time.perf_counter() - started
-        records = get(f"{gw.url}/conductor/decisions?model={MODEL}"
-                      f"&limit={len(asks) + 10}")
+        records = gw.get(f"/conductor/decisions?model={MODEL}&limit={len(asks) + 10}")
     pairs = [(a["answered_s"], a["predicted_s"]) for r in records
              for a in r["attempts"] if a.get("status") == 200 and "answered_s" in a]
     ratios = [ans / pred for ans, pred in pairs if pred > 0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -24,6 +25,24 @@ STATE = {"models": [{"policy": "stub", "counters": {"id": "x", "since": 0.0},
 
 async def _conductor_state(_r: web.Request) -> web.Response:
     return web.json_response(STATE)
+
+
+def _replay_three(completions: Callable[[web.Request], Awaitable[web.StreamResponse]],
+                  **cfg: Any) -> dict[str, Any]:
+    """Three requests 0.1 s apart (each prompt one block of its own) replayed against
+    a stub gateway answering completions with ``completions``; every outcome kept."""
+    records = [TraceRecord(timestamp_ms=i * 100.0, input_length=32, output_length=4,
+                           hash_ids=(i + 1,)) for i in range(3)]
+
+    async def main() -> dict[str, Any]:
+        app = web.Application()
+        app.router.add_get("/conductor/state", _conductor_state)
+        app.router.add_post("/v1/completions", completions)
+        async with serving(app) as url:
+            return await replay(records, ReplayConfig(
+                url=url, model="m", speed=1.0, keep_outcomes=True, **cfg))
+
+    return asyncio.run(main())
 
 
 def test_replay_keeps_each_requests_outcome_and_times() -> None:
@@ -49,19 +68,8 @@ def test_replay_keeps_each_requests_outcome_and_times() -> None:
         return resp
 
     seen: dict[int, int] = {}
-    records = [TraceRecord(timestamp_ms=i * 100.0, input_length=32, output_length=4,
-                           hash_ids=(i + 1,)) for i in range(3)]
     starts: list[float] = []
-
-    async def main() -> dict[str, Any]:
-        app = web.Application()
-        app.router.add_get("/conductor/state", _conductor_state)
-        app.router.add_post("/v1/completions", completions)
-        async with serving(app) as url:
-            return await replay(records, ReplayConfig(
-                url=url, model="m", speed=1.0, keep_outcomes=True, on_start=starts.append))
-
-    res = asyncio.run(main())
+    res = _replay_three(completions, on_start=starts.append)
     assert len(starts) == 1
     outs = res["outcomes"]
     assert [o["status"] for o in outs] == ["ok", "rejected", "failed"]
@@ -102,19 +110,7 @@ def test_replay_sends_again_only_what_got_no_answer() -> None:
         return resp
 
     order: dict[int, int] = {}
-    records = [TraceRecord(timestamp_ms=i * 100.0, input_length=32, output_length=4,
-                           hash_ids=(i + 1,)) for i in range(3)]
-
-    async def main() -> dict[str, Any]:
-        app = web.Application()
-        app.router.add_get("/conductor/state", _conductor_state)
-        app.router.add_post("/v1/completions", completions)
-        async with serving(app) as url:
-            return await replay(records, ReplayConfig(
-                url=url, model="m", speed=1.0, keep_outcomes=True, retries=2,
-                retry_delay_s=0.05))
-
-    res = asyncio.run(main())
+    res = _replay_three(completions, retries=2, retry_delay_s=0.05)
     outs = res["outcomes"]
     assert [o["status"] for o in outs] == ["ok", "failed", "failed"]
     assert [o["retries"] for o in outs] == [2, 0, 2]

@@ -49,7 +49,7 @@ class KVEventPublisher:
         #: fault injection (SIGUSR2): every other batch is sent after the one that follows
         #: it (or after ``reorder_hold_s``), as a network that delivers out of order;
         #: the replay buffer keeps the true order
-        self.reordered = 0
+        self.reordered = 0  # batches held back (sent after the next, or alone when none came)
         self.reorder_hold_s = reorder_hold_s
         self._reordering = False
         self._held: tuple[int, bytes] | None = None
