@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .blockkeys import block_keys_array
+from .blockkeys import COMPILED_MIN_TOKENS, block_keys_array
 from .kernels import (
     COST_FIELDS,
     DECODE_FIELDS,
@@ -25,10 +25,16 @@ from .kernels import (
 from .keytable import KeyMaskTable
 
 
+def warm_block_keys() -> None:
+    """Compile (or load) the block-key loop alone: what a worker, which keys prompts but
+    keeps no index, needs before its first long prompt."""
+    block_keys_array(np.arange(COMPILED_MIN_TOKENS, dtype=np.int64), 16, 1)
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) every kernel now, so that the first large
     index or long prompt of a server does not pay for it mid-request."""
-    block_keys_array(np.arange(1 << 12, dtype=np.int64), 16, 1)
+    warm_block_keys()
     table = KeyMaskTable()
     keys = np.arange(1, 1 << 7, dtype=np.uint64)
     table.assign(keys, np.ones((len(keys), 1), dtype=np.uint64))

@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="relay mode: the engine it fronts (how warm-ups are sent)")
     p.add_argument("--agent-rewarm", dest="agent_rewarm_s", type=float,
                    default=d["agent_rewarm_s"].default)
+    p.add_argument("--no-warm-kernels", dest="warm_kernels", action="store_const",
+                   const=False, default=None,
+                   help="skip compiling the block-key loop before serving")
     p.add_argument("--log-level", default="WARNING")
 
 

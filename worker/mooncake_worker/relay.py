@@ -231,6 +231,10 @@ class EngineRelay:
         return app
 
     async def _on_startup(self, _app: web.Application) -> None:
+        if self.settings.warm_kernels:
+            from mooncake_conductor.warmup import warm_block_keys
+
+            warm_block_keys()  # the pod agent keys warm-up prompts
         self._session = aiohttp.ClientSession(
             auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None, connect=10)
         )

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from mooncake_conductor.warmup import warm_block_keys
 from mooncake_contract.kvevents.codec import KVEvent
 from mooncake_contract.tokenizer import VOCAB_SIZE, Tokenizer, chat_messages_problem
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -113,6 +114,8 @@ class Worker:
         return app
 
     async def _on_startup(self, _app: web.Application) -> None:
+        if self.settings.warm_kernels:
+            warm_block_keys()  # before serving: nothing waits on the loop yet
         if self.store is not None:
             await self.store.connect()
         if self.publisher is not None:

@@ -55,6 +55,9 @@ class WorkerSettings(BaseModel):
         0, ge=0, description="prefill tokens per engine step at most (0: whole prompt at once)"
     )
     cost: CostModelConfig = CostModelConfig()
+    warm_kernels: bool = Field(
+        True, description="compile (or load from numba's cache) the block-key loop before "
+        "serving, so the first long prompt does not wait for it (~0.4 s once cached)")
     prefill_noise: float = Field(
         0.0, ge=0, le=2, description="sigma of a per-request log-normal factor on prefill "
         "time (median 1): real prefills stray from any cost model (kernels, interference, "
