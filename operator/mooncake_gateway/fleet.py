@@ -35,7 +35,8 @@ class Fleet:
         self.metrics = metrics
         self.calls = calls
         self.models: dict[str, ModelRuntime] = {
-            m.name: ModelRuntime(m, settings, metrics) for m in settings.models
+            m.name: ModelRuntime(m, settings, metrics, on_join=self._joined)
+            for m in settings.models
         }
         self.catalog_watch: ConfigMapWatch | None = None
         if settings.kubernetes_models is not None:
@@ -54,7 +55,6 @@ class Fleet:
         """Start every model's endpoint source, the ConfigMap watch and the rounds
         (``calls`` started first: a joining instance is checked at once)."""
         for rt in self.models.values():
-            rt.on_join = self._on_join(rt)
             await rt.start()
         if self.catalog_watch is not None:
             await self.catalog_watch.start(self._on_documents)
@@ -150,8 +150,7 @@ class Fleet:
                            cat: Catalog) -> ModelRuntime | None:
         """A runtime for ``cfg`` with its endpoint source started (``None``, and the
         ConfigMap reported invalid, when the source cannot start)."""
-        rt = ModelRuntime(cfg, self.settings, self.metrics, source)
-        rt.on_join = self._on_join(rt)
+        rt = ModelRuntime(cfg, self.settings, self.metrics, source, on_join=self._joined)
         try:
             await rt.start()
         except Exception as exc:
@@ -162,15 +161,13 @@ class Fleet:
             return None
         return rt
 
-    def _on_join(self, rt: ModelRuntime) -> Callable[[Instance], None]:
-        """Check a joining instance's health at once (it registers after one pass)."""
-        def join(inst: Instance) -> None:
-            if self.calls.session is None:
-                return  # not started: the health loop's first round checks it
-            task = asyncio.get_running_loop().create_task(self._check(rt, inst))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-        return join
+    def _joined(self, rt: ModelRuntime, inst: Instance) -> None:
+        """Check an instance that joined ``rt`` at once (it registers after one pass)."""
+        if self.calls.session is None:
+            return  # not started: the health loop's first round checks it
+        task = asyncio.get_running_loop().create_task(self._check(rt, inst))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # -- background: health and engine metrics ---------------------------------------------
     def _by_engine(self, healthy_only: bool = False) -> dict[str, list[Member]]:

@@ -44,7 +44,8 @@ def _engine(ep: Endpoint) -> tuple[str, str | None, str | None, str, str]:
 class Membership:
     def __init__(self, live: LiveConfig, gw: GatewaySettings, metrics: GatewayMetrics,
                  m: ModelMetrics, cluster: ClusterState, feeder: IndexFeeder,
-                 decode_feeder: IndexFeeder) -> None:
+                 decode_feeder: IndexFeeder,
+                 on_join: Callable[[Instance], None] | None = None) -> None:
         self.live = live
         self.gw = gw
         self.metrics = metrics
@@ -55,7 +56,7 @@ class Membership:
         # decode engines' caches (what a request sent straight to decode would reuse)
         self.decode_feeder = decode_feeder
         #: called when an instance joins (the gateway checks its health at once)
-        self.on_join: Callable[[Instance], None] | None = None
+        self.on_join = on_join
         self.endpoints: EndpointSource | None = None
         self._groups: dict[str, int] = {}  # engine revision -> the core's group id
         self._reported: set[Role] = set()  # roles whose endpoint list has come

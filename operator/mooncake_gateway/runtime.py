@@ -21,6 +21,7 @@ KV capacity, prefix-cache hits).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +51,10 @@ from .slo import SloCounter
 
 class ModelRuntime:
     def __init__(self, cfg: ModelSettings, gw: GatewaySettings, metrics: GatewayMetrics,
-                 source: str | None = None) -> None:
+                 source: str | None = None,
+                 on_join: Callable[[ModelRuntime, Instance], None] | None = None) -> None:
+        """``on_join``: called with this runtime and each instance that joins (the
+        gateway checks its health at once)."""
         self.gw = gw
         self.metrics = metrics
         self.counters = TokenCounters()
@@ -68,7 +72,8 @@ class ModelRuntime:
         self.members = Membership(
             self.live, gw, metrics, self.m, self.cluster,
             IndexFeeder(self.index, cfg.block_size, self.seed),
-            IndexFeeder(self.decode_index, cfg.block_size, self.seed))
+            IndexFeeder(self.decode_index, cfg.block_size, self.seed),
+            None if on_join is None else functools.partial(on_join, self))
         self.decisions: deque[dict[str, Any]] = deque(maxlen=gw.decisions_kept)
         self._rid = 0
         #: the other gateway replicas' in-flight load on these engines (peers.py)
@@ -149,15 +154,6 @@ class ModelRuntime:
     @property
     def decode(self) -> list[Instance]:
         return self.members.decode
-
-    @property
-    def on_join(self) -> Callable[[Instance], None] | None:
-        """Called when an instance joins (the gateway checks its health at once)."""
-        return self.members.on_join
-
-    @on_join.setter
-    def on_join(self, on_join: Callable[[Instance], None] | None) -> None:
-        self.members.on_join = on_join
 
     def instances(self, role: Role) -> list[Instance]:
         return self.members.instances(role)

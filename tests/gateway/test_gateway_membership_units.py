@@ -9,6 +9,7 @@ import asyncio
 import datetime as dt
 import random
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -32,6 +33,7 @@ from mooncake_gateway.catalog import (
 )
 from mooncake_gateway.discovery import pod_endpoint
 from mooncake_gateway.hottokens import HotPrefixTokens
+from mooncake_gateway.instances import Instance
 from mooncake_gateway.metrics import GatewayMetrics
 from mooncake_gateway.reports import unique_blocks
 from mooncake_gateway.runtime import ModelRuntime
@@ -249,9 +251,10 @@ def test_pod_topology_annotation_becomes_the_endpoints_labels() -> None:
 
 
 # -- registration and pairing -----------------------------------------------------------------
-def _runtime(**gw: Any) -> ModelRuntime:
+def _runtime(on_join: Callable[[ModelRuntime, Instance], None] | None = None,
+             **gw: Any) -> ModelRuntime:
     s = GatewaySettings(**gw)
-    return ModelRuntime(ModelSettings(name="m"), s, GatewayMetrics())
+    return ModelRuntime(ModelSettings(name="m"), s, GatewayMetrics(), on_join=on_join)
 
 
 def _ep(port: int, revision: str = "", draining: bool = False, **kw: Any) -> Endpoint:
@@ -259,9 +262,8 @@ def _ep(port: int, revision: str = "", draining: bool = False, **kw: Any) -> End
 
 
 def test_an_instance_is_routable_once_registered_and_not_while_draining() -> None:
-    rt = _runtime(unhealthy_after=2)
     joined: list[str] = []
-    rt.on_join = lambda inst: joined.append(inst.name)
+    rt = _runtime(on_join=lambda rt, inst: joined.append(inst.name), unhealthy_after=2)
     rt.set_endpoints(Role.PREFILL, [_ep(1)])
     rt.set_endpoints(Role.DECODE, [_ep(2)])
     p, d = rt.prefill[0], rt.decode[0]
