@@ -18,7 +18,9 @@ from mooncake_conductor.policies.registry import policy_class, policy_names
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGES = ("architecture.md", "policies.md", "troubleshooting.md", "real-cluster.md",
-         "reference.md")
+         "reference.md", "status.md")
+#: pages outside docs/ or below it, each read relative to its own folder
+INDEXES = (ROOT / "README.md", DOCS / "results" / "README.md")
 #: pages written on other branches (the Helm chart's): links to them may wait
 PENDING = {"helm.md"}
 
@@ -166,3 +168,18 @@ def test_relative_links_resolve(page: str) -> None:
         if "://" in target or target in PENDING:
             continue
         assert (DOCS / target).exists(), f"{page} links to {target}"
+
+
+@pytest.mark.parametrize("page", INDEXES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_index_links_resolve(page: Path) -> None:
+    """The README and the results index link to pages that exist (one broken link
+    planted in a copy is found, so the pattern reads these tables)."""
+    text = page.read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert len(targets) >= 5
+    for target in targets:
+        if "://" in target:
+            continue
+        assert (page.parent / target).exists(), f"{page.name} links to {target}"
+    planted = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text + "\n[gone](no-such-page.md)")
+    assert not all((page.parent / t).exists() for t in planted if "://" not in t)
