@@ -22,9 +22,7 @@ prefill scale at the window's end (``/conductor/state``).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 from contextlib import ExitStack
@@ -34,6 +32,7 @@ from typing import Any
 import numpy as np
 from mooncake_contract.tokenizer import VOCAB_SIZE
 from mooncake_testbed.procs import MODEL, model_config, run_gateway, run_worker
+from mooncake_testbed.report import envelope, publish
 
 FIRST_ID = 256  # token ids below are the tokenizer's specials
 MAX_OUTPUT_TOKENS = 4
@@ -79,7 +78,7 @@ def run(args: argparse.Namespace, calibrate: bool, asks: list[list[int]]) -> dic
     pairs = [(a["answered_s"], a["predicted_s"]) for r in records
              for a in r["attempts"] if a.get("status") == 200 and "answered_s" in a]
     ratios = [ans / pred for ans, pred in pairs if pred > 0]
-    windows = []
+    windows: list[dict[str, float]] = []
     for k in range(0, len(ratios), args.window):
         part = ratios[k:k + args.window]
         windows.append({
@@ -181,19 +180,11 @@ def main() -> int:
     asks = prompts(args.requests, args.min_tokens, args.max_tokens, args.seed)
     started = time.time()
     runs = [run(args, mode == "on", asks) for mode in modes]
-    doc = {"command": "python benchmarks/gateway_calibration.py " + " ".join(sys.argv[1:]),
-           "started": started, "wall_s": time.time() - started,
-           "load_end": os.getloadavg()[0],
-           "settings": {k: getattr(args, k) for k in ("slower", "requests", "time_scale",
-                                                       "min_tokens", "max_tokens", "window",
-                                                       "seed")},
-           "runs": runs}
-    page = markdown(doc)
-    print(page)
-    if args.json_out:
-        args.json_out.write_text(json.dumps(doc, indent=2) + "\n")
-    if args.markdown:
-        args.markdown.write_text(page)
+    doc = envelope("gateway_calibration.py", started,
+                   {k: getattr(args, k) for k in ("slower", "requests", "time_scale",
+                                                  "min_tokens", "max_tokens", "window", "seed")},
+                   runs=runs)
+    publish(doc, markdown(doc), args.json_out, args.markdown, indent=2)
     return 0
 
 

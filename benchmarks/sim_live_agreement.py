@@ -38,9 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -67,6 +65,7 @@ from mooncake_testbed.procs import (
     run_master,
     run_worker,
 )
+from mooncake_testbed.report import envelope, publish
 
 #: the issue's bar on every policy's mean TTFT, simulated against live
 TARGET = 0.10
@@ -302,19 +301,11 @@ def main() -> int:
     recs = trace_slice(a.requests, a.max_output, a.spread)
     started = time.time()
     result = measure(a, recs)
-    doc = {"command": "python benchmarks/sim_live_agreement.py " + " ".join(sys.argv[1:]),
-           "started": started, "wall_s": time.time() - started,
-           "load_end": os.getloadavg()[0],
-           "settings": {k: getattr(a, k) for k in ("requests", "instances", "speed",
-                                                    "time_scale", "max_output", "repeats",
-                                                    "spread", "policies")},
-           "result": result}
-    page = markdown(doc)
-    print(page)
-    if a.json_out:
-        a.json_out.write_text(json.dumps(doc, indent=1) + "\n")
-    if a.markdown:
-        a.markdown.write_text(page)
+    doc = envelope("sim_live_agreement.py", started,
+                   {k: getattr(a, k) for k in ("requests", "instances", "speed", "time_scale",
+                                               "max_output", "repeats", "spread", "policies")},
+                   result=result)
+    publish(doc, markdown(doc), a.json_out, a.markdown)
     return 0
 
 
