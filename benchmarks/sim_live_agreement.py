@@ -223,7 +223,8 @@ def verdict(rows: dict[str, Any], key: str) -> tuple[bool, bool, str]:
     return within, live == sim, worst
 
 
-def markdown(doc: dict[str, Any]) -> str:
+def markdown(doc: dict[str, Any], json_name: str | None = None) -> str:
+    """The page; ``json_name``: the raw runs' file beside it, linked when given."""
     s, rows = doc["settings"], doc["result"]["rows"]
     lines = [
         "# Simulator and live system, side by side",
@@ -231,8 +232,8 @@ def markdown(doc: dict[str, Any]) -> str:
         f"`{doc['command']}` — {doc['wall_s'] / 60:.1f} min on "
         f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(doc['started']))} UTC, load average "
         f"{doc['load_end']:.1f} at the end. Source: `benchmarks/sim_live_agreement.py` "
-        "(its docstring has the method); raw runs: "
-        "[sim-live-agreement.json](sim-live-agreement.json).",
+        "(its docstring has the method)"
+        + (f"; raw runs: [{json_name}]({json_name})." if json_name else "."),
         "",
         f"The first {s['requests']} requests of the conversation trace (output capped at "
         f"{s['max_output']} tokens, arrivals spread within the trace's 3 s step), "
@@ -305,7 +306,8 @@ def main() -> int:
                    {k: getattr(a, k) for k in ("requests", "instances", "speed", "time_scale",
                                                "max_output", "repeats", "spread", "policies")},
                    result=result)
-    publish(doc, markdown(doc), a.json_out, a.markdown)
+    publish(doc, markdown(doc, a.json_out.name if a.json_out else None), a.json_out,
+            a.markdown)
     return 0
 
 
