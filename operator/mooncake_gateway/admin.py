@@ -38,21 +38,22 @@ class AdminApi:
         return [models[name]]
 
     async def conductor_state(self, request: web.Request) -> web.Response:
-        return web.json_response({"models": [rt.state() for rt in self._model_param(request)]})
+        models = self._model_param(request)
+        return web.json_response({"models": [rt.reports.state() for rt in models]})
 
     async def hot_prefixes(self, request: web.Request) -> web.Response:
         limit = _int_query(request, "limit", self.settings.hot_prefixes_max)
         with_tokens = _bool_query(request, "tokens")
         out: list[dict[str, Any]] = []
         for rt in self._model_param(request):
-            out.extend(rt.hot_prefixes(limit, with_tokens))
+            out.extend(rt.reports.hot_prefixes(limit, with_tokens))
         out.sort(key=lambda h: -float(h["rate_per_s"]))
         return web.json_response(out[:limit])
 
     async def registry(self, request: web.Request) -> web.Response:
         chunk = self.settings.registry_chunk_keys
         return web.json_response(
-            {"models": [await rt.registry(chunk) for rt in self._model_param(request)]})
+            {"models": [await rt.reports.registry(chunk) for rt in self._model_param(request)]})
 
     async def model_catalog(self, _r: web.Request) -> web.Response:
         km = self.settings.kubernetes_models

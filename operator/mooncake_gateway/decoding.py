@@ -60,7 +60,7 @@ class DecodeRunner:
             inst = rt.decode[iid]
             tried.add(iid)
             record["decode"] = inst.name
-            rt.decode_started(inst, req)
+            rt.load.decode_started(inst, req)
             try:
                 resp: Answer
                 if p.stream:
@@ -80,9 +80,9 @@ class DecodeRunner:
                 last = f"{inst.name}: {exc}"
                 record["attempts"].append({"decode": inst.name, "error": str(exc)})
                 if not str(exc).startswith("HTTP"):
-                    rt.mark_health(inst, False)
+                    rt.members.mark_health(inst, False)
             finally:
-                rt.decode_done(inst, req)
+                rt.load.decode_done(inst, req)
         raise ApiError(502, f"decode failed ({last})", code="upstream_failed")
 
     def _replace_decode(self, rt: ModelRuntime, excluded: set[int],
@@ -164,13 +164,13 @@ class DecodeRunner:
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     await resp.write(b"data: " + json.dumps(err).encode() + b"\n\n")
                     await resp.write_eof()
-                rt.mark_health(inst, False)
+                rt.members.mark_health(inst, False)
                 rt.slo.missed()
                 return resp
             await resp.write_eof()
             if first is not None:
                 rt.slo.served(first - arrived, intervals)
-                rt.decode_observed(predicted_tbt_s, intervals)
+                rt.load.decode_observed(predicted_tbt_s, intervals)
             return resp
 
 

@@ -227,7 +227,7 @@ class Dispatcher:
             if until is None:
                 break
             held = True
-            if not await rt.wait_decode_room((until - now) * rt.time_scale):
+            if not await rt.load.wait_decode_room((until - now) * rt.time_scale):
                 break  # the deadline passed: the refusal stands
             decision, record = self._decide(rt, req, tokens, explain, time.perf_counter(),
                                             rt.now())
@@ -241,7 +241,7 @@ class Dispatcher:
         """The Conductor's decision for ``req`` at ``now`` (default: its arrival)."""
         if now is None:
             now = req.arrival
-        rt.drain(now)
+        rt.queues.drain(now)
         hot = rt.hot_tokens
         hot.prompt = tokens  # a prefix that gets hot by this request keeps its tokens
         try:

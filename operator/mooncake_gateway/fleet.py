@@ -123,7 +123,7 @@ class Fleet:
             if new is None:
                 del self.models[name]
             else:
-                await new.wait_settled(self.settings.model_swap_timeout_s)
+                await new.members.wait_settled(self.settings.model_swap_timeout_s)
                 self.models[name] = new
             await rt.close(keep=new)
         for name, (source, cfg) in cat.served.items():
@@ -176,7 +176,7 @@ class Fleet:
         out: dict[str, list[Member]] = {}
         for rt in self.models.values():
             for role in Role:
-                for inst in rt.instances(role):
+                for inst in rt.members.instances(role):
                     if inst.listed and (inst.healthy or not healthy_only):
                         out.setdefault(inst.endpoint.url, []).append((rt, inst))
         return out
@@ -190,10 +190,10 @@ class Fleet:
     async def _check_all(self, url: str, insts: list[Member]) -> None:
         ok = await self.calls.healthy(url)
         for rt, inst in insts:
-            rt.mark_health(inst, ok)
+            rt.members.mark_health(inst, ok)
 
     async def _check(self, rt: ModelRuntime, inst: Instance) -> None:
-        rt.mark_health(inst, await self.calls.healthy(inst.endpoint.url))
+        rt.members.mark_health(inst, await self.calls.healthy(inst.endpoint.url))
 
     async def _scrape_loop(self) -> None:
         while True:
@@ -208,4 +208,4 @@ class Fleet:
             return
         stats = parse_engine_metrics(text)
         for rt, inst in insts:
-            rt.apply_stats(inst, stats)
+            rt.load.apply_stats(inst, stats)

@@ -68,7 +68,7 @@ class PeerSync:
     # -- the route the peers call ------------------------------------------------------------
     async def load(self, _r: web.Request) -> web.Response:
         """``/conductor/load``: this replica's own in-flight load, per model."""
-        return web.json_response({"models": {name: rt.load_report().to_json()
+        return web.json_response({"models": {name: rt.load.load_report().to_json()
                                              for name, rt in self._runtimes().items()}})
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -106,7 +106,7 @@ class PeerSync:
         for gone in set(self.peers) - set(urls):
             log.info("gateway peer %s is gone", gone)
             for rt in self._runtimes().values():
-                rt.peer_gone(gone)
+                rt.load.peer_gone(gone)
         for new in set(urls) - set(self.peers):
             log.info("gateway peer %s at %s", new, urls[new])
         self.peers = urls
@@ -138,7 +138,7 @@ class PeerSync:
                 except ValueError as exc:
                     self._failed(peer, f"bad report for model {name}: {exc}")
         for rt in runtimes.values():
-            rt.apply_peers()
+            rt.load.apply_peers()
 
     async def _ask(self, peer: str, url: str) -> dict[str, Any] | None:
         assert self._session is not None

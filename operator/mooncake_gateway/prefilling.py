@@ -81,12 +81,13 @@ class PrefillRunner:
             prio = pl.priority if pl.priority is not None else req.arrival
             # only the decision's own placement is in the policy's books, so only it can
             # move (a retry's stays where it is sent)
-            rt.prefill_started(inst, req, pl.prefill_s + pl.transfer_s, prio,
+            rt.queues.prefill_started(inst, req, pl.prefill_s + pl.transfer_s, prio,
                                pl if attempt == 0 else None)
             started = time.perf_counter()
             status = 0
             try:
-                queued = await rt.prefill_turn(req)  # late binding: its turn, maybe elsewhere
+                # late binding: its turn, maybe elsewhere
+                queued = await rt.queues.prefill_turn(req)
                 if queued.iid != inst.iid and queued.placement is not None:
                     record["attempts"].append({"prefill": inst.name, "stolen_by":
                                                rt.prefill[queued.iid].name})
@@ -101,12 +102,12 @@ class PrefillRunner:
             except UpstreamError as exc:
                 last = f"{inst.name}: {exc}"
                 record["attempts"].append({"prefill": inst.name, "error": str(exc)})
-                rt.mark_health(inst, False)
+                rt.members.mark_health(inst, False)
                 continue
             finally:
                 ok = status == 200
                 answered_s = (time.perf_counter() - started) / rt.time_scale
-                rt.prefill_done(inst, req, answered_s, pl.ttft_s if ok else None)
+                rt.queues.prefill_done(inst, req, answered_s, pl.ttft_s if ok else None)
             # modelled seconds from placement to answer, and what the placement predicted
             # for it: the pair the calibration learns from
             record["attempts"].append({"prefill": inst.name, "status": status,

@@ -32,20 +32,19 @@ from mooncake_conductor.blockkeys import namespace_seed
 from mooncake_conductor.cost import CostModel
 from mooncake_conductor.engine import Conductor
 from mooncake_conductor.index import PrefixIndex
-from mooncake_conductor.peerload import LoadReport, PeerLoads
-from mooncake_conductor.policies.base import Placement
+from mooncake_conductor.peerload import PeerLoads
 from mooncake_conductor.state import ClusterState, RequestInfo
 
 from .engineload import EngineLoad
 from .hottokens import HotPrefixTokens
-from .instances import EngineStats, Instance
+from .instances import Instance
 from .kvindex import IndexFeeder
 from .liveconfig import LiveConfig
 from .membership import Membership
 from .metrics import GatewayMetrics, ModelMetrics
-from .prefillqueues import PrefillQueues, QueuedPrefill
+from .prefillqueues import PrefillQueues
 from .reports import Reports, TokenCounters
-from .settings import Endpoint, GatewaySettings, ModelSettings, Role
+from .settings import GatewaySettings, ModelSettings, Role
 from .slo import SloCounter
 
 
@@ -155,18 +154,6 @@ class ModelRuntime:
     def decode(self) -> list[Instance]:
         return self.members.decode
 
-    def instances(self, role: Role) -> list[Instance]:
-        return self.members.instances(role)
-
-    def set_endpoints(self, role: Role, endpoints: list[Endpoint]) -> None:
-        self.members.set_endpoints(role, endpoints)
-
-    def mark_health(self, inst: Instance, ok: bool) -> None:
-        self.members.mark_health(inst, ok)
-
-    async def wait_settled(self, timeout_s: float) -> bool:
-        return await self.members.wait_settled(timeout_s)
-
     async def start(self) -> None:
         await self.members.start()
 
@@ -174,56 +161,3 @@ class ModelRuntime:
         """Stop following the endpoints; ``keep``: the runtime replacing this one
         (:meth:`Membership.close`)."""
         await self.members.close(None if keep is None else keep.members)
-
-    # -- prefill queues (PrefillQueues) ----------------------------------------------------
-    def drain(self, now: float) -> None:
-        self.queues.drain(now)
-
-    def prefill_started(self, inst: Instance, req: RequestInfo, work_s: float,
-                        priority: float, placement: Placement | None = None) -> None:
-        self.queues.prefill_started(inst, req, work_s, priority, placement)
-
-    async def prefill_turn(self, req: RequestInfo) -> QueuedPrefill:
-        return await self.queues.prefill_turn(req)
-
-    def prefill_done(self, inst: Instance, req: RequestInfo, elapsed_s: float,
-                     predicted_s: float | None = None) -> None:
-        self.queues.prefill_done(inst, req, elapsed_s, predicted_s)
-
-    # -- engine load (EngineLoad) ----------------------------------------------------------
-    def apply_stats(self, inst: Instance, stats: EngineStats) -> None:
-        self.load.apply_stats(inst, stats)
-
-    def decode_observed(self, predicted_tbt_s: float, intervals_wall_s: list[float]) -> None:
-        self.load.decode_observed(predicted_tbt_s, intervals_wall_s)
-
-    def decode_started(self, inst: Instance, req: RequestInfo) -> None:
-        self.load.decode_started(inst, req)
-
-    def decode_done(self, inst: Instance, req: RequestInfo) -> None:
-        self.load.decode_done(inst, req)
-
-    async def wait_decode_room(self, timeout_s: float) -> bool:
-        return await self.load.wait_decode_room(timeout_s)
-
-    def load_report(self) -> LoadReport:
-        return self.load.load_report()
-
-    def peer_gone(self, peer: str) -> None:
-        self.load.peer_gone(peer)
-
-    def apply_peers(self) -> None:
-        self.load.apply_peers()
-
-    # -- reports (Reports) -----------------------------------------------------------------
-    def publish_gauges(self) -> None:
-        self.reports.publish_gauges()
-
-    def state(self) -> dict[str, Any]:
-        return self.reports.state()
-
-    def hot_prefixes(self, limit: int, with_tokens: bool = False) -> list[dict[str, Any]]:
-        return self.reports.hot_prefixes(limit, with_tokens)
-
-    async def registry(self, chunk: int) -> dict[str, Any]:
-        return await self.reports.registry(chunk)

@@ -168,7 +168,7 @@ class Gateway:
     async def ready(self, _r: web.Request) -> web.Response:
         missing = [
             f"{name}:{role.value}" for name, rt in self.models.items() for role in Role
-            if not any(i.routable for i in rt.instances(role))
+            if not any(i.routable for i in rt.members.instances(role))
         ]
         if self.fleet.catalog_watch is not None:
             # serving many clusters: ready once the ConfigMaps were listed. A model without
@@ -193,9 +193,9 @@ class Gateway:
         self.metrics.buffered_bytes.set(self.bodies.held)
         for name, rt in self.models.items():
             self.metrics.index_blocks.labels(name).set(len(rt.index))
-            rt.publish_gauges()
+            rt.reports.publish_gauges()
             now = rt.now()
-            rt.drain(now)
+            rt.queues.drain(now)
             for inst in rt.prefill:
                 if not inst.listed:
                     continue  # left: not exported

@@ -20,18 +20,19 @@ def test_a_stream_slower_than_predicted_scales_decode_steps() -> None:
     base = rt.cost.decode_step_time(8, 8 * 2048)
     # 63 wall intervals of 20 ms and 7 of 40 ms: TBT (the longest tenth's mean) 40 ms
     # wall = 80 ms modelled at time scale 0.5, against 40 ms predicted: 2x
-    rt.decode_observed(0.04, [0.02] * 63 + [0.04] * 7)
+    rt.load.decode_observed(0.04, [0.02] * 63 + [0.04] * 7)
     assert rt.cost.decode_scale == pytest.approx(2.0)
     assert rt.cost.decode_step_time(8, 8 * 2048) == pytest.approx(2.0 * base)
-    cal = rt.state()["calibration"]
+    cal = rt.reports.state()["calibration"]
     assert cal["decode_scale"] == pytest.approx(2.0) and cal["observed_decodes"] == 1
 
 
 def test_off_unpredicted_or_empty_streams_change_nothing() -> None:
     off = _runtime(False)
-    off.decode_observed(0.04, [0.2] * 20)
+    off.load.decode_observed(0.04, [0.2] * 20)
     on = _runtime(True)
-    on.decode_observed(0.0, [0.2] * 20)  # another instance than the selector's choice
-    on.decode_observed(0.04, [])
+    on.load.decode_observed(0.0, [0.2] * 20)  # another instance than the selector's choice
+    on.load.decode_observed(0.04, [])
     for rt in (off, on):
-        assert rt.cost.decode_scale == 1.0 and rt.state()["calibration"]["observed_decodes"] == 0
+        assert rt.cost.decode_scale == 1.0
+        assert rt.reports.state()["calibration"]["observed_decodes"] == 0

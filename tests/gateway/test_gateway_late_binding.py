@@ -30,11 +30,11 @@ def _runtime(stealing: bool = True, prefill: int = 2, **gw: Any) -> ModelRuntime
     cfg = ModelSettings(name="m", conductor={"stealing": {"enabled": stealing}})
     rt = ModelRuntime(cfg, GatewaySettings(**{"prefill_dispatch_depth": 1, **gw}),
                       GatewayMetrics())
-    rt.set_endpoints(Role.PREFILL, [Endpoint(url=f"http://{HOST}:{1 + i}")
+    rt.members.set_endpoints(Role.PREFILL, [Endpoint(url=f"http://{HOST}:{1 + i}")
                                     for i in range(prefill)])
-    rt.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
+    rt.members.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
     for inst in [*rt.prefill, *rt.decode]:
-        rt.mark_health(inst, True)
+        rt.members.mark_health(inst, True)
     return rt
 
 
@@ -49,7 +49,7 @@ def _place(rt: ModelRuntime, iid: int, req: RequestInfo, priority: float | None 
     work = rt.cost.prefill_time(req.input_tokens, 0)
     pl = Placement(prefill=iid, prefill_s=work, priority=req.arrival)
     rt.conductor.policy.on_placed(req, pl, rt.cluster)
-    rt.prefill_started(rt.prefill[iid], req, work,
+    rt.queues.prefill_started(rt.prefill[iid], req, work,
                        req.arrival if priority is None else priority, pl)
     return pl
 
@@ -66,8 +66,8 @@ async def _behind_a_busy_instance(
     for iid, r in zip((1, 0, 0), reqs, strict=True):
         _place(rt, iid, r)
     for r in reqs[:2]:
-        await rt.prefill_turn(r)
-    return reqs, asyncio.ensure_future(rt.prefill_turn(reqs[2]))
+        await rt.queues.prefill_turn(r)
+    return reqs, asyncio.ensure_future(rt.queues.prefill_turn(reqs[2]))
 
 
 def test_late_binding_is_off_by_default_and_needs_a_stealing_policy() -> None:
@@ -85,19 +85,19 @@ def test_held_prefills_go_out_one_at_a_time_in_queue_order() -> None:
         _place(rt, 0, r1)
         _place(rt, 0, r2, priority=r1.arrival + 2.0)
         _place(rt, 0, r3, priority=r1.arrival + 1.0)  # ahead of r2 in queue order
-        assert (await rt.prefill_turn(r1)).sent
-        t2 = asyncio.ensure_future(rt.prefill_turn(r2))
-        t3 = asyncio.ensure_future(rt.prefill_turn(r3))
+        assert (await rt.queues.prefill_turn(r1)).sent
+        t2 = asyncio.ensure_future(rt.queues.prefill_turn(r2))
+        t3 = asyncio.ensure_future(rt.queues.prefill_turn(r3))
         await asyncio.sleep(0.05)
         assert not t2.done() and not t3.done()  # the engine has r1
         assert rt.prefill[0].inflight == 3 and _queued(rt) == [[r1.rid, r2.rid, r3.rid]]
-        rt.prefill_done(rt.prefill[0], r1, 1.0, 1.0)
+        rt.queues.prefill_done(rt.prefill[0], r1, 1.0, 1.0)
         await asyncio.wait_for(asyncio.shield(t3), 2)
         await asyncio.sleep(0.05)
         assert not t2.done()  # r3 went first: its priority is earlier
-        rt.prefill_done(rt.prefill[0], r3, 1.0, 1.0)
+        rt.queues.prefill_done(rt.prefill[0], r3, 1.0, 1.0)
         assert (await asyncio.wait_for(t2, 2)).iid == 0
-        rt.prefill_done(rt.prefill[0], r2, 1.0, 1.0)
+        rt.queues.prefill_done(rt.prefill[0], r2, 1.0, 1.0)
         assert rt.prefill[0].inflight == 0 and _queued(rt) == [[]]
         assert rt.cluster.prefill[0].completed == 3
 
@@ -110,18 +110,18 @@ def test_a_prefill_abandoned_while_held_leaves_no_trace_and_lets_the_next_go() -
         r1, r2, r3 = (_request(rt, i) for i in (1, 2, 3))
         for r in (r1, r2, r3):
             _place(rt, 0, r)
-        await rt.prefill_turn(r1)
-        t2 = asyncio.ensure_future(rt.prefill_turn(r2))
-        t3 = asyncio.ensure_future(rt.prefill_turn(r3))
+        await rt.queues.prefill_turn(r1)
+        t2 = asyncio.ensure_future(rt.queues.prefill_turn(r2))
+        t3 = asyncio.ensure_future(rt.queues.prefill_turn(r3))
         await asyncio.sleep(0.05)
         t2.cancel()  # the client went away while r2 waited here
         with pytest.raises(asyncio.CancelledError):
             await t2
-        rt.prefill_done(rt.prefill[0], r2, 0.5)  # the server's finally
+        rt.queues.prefill_done(rt.prefill[0], r2, 0.5)  # the server's finally
         assert _queued(rt) == [[r1.rid, r3.rid]] and rt.prefill[0].inflight == 2
         assert rt.cluster.prefill[0].completed == 0  # never reached the engine
         assert rt.index.match(0, r2.keys, include_pending=True) == 0
-        rt.prefill_done(rt.prefill[0], r1, 1.0, 1.0)
+        rt.queues.prefill_done(rt.prefill[0], r1, 1.0, 1.0)
         assert (await asyncio.wait_for(t3, 2)).sent
 
     asyncio.run(main())
@@ -140,7 +140,7 @@ def test_an_instance_that_goes_idle_takes_a_prefill_held_for_a_busy_one(
         await asyncio.sleep(0.05)
         assert t2.done() != stealing  # held here only with late binding
         assert _queued(rt) == [[r1.rid, r2.rid], [r0.rid]]
-        rt.prefill_done(rt.prefill[1], r0, 0.1, 2.0)  # p1 answers well ahead of time
+        rt.queues.prefill_done(rt.prefill[1], r0, 0.1, 2.0)  # p1 answers well ahead of time
         q = await asyncio.wait_for(t2, 2)
         if stealing:
             assert q.iid == 1 and q.placement is not None and q.placement.prefill == 1
@@ -151,8 +151,8 @@ def test_an_instance_that_goes_idle_takes_a_prefill_held_for_a_busy_one(
             assert rt.queues.steals == 1
         else:
             assert q.iid == 0 and _queued(rt) == [[r1.rid, r2.rid], []] and rt.queues.steals == 0
-        rt.prefill_done(rt.prefill[q.iid], r2, 1.0, 1.0)  # where it ran now
-        rt.prefill_done(rt.prefill[0], r1, 1.0, 1.0)
+        rt.queues.prefill_done(rt.prefill[q.iid], r2, 1.0, 1.0)  # where it ran now
+        rt.queues.prefill_done(rt.prefill[0], r1, 1.0, 1.0)
         assert _queued(rt) == [[], []]
         assert [i.inflight for i in rt.prefill] == [0, 0]
 
@@ -166,11 +166,11 @@ def test_nothing_is_stolen_across_engine_revisions() -> None:
         rt = _runtime()
         rt.cluster.prefill[1].group = 1
         (r0, r1, r2), t2 = await _behind_a_busy_instance(rt)
-        rt.prefill_done(rt.prefill[1], r0, 0.1, 2.0)
+        rt.queues.prefill_done(rt.prefill[1], r0, 0.1, 2.0)
         await asyncio.sleep(0.05)
         assert not t2.done() and rt.queues.steals == 0
         assert _queued(rt) == [[r1.rid, r2.rid], []]
-        rt.prefill_done(rt.prefill[0], r1, 1.0, 1.0)
+        rt.queues.prefill_done(rt.prefill[0], r1, 1.0, 1.0)
         assert (await asyncio.wait_for(t2, 2)).iid == 0
 
     asyncio.run(main())
@@ -184,7 +184,7 @@ def test_depth_zero_sends_at_once_and_a_deeper_one_lets_that_many_go() -> None:
             reqs = [_request(rt, i) for i in (1, 2, 3)]
             for r in reqs:
                 _place(rt, 0, r)
-            tasks = [asyncio.ensure_future(rt.prefill_turn(r)) for r in reqs]
+            tasks = [asyncio.ensure_future(rt.queues.prefill_turn(r)) for r in reqs]
             await asyncio.sleep(0.05)
             assert sum(t.done() for t in tasks) == sent_at_once, depth
             for t in tasks:
@@ -199,11 +199,11 @@ def test_a_held_prefill_for_an_instance_gone_down_is_sent_to_fail_over() -> None
         r1, r2 = _request(rt, 1), _request(rt, 2)
         _place(rt, 0, r1)
         _place(rt, 0, r2)
-        await rt.prefill_turn(r1)
-        t2 = asyncio.ensure_future(rt.prefill_turn(r2))
+        await rt.queues.prefill_turn(r1)
+        t2 = asyncio.ensure_future(rt.queues.prefill_turn(r2))
         await asyncio.sleep(0.05)
         assert not t2.done()
-        rt.mark_health(rt.prefill[0], False)  # no answer will come from it
+        rt.members.mark_health(rt.prefill[0], False)  # no answer will come from it
         assert (await asyncio.wait_for(t2, 3)).iid == 0  # its call fails, then a retry
 
     asyncio.run(main())

@@ -264,34 +264,34 @@ def _ep(port: int, revision: str = "", draining: bool = False, **kw: Any) -> End
 def test_an_instance_is_routable_once_registered_and_not_while_draining() -> None:
     joined: list[str] = []
     rt = _runtime(on_join=lambda rt, inst: joined.append(inst.name), unhealthy_after=2)
-    rt.set_endpoints(Role.PREFILL, [_ep(1)])
-    rt.set_endpoints(Role.DECODE, [_ep(2)])
+    rt.members.set_endpoints(Role.PREFILL, [_ep(1)])
+    rt.members.set_endpoints(Role.DECODE, [_ep(2)])
     p, d = rt.prefill[0], rt.decode[0]
     assert joined == [p.name, d.name]  # checked at once
     assert not p.routable and not rt.cluster.prefill[0].up  # no check passed yet
-    rt.mark_health(p, True)
-    rt.mark_health(d, True)
+    rt.members.mark_health(p, True)
+    rt.members.mark_health(d, True)
     assert p.registered and p.routable and rt.cluster.prefill[0].up
-    rt.set_endpoints(Role.PREFILL, [_ep(1, draining=True)])
+    rt.members.set_endpoints(Role.PREFILL, [_ep(1, draining=True)])
     assert not p.routable and not rt.cluster.prefill[0].up and p.listed and p.registered
     assert joined == [p.name, d.name]  # a drain is not a new engine
     p.inflight = 1
-    rt.set_endpoints(Role.PREFILL, [_ep(1)])
+    rt.members.set_endpoints(Role.PREFILL, [_ep(1)])
     assert p.routable and p.inflight == 1
     for _ in range(2):  # down after unhealthy_after failures; back after a pass
-        rt.mark_health(p, False)
+        rt.members.mark_health(p, False)
     assert not p.routable and not p.registered and p.down
-    rt.mark_health(p, True)
+    rt.members.mark_health(p, True)
     assert p.routable and p.registered
-    rt.set_endpoints(Role.PREFILL, [_ep(1, pod="ns/other")])  # another pod, same IP
+    rt.members.set_endpoints(Role.PREFILL, [_ep(1, pod="ns/other")])  # another pod, same IP
     assert not p.routable and not p.registered and joined[-1] == p.name
-    rt.mark_health(p, True)
+    rt.members.mark_health(p, True)
     assert p.routable
-    rt.set_endpoints(Role.PREFILL, [])  # left; comes back as a new engine
+    rt.members.set_endpoints(Role.PREFILL, [])  # left; comes back as a new engine
     assert not p.listed and not p.routable
-    rt.set_endpoints(Role.PREFILL, [_ep(1)])
+    rt.members.set_endpoints(Role.PREFILL, [_ep(1)])
     assert not p.routable and joined[-1] == p.name
-    rt.mark_health(p, True)
+    rt.members.mark_health(p, True)
     assert p.routable and rt.prefill == [p]  # the same id
 
 
@@ -308,11 +308,11 @@ def test_registration_waits_for_the_kv_replay() -> None:
             rt = _runtime(replay_timeout_s=30)
             ep = _ep(1, kv_events=f"tcp://{HOST}:{free_port()}",
                      kv_replay=f"tcp://{HOST}:{replay_port}")
-            rt.set_endpoints(Role.PREFILL, [ep])
-            rt.set_endpoints(Role.DECODE, [_ep(2)])
+            rt.members.set_endpoints(Role.PREFILL, [ep])
+            rt.members.set_endpoints(Role.DECODE, [_ep(2)])
             p = rt.prefill[0]
-            rt.mark_health(p, True)
-            rt.mark_health(rt.decode[0], True)
+            rt.members.mark_health(p, True)
+            rt.members.mark_health(rt.decode[0], True)
             ident, _empty, _start = await asyncio.wait_for(router.recv_multipart(), 10)
             await asyncio.sleep(0.05)
             assert p.healthy and not p.synced and not p.registered and not p.routable
@@ -331,23 +331,23 @@ def test_registration_waits_for_the_kv_replay() -> None:
 
 def test_prefill_waits_for_a_decode_of_its_revision() -> None:
     rt = _runtime()
-    rt.set_endpoints(Role.PREFILL, [_ep(1, "old"), _ep(2, "new")])
-    rt.set_endpoints(Role.DECODE, [_ep(3, "old")])
+    rt.members.set_endpoints(Role.PREFILL, [_ep(1, "old"), _ep(2, "new")])
+    rt.members.set_endpoints(Role.DECODE, [_ep(3, "old")])
     for inst in rt.prefill + rt.decode:
-        rt.mark_health(inst, True)
+        rt.members.mark_health(inst, True)
     old, new = rt.prefill
     assert old.routable and not new.routable and new.registered
     assert not rt.cluster.grouped()  # what is up is one revision
-    rt.set_endpoints(Role.DECODE, [_ep(3, "old"), _ep(4, "new")])
-    rt.mark_health(rt.decode[1], True)
+    rt.members.set_endpoints(Role.DECODE, [_ep(3, "old"), _ep(4, "new")])
+    rt.members.mark_health(rt.decode[1], True)
     assert new.routable
     states = rt.cluster.prefill + rt.cluster.decode
     assert [s.group for s in states] == [1, 2, 1, 2] and rt.cluster.grouped()
-    rt.set_endpoints(Role.DECODE, [_ep(4, "new")])  # the old decode leaves
+    rt.members.set_endpoints(Role.DECODE, [_ep(4, "new")])  # the old decode leaves
     assert not old.routable and new.routable and not rt.cluster.grouped()
     # one revision left everywhere: no pairing rule, every state back in group 0 (the
     # core's fast path)
-    rt.set_endpoints(Role.PREFILL, [_ep(2, "new")])
+    rt.members.set_endpoints(Role.PREFILL, [_ep(2, "new")])
     assert new.routable and not rt.cluster.grouped()
     assert [s.group for s in states] == [0, 0, 0, 0]
 
@@ -358,9 +358,9 @@ def test_instances_take_their_places_from_the_conductors_topology() -> None:
     rt = ModelRuntime(ModelSettings(name="m", conductor={"topology": {"levels": levels}}), s,
                       GatewayMetrics())
     r1a, r2a = {"rack": "r1", "zone": "a"}, {"rack": "r2", "zone": "a"}
-    rt.set_endpoints(Role.PREFILL, [_ep(1, topology=r1a), _ep(2, topology=r2a),
+    rt.members.set_endpoints(Role.PREFILL, [_ep(1, topology=r1a), _ep(2, topology=r2a),
                                     _ep(3, topology={"rack": "r1"})])  # stale: no zone
-    rt.set_endpoints(Role.DECODE, [_ep(4, topology=r1a)])
+    rt.members.set_endpoints(Role.DECODE, [_ep(4, topology=r1a)])
     p1, p2, p3 = (st.place for st in rt.cluster.prefill)
     d1 = rt.cluster.decode[0].place
     assert p1 and p2 and p1 != p2 and p1 == d1 and p3 == 0

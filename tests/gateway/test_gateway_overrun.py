@@ -22,10 +22,10 @@ TOKENS = 16_384
 def _runtime(**overrun: Any) -> ModelRuntime:
     cfg = ModelSettings(name="m", conductor={"overrun": overrun})
     rt = ModelRuntime(cfg, GatewaySettings(), GatewayMetrics())
-    rt.set_endpoints(Role.PREFILL, [Endpoint(url=f"http://{HOST}:1")])
-    rt.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
+    rt.members.set_endpoints(Role.PREFILL, [Endpoint(url=f"http://{HOST}:1")])
+    rt.members.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
     for inst in [*rt.prefill, *rt.decode]:
-        rt.mark_health(inst, True)
+        rt.members.mark_health(inst, True)
     return rt
 
 
@@ -35,19 +35,19 @@ def _place(rt: ModelRuntime, first: int) -> tuple[Any, float]:
     work = rt.cost.prefill_time(TOKENS, 0)
     pl = Placement(prefill=0, prefill_s=work, priority=req.arrival)
     rt.conductor.policy.on_placed(req, pl, rt.cluster)
-    rt.prefill_started(rt.prefill[0], req, work, req.arrival, pl)
+    rt.queues.prefill_started(rt.prefill[0], req, work, req.arrival, pl)
     return req, work
 
 
 def test_an_unanswered_prefill_past_its_prediction_keeps_expected_work() -> None:
     rt = _runtime(prior_sigma=0.2)
     t0 = rt.now()
-    rt.drain(t0)  # from here on the test's clock drives the queue model
+    rt.queues.drain(t0)  # from here on the test's clock drives the queue model
     _req, work = _place(rt, 1)
     p = rt.cluster.prefill[0]
-    rt.drain(t0 + 0.5 * work)  # half done: half the work left, as before
+    rt.queues.drain(t0 + 0.5 * work)  # half done: half the work left, as before
     assert p.queued_work_s == pytest.approx(0.5 * work, rel=1e-6)
-    rt.drain(t0 + 1.5 * work)  # half again past its prediction, no answer
+    rt.queues.drain(t0 + 1.5 * work)  # half again past its prediction, no answer
     want = expected_residual(work, 1.5 * work, 0.0, 0.2)
     assert p.queued_work_s == pytest.approx(want, rel=1e-3)
     assert 0.0 < p.queued_work_s < 0.5 * work
@@ -56,20 +56,20 @@ def test_an_unanswered_prefill_past_its_prediction_keeps_expected_work() -> None
 def test_without_re_estimation_it_looks_free() -> None:
     rt = _runtime(enabled=False)
     t0 = rt.now()
-    rt.drain(t0)
+    rt.queues.drain(t0)
     _req, work = _place(rt, 1)
-    rt.drain(t0 + 1.5 * work)
+    rt.queues.drain(t0 + 1.5 * work)
     assert rt.cluster.prefill[0].queued_work_s == 0.0
 
 
 def test_the_answer_retires_it_and_feeds_the_measured_error() -> None:
     rt = _runtime(min_samples=1)
     t0 = rt.now()
-    rt.drain(t0)
+    rt.queues.drain(t0)
     req, work = _place(rt, 1)
-    rt.drain(t0 + 1.5 * work)
-    rt.prefill_done(rt.prefill[0], req, 2.0 * work, work)
-    rt.drain(t0 + 2.0 * work)
+    rt.queues.drain(t0 + 1.5 * work)
+    rt.queues.prefill_done(rt.prefill[0], req, 2.0 * work, work)
+    rt.queues.drain(t0 + 2.0 * work)
     assert rt.cluster.prefill[0].queued_work_s == 0.0
     est = rt.conductor.overrun
     assert est is not None and est.samples == 1
@@ -82,10 +82,10 @@ def test_time_past_an_overdue_prefill_still_drains_the_queue_behind() -> None:
     # better (docs/gateway.md)
     rt = _runtime(prior_sigma=0.2)
     t0 = rt.now()
-    rt.drain(t0)
+    rt.queues.drain(t0)
     _place(rt, 1)
     _, work = _place(rt, 2)
-    rt.drain(t0 + 1.5 * work)
+    rt.queues.drain(t0 + 1.5 * work)
     residual = expected_residual(work, 1.5 * work, 0.0, 0.2)
     assert rt.cluster.prefill[0].queued_work_s == pytest.approx(residual + 0.5 * work,
                                                                 rel=1e-3)
@@ -98,25 +98,25 @@ def test_an_answer_reaches_the_cores_one_observation_path() -> None:
     cfg = ModelSettings(name="m", conductor={
         "overrun": {"min_samples": 1}, "admission_rule": {"ttft_miss_risk": 0.01}})
     rt = ModelRuntime(cfg, GatewaySettings(), GatewayMetrics())
-    rt.set_endpoints(Role.PREFILL, [Endpoint(url=f"http://{HOST}:1")])
-    rt.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
+    rt.members.set_endpoints(Role.PREFILL, [Endpoint(url=f"http://{HOST}:1")])
+    rt.members.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
     for inst in [*rt.prefill, *rt.decode]:
-        rt.mark_health(inst, True)
-    assert rt.state()["admission"] == {"on": True, "rule": "prediction",
+        rt.members.mark_health(inst, True)
+    assert rt.reports.state()["admission"] == {"on": True, "rule": "prediction",
                                        "ttft_miss_risk": 0.01}
     before = rt.cost.prefill_time(TOKENS, 0)
     margin = rt.conductor.admission_rule.error  # type: ignore[attr-defined]
     assert margin is not None and margin.samples == 0
     for i in range(3):
         req, work = _place(rt, i + 1)
-        rt.prefill_done(rt.prefill[0], req, 2.0 * work, work)
+        rt.queues.prefill_done(rt.prefill[0], req, 2.0 * work, work)
         assert margin.samples == i + 1
     est = rt.conductor.overrun
     assert est is not None and est.samples == 3
     assert est.mu == pytest.approx(np.log(2.0))
     # three steps of the calibration rate towards 2x
     rate = rt.conductor.config.calibration.rate
-    cal = rt.state()["calibration"]
+    cal = rt.reports.state()["calibration"]
     assert (cal["prefill_scale"], cal["observed_prefills"]) == (
         pytest.approx(2.0 ** (3 * rate)), 3)
     assert rt.cost.prefill_time(TOKENS, 0) > before
@@ -127,7 +127,7 @@ def test_queued_work_drains_a_modelled_second_per_second() -> None:
     whatever the engines' speed: the calibration, not the drain, absorbs a slow engine."""
     rt = _runtime(enabled=False)
     t0 = rt.now()
-    rt.drain(t0)
+    rt.queues.drain(t0)
     _req, work = _place(rt, 1)
-    rt.drain(t0 + 0.25 * work)
+    rt.queues.drain(t0 + 0.25 * work)
     assert rt.cluster.prefill[0].queued_work_s == pytest.approx(0.75 * work, rel=1e-6)
