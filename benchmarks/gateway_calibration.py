@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from mooncake_contract.tokenizer import VOCAB_SIZE
 from mooncake_testbed.procs import MODEL, model_config, run_gateway, run_worker
-from mooncake_testbed.report import envelope, publish
+from mooncake_testbed.report import envelope, provenance, publish
 
 FIRST_ID = 256  # token ids below are the tokenizer's specials
 MAX_OUTPUT_TOKENS = 4
@@ -109,9 +109,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         "# Online calibration, live",
         "",
-        f"`{doc['command']}` — {doc['wall_s'] / 60:.1f} min on "
-        f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(doc['started']))} UTC, "
-        f"load average {doc['load_end']:.1f} at the end.",
+        provenance(doc),
         "",
         f"One prefill and one decode simulated worker {s['slower']:g}× slower than the "
         f"gateway's cost model (workers at time scale {s['time_scale'] * s['slower']:g}, "

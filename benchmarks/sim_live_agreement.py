@@ -65,7 +65,7 @@ from mooncake_testbed.procs import (
     run_master,
     run_worker,
 )
-from mooncake_testbed.report import envelope, publish
+from mooncake_testbed.report import envelope, provenance, publish
 
 #: the issue's bar on every policy's mean TTFT, simulated against live
 TARGET = 0.10
@@ -83,8 +83,9 @@ def trace_slice(n: int, max_output: int, spread: bool) -> list[TraceRecord]:
 
 def live_run(policy: str, recs: list[TraceRecord], a: argparse.Namespace,
              prefill: list[Any], decode: list[Any]) -> dict[str, Any]:
-    """One replay through a fresh gateway with ``policy``; its summary, its per-request
-    outcomes and decision records, and the calibration it learnt."""
+    """One replay through a fresh gateway with ``policy``: its summary, each request's
+    TTFT and prefill instance, the calibration it learnt, and what its decision records
+    tell (the decode leg, the overhead on idle engines)."""
     for w in prefill + decode:
         w.post("/reset_prefix_cache", {})
     cfg = model_config(prefill, decode, max_model_len=a.max_model_len,
@@ -102,17 +103,19 @@ def live_run(policy: str, recs: list[TraceRecord], a: argparse.Namespace,
                for r in decisions]
     legs = []  # client TTFT after the prefill answered, served requests
     for out, rec in zip(res["outcomes"], decisions, strict=False):
-        answered = [x["answered_s"] for x in rec["attempts"] if x.get("status") == 200]
+        answered = answered_s(rec)
         if out["status"] == "ok" and answered:
             legs.append(out["ttft_s"] - sum(answered))
-    kept = ("prompt_tokens", "engine_cached_tokens", "prefill", "decode", "local_blocks",
-            "fetch_blocks", "predicted", "attempts", "reject_reason")
     return {"summary": {k: v for k, v in res.items() if k != "outcomes"},
-            "decisions": [{k: r.get(k) for k in kept} for r in decisions],
             "ttft_s": [o["ttft_s"] if o["status"] == "ok" else None for o in res["outcomes"]],
             "prefill_choice": choices, "calibration": calibration, "conductor": conductor,
             "decode_leg_mean_s": statistics.fmean(legs) if legs else math.nan,
             "idle_overhead": idle_overhead(decisions)}
+
+
+def answered_s(record: dict[str, Any]) -> list[float]:
+    """The modelled seconds of each prefill attempt of a decision record that answered."""
+    return [x["answered_s"] for x in record["attempts"] if x.get("status") == 200]
 
 
 def idle_overhead(decisions: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -126,7 +129,7 @@ def idle_overhead(decisions: list[dict[str, Any]]) -> dict[str, float] | None:
     cost = CostModel()  # the workers run the default model
     extra, ratio = [], []
     for r in decisions:
-        answered = [x["answered_s"] for x in r["attempts"] if x.get("status") == 200]
+        answered = answered_s(r)
         if len(answered) != 1 or r["predicted"]["queue_s"] != 0.0:
             continue
         n = r["prompt_tokens"]
@@ -205,9 +208,9 @@ def measure(a: argparse.Namespace, recs: list[TraceRecord]) -> dict[str, Any]:
             "ratio_to_prefill_answer": (live_mean - leg) / sim["ttft_mean_s"],
             "same_prefill": same_prefill(sim, runs[0]),
             "conductor": runs[0]["conductor"].model_dump(mode="json"),
-            # per request: each run's TTFTs (the decision records stay out: ~1 MB)
+            # per request: each run's TTFTs
             "live_runs": [{k: v for k, v in r.items()
-                           if k not in ("prefill_choice", "conductor", "decisions")}
+                           if k not in ("prefill_choice", "conductor")}
                           for r in runs],
         }
     return {"rows": rows}
@@ -229,9 +232,7 @@ def markdown(doc: dict[str, Any], json_name: str | None = None) -> str:
     lines = [
         "# Simulator and live system, side by side",
         "",
-        f"`{doc['command']}` — {doc['wall_s'] / 60:.1f} min on "
-        f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(doc['started']))} UTC, load average "
-        f"{doc['load_end']:.1f} at the end. Source: `benchmarks/sim_live_agreement.py` "
+        provenance(doc) + " Source: `benchmarks/sim_live_agreement.py` "
         "(its docstring has the method)"
         + (f"; raw runs: [{json_name}]({json_name})." if json_name else "."),
         "",

@@ -26,6 +26,14 @@ def envelope(script: str, started: float, settings: Mapping[str, Any],
             "load_end": os.getloadavg()[0], "settings": dict(settings), **payload}
 
 
+def provenance(doc: Mapping[str, Any]) -> str:
+    """The page's first sentence, from an :func:`envelope`: the command, how long it ran,
+    when (UTC) and the host's load at its end."""
+    when = time.strftime("%Y-%m-%d %H:%M", time.gmtime(doc["started"]))
+    return (f"`{doc['command']}` — {doc['wall_s'] / 60:.1f} min on {when} UTC, "
+            f"load average {doc['load_end']:.1f} at the end.")
+
+
 def publish(doc: Mapping[str, Any], page: str, json_out: Path | None,
             markdown: Path | None, indent: int = 1) -> None:
     """Print ``page``; write ``doc`` as JSON to ``json_out`` and ``page`` to ``markdown``

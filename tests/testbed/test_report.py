@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mooncake_testbed.report import envelope, publish
+from mooncake_testbed.report import envelope, provenance, publish
 
 
 def test_the_envelope_says_how_the_result_was_made(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,3 +31,10 @@ def test_publish_prints_and_writes_what_is_asked(tmp_path: Path,
     other = tmp_path / "other.json"
     publish({"k": 1}, "p", None, None)
     assert not other.exists() and len(list(tmp_path.iterdir())) == 2
+
+
+def test_provenance_reads_the_envelope() -> None:
+    doc = {"command": "python benchmarks/x.py", "started": 0.0, "wall_s": 90.0,
+           "load_end": 1.26}
+    assert provenance(doc) == ("`python benchmarks/x.py` — 1.5 min on 1970-01-01 00:00 UTC, "
+                               "load average 1.3 at the end.")
