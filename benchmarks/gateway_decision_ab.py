@@ -49,7 +49,7 @@ def schedule_before_groups(c: Conductor, req: RequestInfo, cluster: ClusterState
     """``Conductor.schedule`` as it was before instance groups (863ef5f)."""
     placement = c.policy.choose(req, cluster, now)
     decode = c.decode_selector.choose(req, cluster.decode)
-    if c.admission:
+    if c.capabilities.admission:
         if placement.reject_reason is None and placement.ttft_s > c.config.slo.ttft_s:
             placement.reject_reason = "ttft-slo"
     elif decode.reject_reason == "tbt-slo":

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from .admission import AdmissionConfig, create_admission
 from .calibration import IDLE_CONTEXT_TOKENS, DecodeCalibrationConfig, LogScale, idle_cap
 from .candidates import CandidatesConfig
+from .capabilities import Capabilities, Overrides, compose
 from .cost import CostModel, CostModelConfig
 from .decode import DECODE_SELECTORS, DecodeChoice, create_decode_selector
 from .holding import HoldingConfig, hold_deadline
@@ -111,6 +112,19 @@ class ConductorConfig(BaseModel):
             raise ValueError(f"unknown decode selector {self.decode_selector!r}; known: {known}")
         return self
 
+    def capabilities(self) -> Capabilities:
+        """What a Conductor of this configuration does beyond placing: each switch set
+        here, else the policy's own (:mod:`.capabilities`)."""
+        cls = policy_class(self.policy)
+        decode = DECODE_SELECTORS[self.decode_selector or cls.default_decode]
+        return compose(
+            cls.capabilities,
+            Overrides(admission=self.admission, shedding=self.shedding.enabled,
+                      stealing=self.stealing.enabled, holding=self.holding.enabled,
+                      replication=self.replicate, calibration=self.calibrate,
+                      reestimation=self.overrun.enabled),
+            routing_only=self.routing_only, decode_counts_placed=decode.counts_placed)
+
 
 @dataclass(slots=True)
 class Decision:
@@ -124,11 +138,6 @@ class Decision:
     @property
     def reject_reason(self) -> str | None:
         return self.placement.reject_reason or self.decode.reject_reason
-
-
-def _own(setting: bool | None, policy_default: bool) -> bool:
-    """A switch of the configuration: as set, or (``None``) the policy's own default."""
-    return policy_default if setting is None else setting
 
 
 class Conductor:
@@ -149,23 +158,16 @@ class Conductor:
             decode_name, self.cost, self.config.slo.tbt_s, self.rng, self.config.candidates
         )
         self.decode_selector.topology = self.topology
-        cfg, policy = self.config, self.policy
-        self.admission = not only and _own(cfg.admission, policy.admission)
+        cfg = self.config
+        #: what this Conductor does beyond placing, composed once (:mod:`.capabilities`)
+        self.capabilities = caps = cfg.capabilities()
         self.admission_rule = create_admission(cfg.admission_rule, cfg.slo)
         self.shedding = (OverloadShedding(cfg.shedding, cfg.slo.ttft_s)
-                         if self.admission and _own(cfg.shedding.enabled, policy.sheds)
-                         else None)
+                         if caps.shedding else None)
         self.stealing = (WorkStealing(cfg.stealing, self.cost, self.topology)
-                         if not only and _own(cfg.stealing.enabled, policy.steals) else None)
-        # by default only with a decode selector that counts placed requests: held requests
-        # released together would all see the same free room and pile onto it
-        self.holding = self.admission and _own(
-            cfg.holding.enabled, policy.holds and self.decode_selector.counts_placed)
-        self.replicate = not only and _own(cfg.replicate, policy.replication)
+                         if caps.stealing else None)
         self.hot = HotPrefixTracker(cfg.replication)
-        self.calibrate = _own(cfg.calibrate, policy.calibrates)
-        self.overrun = (OverrunEstimator(cfg.overrun)
-                        if _own(cfg.overrun.enabled, policy.reestimates) else None)
+        self.overrun = OverrunEstimator(cfg.overrun) if caps.reestimation else None
         #: prefills reported through :meth:`observe_prefill`
         self.observed_prefills = 0
         dc = self.config.decode_calibration
@@ -186,7 +188,7 @@ class Conductor:
         if self.overrun is not None:
             self.overrun.observe(predicted_s, observed_s)
         self.admission_rule.observe(predicted_s, observed_s)
-        if self.calibrate and self.prefill_scale.observe(predicted_s, observed_s):
+        if self.capabilities.calibration and self.prefill_scale.observe(predicted_s, observed_s):
             self.cost.set_prefill_scale(self.prefill_scale.scale)
 
     def observe_decode(self, predicted_tbt_s: float, observed_tbt_s: float,
@@ -217,7 +219,7 @@ class Conductor:
             placement = self.policy.choose(req, cluster, now)
             decode = self.decode_selector.choose_near(
                 req, cluster.decode, self._prefill_place(placement, cluster))
-        if self.admission:
+        if self.capabilities.admission:
             waited = now - req.arrival if now > req.arrival else 0.0  # held requests waited
             if (placement.reject_reason is None and self.admission_rule.breaks_ttft(
                     placement, cluster, now, waited)):
@@ -241,7 +243,7 @@ class Conductor:
         holding on: the time until which it may wait for room (:mod:`.holding`), if that
         is later than ``now``; else ``None`` (the refusal stands)."""
         pl = decision.placement
-        if (not self.holding or pl.reject_reason is not None
+        if (not self.capabilities.holding or pl.reject_reason is not None
                 or decision.decode.reject_reason != "tbt-slo"):
             return None
         until = hold_deadline(req.arrival, self.config.slo.ttft_s, pl.prefill_s, pl.transfer_s)
@@ -349,6 +351,6 @@ class Conductor:
 
     def plan_replication(self, cluster: ClusterState, now: float) -> list[ReplicationAction]:
         """Hot-prefix copies to make now (empty unless replication is on)."""
-        if not self.replicate:
+        if not self.capabilities.replication:
             return []
         return self.hot.plan(cluster, now)

@@ -294,7 +294,7 @@ class Simulation:
         started = time.perf_counter()
         for req in self.reqs:
             self._push(req.info.arrival, ARRIVE, req.info.rid)
-        if self.conductor.replicate and self.reqs:
+        if self.conductor.capabilities.replication and self.reqs:
             self._push(self.reqs[0].info.arrival, REPLICATE, 0)
         last_arrival = self.reqs[-1].info.arrival if self.reqs else 0.0
         total = len(self.reqs)

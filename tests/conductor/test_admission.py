@@ -113,16 +113,19 @@ def test_a_rejected_request_is_not_recorded_as_an_access() -> None:
 
 
 def test_policy_defaults_and_overrides() -> None:
-    assert Conductor(ConductorConfig(policy="conductor")).admission is True
-    assert Conductor(ConductorConfig(policy="kvcache-centric")).admission is True
-    assert Conductor(ConductorConfig(policy="least-load")).admission is False
-    assert Conductor(ConductorConfig(policy="conductor", admission=False)).admission is False
-    assert Conductor(ConductorConfig(policy="random", admission=True)).admission is True
+    def admits(**settings: Any) -> bool:
+        return Conductor(ConductorConfig(**settings)).capabilities.admission
+
+    assert admits(policy="conductor") is True
+    assert admits(policy="kvcache-centric") is True
+    assert admits(policy="least-load") is False
+    assert admits(policy="conductor", admission=False) is False
+    assert admits(policy="random", admission=True) is True
     cond = Conductor(ConductorConfig(policy="conductor"))
-    assert cond.decode_selector.name == "tbt-lookahead" and cond.replicate is True
+    assert cond.decode_selector.name == "tbt-lookahead" and cond.capabilities.replication is True
     cond = Conductor(ConductorConfig(policy="conductor", decode_selector="least-load",
                                      replicate=False))
-    assert cond.decode_selector.name == "least-load" and cond.replicate is False
+    assert cond.decode_selector.name == "least-load" and cond.capabilities.replication is False
 
 
 def test_the_tracker_records_the_prefix_the_cluster_holds() -> None:

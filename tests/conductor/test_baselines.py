@@ -175,7 +175,7 @@ def test_mooncake_paper_uses_cpp_on_idle_instances_for_long_prompts() -> None:
 
 def test_mooncake_paper_rejects_early_like_algorithm_1() -> None:
     conductor = Conductor(ConductorConfig(policy="mooncake-paper"), CostModel())
-    assert conductor.admission and conductor.decode_selector.__class__.__name__ != ""
+    assert conductor.capabilities.admission and conductor.decode_selector.__class__.__name__ != ""
     c = cluster(1)
     c.prefill[0].busy_until = 100.0  # a 100 s wait breaks the 30 s TTFT SLO
     decision = conductor.schedule(request(KEYS), c, 0.0)

@@ -14,7 +14,7 @@ from .helpers import BT, cluster, request
 
 def test_the_scale_converges_to_a_systematic_bias_through_noise() -> None:
     c = Conductor(ConductorConfig(policy="conductor"))
-    assert c.calibrate and c.cost.prefill_scale == 1.0
+    assert c.capabilities.calibration and c.cost.prefill_scale == 1.0
     rng = random.Random(1)
     truth = CostModel()
     for i in range(400):

@@ -56,7 +56,7 @@ def test_who_holds(policy: str, cfg: dict[str, Any], holds: bool) -> None:
     cond = _conductor(policy, **cfg)
     req = request(list(range(8)))
     d = cond.schedule(req, _decode_full(), 0.0)
-    assert cond.holding is holds
+    assert cond.capabilities.holding is holds
     assert (cond.hold_until(req, d, 0.0) is not None) is holds
 
 

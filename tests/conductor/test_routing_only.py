@@ -52,10 +52,10 @@ def test_no_cpp_group_when_routing_only(policy: str) -> None:
 
 def test_routing_only_turns_admission_and_replication_off() -> None:
     on = Conductor(ConductorConfig(policy="conductor"))
-    assert on.admission and on.replicate
+    assert on.capabilities.admission and on.capabilities.replication
     for cfg in ({}, {"admission": True, "replicate": True}):
         off = Conductor(ConductorConfig(policy="conductor", routing_only=True, **cfg))
-        assert not off.admission and not off.replicate
+        assert not off.capabilities.admission and not off.capabilities.replication
 
 
 def test_a_predicted_tbt_miss_is_served_when_routing_only() -> None:

@@ -102,8 +102,10 @@ def test_an_answer_reaches_the_cores_one_observation_path() -> None:
     rt.members.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
     for inst in [*rt.prefill, *rt.decode]:
         rt.members.mark_health(inst, True)
-    assert rt.reports.state()["admission"] == {"on": True, "rule": "prediction",
-                                       "ttft_miss_risk": 0.01}
+    state = rt.reports.state()
+    assert state["admission"] == {"on": True, "rule": "prediction", "ttft_miss_risk": 0.01}
+    assert state["capabilities"] == rt.conductor.capabilities.on()
+    assert {"admission", "calibration", "reestimation"} <= set(state["capabilities"])
     before = rt.cost.prefill_time(TOKENS, 0)
     margin = rt.conductor.admission_rule.error  # type: ignore[attr-defined]
     assert margin is not None and margin.samples == 0

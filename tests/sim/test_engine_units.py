@@ -367,7 +367,7 @@ def test_replication_rounds_copy_the_planned_blocks() -> None:
     recs = [TraceRecord(0.0, 4096, 2, tuple(range(8))),
             TraceRecord(10_000.0, 1024, 2, (900, 901))]
     s = sim(recs, "conductor", prefill=2)
-    assert s.conductor.replicate
+    assert s.conductor.capabilities.replication
     rounds: list[float] = []
     copies: list[int] = []  # instances holding A's blocks at each round
     keys = tuple(s.reqs[0].info.keys)

@@ -19,6 +19,7 @@ from typing import ClassVar, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..candidates import CandidatesConfig
+from ..capabilities import Capabilities
 from ..cost import CostModel
 from ..index import PrefixIndex
 from ..state import ClusterState, PrefillState, RequestInfo
@@ -96,20 +97,9 @@ class PrefillPolicy(ABC):
     Params: ClassVar[type[BaseModel]]
     #: decode selector used unless the configuration names another
     default_decode: ClassVar[str] = "least-load"
-    #: whether predicted SLO misses are rejected (HTTP 429) before any work is done
-    admission: ClassVar[bool] = False
-    #: whether, with admission on, costly requests are shed under overload (.shedding)
-    sheds: ClassVar[bool] = False
-    #: whether an idle prefill instance takes prompts queued on others (.stealing)
-    steals: ClassVar[bool] = False
-    #: whether, with admission on, requests refused for decode room wait for it (.holding)
-    holds: ClassVar[bool] = False
-    #: whether hot prefixes are replicated ahead of need (seed §7)
-    replication: ClassVar[bool] = False
-    #: whether the prefill-time model is calibrated online from observed durations
-    calibrates: ClassVar[bool] = False
-    #: whether a prefill still running past its predicted end is re-estimated (.overrun)
-    reestimates: ClassVar[bool] = False
+    #: what the policy is published with beyond placing (admission, shedding, ...); the
+    #: configuration may override each (:mod:`..capabilities`)
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(self, params: BaseModel, ctx: PolicyContext) -> None:
         self.params = params

@@ -74,15 +74,15 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
     queue nears the TTFT SLO, a request costing more GPU seconds than the
     average offered one is rejected (``overload``); the paper's rule rejects
     only predicted misses, whoever they are.
-13. **Late binding of queued work** (:mod:`..stealing`, ``steals``): an instance that
+13. **Late binding of queued work** (:mod:`..stealing`, capability ``stealing``): an instance that
     goes idle takes the prompt queued elsewhere whose predicted TTFT drops most by
     moving; placement binds on predictions, and executions stray from them.
-14. **Full decode pool: wait, don't refuse** (:mod:`..holding`, ``holds``): a request
+14. **Full decode pool: wait, don't refuse** (:mod:`..holding`, capability ``holding``): a request
     refused only for decode room waits for room while it can still meet the TTFT SLO.
-15. **A prefill past its predicted end is not done** (:mod:`..overrun`, ``reestimates``):
-    an instance whose prefill is still running at its predicted end gets a new expected
-    end from the prediction error measured so far, instead of counting as idle (the
-    paper's T_queue, which sums predictions only).
+15. **A prefill past its predicted end is not done** (:mod:`..overrun`, capability
+    ``reestimation``): an instance whose prefill is still running at its predicted end
+    gets a new expected end from the prediction error measured so far, instead of
+    counting as idle (the paper's T_queue, which sums predictions only).
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..arrivals import ArrivalRate, shut_out_wait
 from ..candidates import LoadOrder, order_of
+from ..capabilities import Capabilities
 from ..cpp import ChunkPricer, CPPConfig, first_stage_s, staggered_start
 from ..kernels import rank_fifo, rank_rows
 from ..spread import ServiceSpread
@@ -168,13 +169,8 @@ class ConductorPolicy(PrefillPolicy):
     name = "conductor"
     Params = ConductorParams
     default_decode = "tbt-lookahead"
-    admission = True
-    sheds = True
-    steals = True
-    holds = True
-    replication = True
-    calibrates = True
-    reestimates = True
+    capabilities = Capabilities(admission=True, shedding=True, stealing=True, holding=True,
+                                replication=True, calibration=True, reestimation=True)
 
     def __init__(self, params: BaseModel, ctx: PolicyContext) -> None:
         super().__init__(params, ctx)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..capabilities import Capabilities
 from ..state import ClusterState, PrefillState, RequestInfo
 from .base import Placement, PrefillPolicy, least, longest, register
 
@@ -37,7 +38,7 @@ class KVCacheCentricPolicy(PrefillPolicy):
     name = "kvcache-centric"
     Params = KVCacheCentricParams
     default_decode = "tbt-slo"
-    admission = True
+    capabilities = Capabilities(admission=True)
 
     def pick(
         self, req: RequestInfo, cluster: ClusterState, live: list[PrefillState], now: float
