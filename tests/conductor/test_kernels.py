@@ -1,4 +1,5 @@
-"""The compiled rankings price exactly as the cost model does (bit for bit)."""
+"""The compiled rankings price exactly as the cost model does and rank exactly as the
+conductor's named stages do (:mod:`mooncake_conductor.scoring`), bit for bit."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 import numpy as np
 from mooncake_conductor.cost import CostModel, CostModelConfig, EfficiencySpec
 from mooncake_conductor.kernels import rank_fifo
+from mooncake_conductor.scoring import Option, pool_prices, score, slo_guard, tie_band
 
 from .helpers import COST
 
@@ -14,49 +16,35 @@ from .helpers import COST
 def _reference(cost, now, n, block, best_len, best_pos, weight, shut_rate, slo_s, open_s,
                overlap, tol, tol_s, up, busy_until, qwork, qlen,
                local):  # type: ignore[no-untyped-def]
-    """The conductor's FIFO ranking in plain Python over :class:`CostModel` (rows that
-    are not up score infinity and never tie); a row's shut-out price counts the arrivals
-    that wait for the first live instance to free once that row holds the request, and
-    with the price on, a row over the TTFT SLO scores infinity while another meets it;
-    the price is off when the first live instance frees past ``open_s``."""
+    """The conductor's FIFO ranking as its named stages (:mod:`mooncake_conductor.scoring`)
+    over :class:`CostModel`'s times: each live row's option (recompute, or fetch when
+    that is faster), the scorers' sum, the SLO guard and the tie band; rows that are not
+    up score infinity and never tie."""
     m = len(busy_until)
     live = [i for i in range(m) if up[i]]
     fifo = [(b - now if b > now else 0.0) + w for b, w in zip(busy_until, qwork, strict=True)]
-    busy = sum(1 for i in live if qlen[i] > 0 or busy_until[i] > now)
-    kappa = weight * (busy + sum(qlen[i] for i in live)) / len(live)
-    if min(fifo[i] for i in live) > open_s:
-        shut_rate = 0.0
+    prices = pool_prices([fifo[i] for i in live], [qlen[i] for i in live],
+                         [busy_until[i] > now for i in live], weight, shut_rate, open_s)
     best_tokens = min(best_len * block, n)
-    fetch_prefill = cost.prefill_time(n, best_tokens)
-    scores, fetches, ttfts = [], [], []
-    for i in range(m):
-        if not up[i]:
-            scores.append(float("inf"))
-            fetches.append(False)
-            ttfts.append(float("inf"))
-            continue
+    options = []
+    for pos, i in enumerate(live):
         held_tokens = min(local[i] * block, n)
-        recompute = cost.prefill_time(n, held_tokens)
-        ttft, used, fetch = fifo[i] + recompute, recompute, False
+        option = Option(i, local[i], 0, fifo[i], 0.0, cost.prefill_time(n, held_tokens), 0.0,
+                        pos)
         if best_len > local[i] and i != best_pos:
             transfer = cost.transfer_time(best_tokens - held_tokens)
-            f_transfer = max(0.0, transfer - fifo[i]) if overlap else transfer
-            f_ttft = fifo[i] + f_transfer + fetch_prefill
-            if f_ttft < ttft:
-                ttft, used, fetch = f_ttft, fetch_prefill, True
-        others = [fifo[j] for j in live if j != i]
-        free = min([*others, ttft])
-        shut = shut_rate * free * free / 2.0 if shut_rate > 0.0 and free > 0.0 else 0.0
-        scores.append(ttft + kappa * used + shut if shut else ttft + kappa * used)
-        fetches.append(fetch)
-        ttfts.append(ttft)
-    if shut_rate > 0.0 and any(ttfts[i] <= slo_s for i in live):
-        scores = [s if i not in live or ttfts[i] <= slo_s else float("inf")
-                  for i, s in enumerate(scores)]
-    band = min(scores) * (1.0 + tol) + tol_s
-    ties = [i for i in live if scores[i] <= band and not fetches[i]] or [
-        i for i in live if scores[i] <= band]
-    return scores, fetches, ties, kappa
+            fetched = Option(i, local[i], best_len - local[i], fifo[i],
+                             max(0.0, transfer - fifo[i]) if overlap else transfer,
+                             cost.prefill_time(n, best_tokens), 0.0, pos)
+            if fetched.ttft_s < option.ttft_s:
+                option = fetched
+        options.append(option)
+    live_scores = slo_guard(options, [score(o, prices) for o in options], slo_s, prices)
+    scores, fetches = [float("inf")] * m, [False] * m
+    for o, sc in zip(options, live_scores, strict=True):
+        scores[o.iid], fetches[o.iid] = sc, bool(o.fetch)
+    ties = [options[k].iid for k in tie_band(options, live_scores, tol, tol_s)]
+    return scores, fetches, ties, prices.kappa
 
 
 def test_rank_fifo_equals_the_cost_model_bit_for_bit() -> None:

@@ -5,7 +5,10 @@ recompute past the instance's own prefix, or fetch the longest prefix any
 holder (instance or store pool) has — as ``TTFT = max(T_queue, T_transfer) +
 T_prefill``, plus chunked-pipeline groups for long prompts; rank them by
 ``TTFT + kappa * GPU seconds`` and take the best; reject (429) when the TTFT
-or the decode side's TBT breaks its SLO.
+or the decode side's TBT breaks its SLO. The ranking reads as named stages in
+:mod:`..scoring` (options, the scorers queue, transfer, prefill, work price and
+shut-out, an SLO guard, a tie-band picker); the compiled ranking
+(:func:`..kernels.rank_fifo`) is one tested implementation of their sum.
 
 Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
 (measured in ``docs/paper-fig5.md``):
@@ -99,6 +102,7 @@ from ..candidates import LoadOrder, order_of
 from ..capabilities import Capabilities
 from ..cpp import ChunkPricer, CPPConfig, first_stage_s, staggered_start
 from ..kernels import rank_fifo, rank_rows
+from ..scoring import Option, PoolPrices, pool_prices, score, slo_guard, tie_band
 from ..spread import ServiceSpread
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
 from ..topology import FetchSources, domain_orders
@@ -160,8 +164,6 @@ class ConductorParams(BaseModel):
 
 _AFTER = 1e-6  # priority step that orders a request right after another
 _ONE = 1
-# (ttft, instance, local blocks, fetched blocks, queue s, transfer s, prefill s, priority)
-_Row = tuple[float, int, int, int, float, float, float, float]
 
 
 @register
@@ -259,7 +261,9 @@ class ConductorPolicy(PrefillPolicy):
                 by_local[local, place] = times
             return times
 
-        def row_of(p: PrefillState) -> _Row:
+        def option_of(p: PrefillState, position: int = -1) -> Option:
+            """The instance's option (:mod:`..scoring`): recompute, or fetch when that
+            is faster."""
             iid = p.iid
             local = int(local_view[iid])
             recompute, transfer = times_of(local, 0 if holders is None else p.place)
@@ -271,54 +275,34 @@ class ConductorPolicy(PrefillPolicy):
                 queue = p.wait_time(now, prio)
             else:  # FIFO: what runs plus what is queued
                 queue = (p.busy_until - now if p.busy_until > now else 0.0) + p.queued_work_s
-            row: _Row = (queue + recompute, iid, local, 0, queue, 0.0, recompute, prio)
+            option = Option(iid, local, 0, queue, 0.0, recompute, prio, position)
             if best_len > local and best_src != iid:
                 f_queue = p.wait_time(now, f_prio) if weight else queue
                 f_transfer = max(0.0, transfer - f_queue) if prm.overlap_transfer else transfer
-                f_ttft = f_queue + f_transfer + fetch_prefill
-                if f_ttft < row[0]:
-                    row = (f_ttft, iid, local, best_len - local, f_queue, f_transfer,
-                           fetch_prefill, f_prio)
-            return row
+                fetched = Option(iid, local, best_len - local, f_queue, f_transfer,
+                                 fetch_prefill, f_prio, position)
+                if fetched.ttft_s < option.ttft_s:
+                    option = fetched
+            return option
 
-        rows: list[tuple[int, _Row, float]] = []  # (live position, row, score)
+        options: list[Option] = []
         pool_size = idle = -1  # the pool's live and idle instances (-1: ``live`` is all)
         if weight or prm.explain:
-            # every instance priced here, one at a time (the reference for the ranking
-            # below, and the only way with priority queues)
+            # the stages one instance at a time (:mod:`..scoring`): the readable rule, and
+            # the only way with priority queues
             assert live is not None
-            queued = [len(p.queue) for p in live]
-            busy = sum([bool(q) or p.busy_until > now for q, p in zip(queued, live, strict=True)])
-            # score = TTFT + kappa x GPU seconds. Work a choice adds delays the requests
-            # that would have used that time: on average the busy share of the pool plus
-            # the requests already waiting per instance (0 when idle: pure TTFT).
-            kappa = prm.work_weight * spread * (busy + sum(queued)) / len(live)
-            # when each instance is free (first: the earliest, at position j1; second:
-            # the earliest of the others): a choice frees its instance at its TTFT
-            ends = [p.wait_time(now) for p in live]
-            j1 = min(range(len(ends)), key=ends.__getitem__)
-            first, second = ends[j1], min(ends[:j1] + ends[j1 + 1:], default=math.inf)
-            priced = shut_rate > 0.0 and first <= open_s  # not once the pool saturates
-            for pos, p in enumerate(live):
-                row = row_of(p)
-                score = row[0] + kappa * row[6]
-                if priced:
-                    free = min(second if pos == j1 else first, row[0])
-                    if free > 0.0:
-                        score += shut_rate * free * free / 2.0
-                rows.append((pos, row, score))
-            if priced and any(r[1][0] <= slo_s for r in rows):
-                # the price never costs a request its own SLO
-                rows = [r if r[1][0] <= slo_s else (r[0], r[1], math.inf) for r in rows]
-            best = min(r[2] for r in rows)
-            band = best * (1.0 + prm.tie_tolerance) + prm.tie_tolerance_s
-            ties = [r for r in rows if r[2] <= band]  # in live order
-            no_copy = [r for r in ties if not r[1][3]]  # a tie never pays a new copy
-            ties = no_copy or ties
-            chosen = live[ties[0][0] if len(ties) == 1 else self.ctx.rng.choice(ties)[0]]
+            prices = pool_prices([p.wait_time(now) for p in live], [len(p.queue) for p in live],
+                                 [p.busy_until > now for p in live], prm.work_weight * spread,
+                                 shut_rate, open_s)
+            kappa = prices.kappa
+            options = [option_of(p, pos) for pos, p in enumerate(live)]
+            scores = slo_guard(options, [score(o, prices) for o in options], slo_s, prices)
+            ties = tie_band(options, scores, prm.tie_tolerance, prm.tie_tolerance_s)
+            chosen = live[ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties)]
         else:
-            # FIFO: the same ranking (kappa, scores, tie band, no-copy preference) over
-            # every live instance in one compiled pass (:func:`..kernels.rank_fifo`)
+            # FIFO: the same stages (kappa, scores, SLO guard, tie band, no-copy
+            # preference) over every live instance in one compiled pass
+            # (:func:`..kernels.rank_fifo`)
             # over the pool's board (rows in pool order: live rows in live order), or
             # over the candidates of a large pool (:mod:`..candidates`)
             want_cpp = prm.cpp.enabled and self.ctx.cpp
@@ -341,7 +325,7 @@ class ConductorPolicy(PrefillPolicy):
                                          else ties_at[self.ctx.rng.choice(range(count))])]
         source = best_src if holders is None else holders.source_for(
             cost, best_tokens - req.tokens_of(int(local_view[chosen.iid])), chosen.place)
-        choice = self._placement(row_of(chosen), source)
+        choice = self._placement(option_of(chosen), source)
         cpp: Placement | None = None
         if prm.cpp.enabled and self.ctx.cpp:
             if live is None:
@@ -360,16 +344,16 @@ class ConductorPolicy(PrefillPolicy):
                 ):
                     choice = cpp
         if prm.explain:
-            options = [self._placement(r, best_src if holders is None else holders.source_for(
-                cost, best_tokens - req.tokens_of(r[2]), cluster.prefill[r[1]].place))
-                for r in sorted(r[1] for r in rows)[:5]]
+            shown = [self._placement(o, best_src if holders is None else holders.source_for(
+                cost, best_tokens - req.tokens_of(o.local), cluster.prefill[o.iid].place))
+                for o in sorted(options, key=lambda o: (o.ttft_s, o.iid))[:5]]
             if cpp is not None:
-                options.append(cpp)
+                shown.append(cpp)
             choice.candidates = [
                 {"instance": o.prefill if o.prefill is not None else -1, "ttft_s": o.ttft_s,
                  "queue_s": o.queue_s, "transfer_s": o.transfer_s, "prefill_s": o.prefill_s,
                  "group": len(o.cpp_group) or 1}
-                for o in sorted(options, key=lambda o: o.ttft_s)[:5]
+                for o in sorted(shown, key=lambda o: o.ttft_s)[:5]
             ]
         return choice
 
@@ -445,13 +429,13 @@ class ConductorPolicy(PrefillPolicy):
         order: LoadOrder = order_of(board_of(pool), LoadOrder)
         return order.live, order.live - order.busy(now)
 
-    def _placement(self, row: _Row, source: int | None) -> Placement:
+    def _placement(self, o: Option, source: int | None) -> Placement:
         assert isinstance(self.params, ConductorParams)
-        _, iid, local, fetch, queue, transfer, prefill, prio = row
         return Placement(
-            prefill=iid, local_blocks=local, fetch_blocks=fetch,
-            source=source if fetch else None, queue_s=queue, transfer_s=transfer,
-            prefill_s=prefill, priority=prio, migrate=bool(fetch) and self.params.migrate_on_fetch,
+            prefill=o.iid, local_blocks=o.local, fetch_blocks=o.fetch,
+            source=source if o.fetch else None, queue_s=o.queue_s, transfer_s=o.transfer_s,
+            prefill_s=o.prefill_s, priority=o.priority,
+            migrate=bool(o.fetch) and self.params.migrate_on_fetch,
         )
 
     def _cpp(
@@ -514,6 +498,8 @@ class ConductorPolicy(PrefillPolicy):
             # the groups of idle instances were priced above; larger ones may take
             # members still busy that come free before their stage first works
             options += [(size, True) for size in range(max(2, limit + 1), largest + 1)]
+        # a group's shut-out counts all its members (below), not one instance's
+        prices = PoolPrices(kappa, 0.0, 0.0, -1, 0.0)
         pricers: dict[int, ChunkPricer] = {}  # by reused blocks (the leader's may differ)
         stored_of: list[int] = stored.tolist()  # Python ints: no numpy scalar per member
         cost, topo = self.ctx.cost, self.ctx.topology
@@ -564,7 +550,11 @@ class ConductorPolicy(PrefillPolicy):
                     wait = 0.0
                 else:
                     wait = max(p.wait_time(now, prio) for p in members)
-                ttft = max(wait, transfer) + makespan
+                # the group as one option of the stages (:mod:`..scoring`); its fetch
+                # overlaps the wait for the last member
+                group = Option(leader.iid, local, fetch, wait, max(0.0, transfer - wait),
+                               makespan, prio, size=size)
+                ttft = group.ttft_s
                 late = rescue and ttft > self.ctx.slo.ttft_s
                 if staggered and late:
                     continue  # a group with busy members only if it meets the SLO
@@ -573,19 +563,14 @@ class ConductorPolicy(PrefillPolicy):
                           else [p for p in by_wait if p not in members])
                 shut_out = shut_out_wait(
                     chain([ttft] * size, (order[p.iid][0] for p in others)), rate)
-                score = ttft + kappa * size * makespan + shut_out
-                key = (late, ttft if late else score)
+                key = (late, ttft if late else score(group, prices) + shut_out)
                 if key < best_key:
                     best_key = key
-                    best = Placement(
-                        prefill=leader.iid, local_blocks=local, fetch_blocks=fetch,
-                        source=source if fetch else None, queue_s=wait,
-                        transfer_s=max(0.0, transfer - wait), prefill_s=makespan,
-                        priority=prio,
-                        cpp_group=[leader.iid] + [p.iid for p in members if p is not leader],
-                        cpp_chunk_tokens=chunk,
-                        migrate=self.params.migrate_on_fetch,
-                    ), shut_out
+                    best = self._placement(group, source), shut_out
+                    best[0].cpp_group = [leader.iid] + [p.iid for p in members
+                                                        if p is not leader]
+                    best[0].cpp_chunk_tokens = chunk
+                    best[0].migrate = self.params.migrate_on_fetch
         if best is None:
             return None
         single_shut_out = shut_out_wait(
