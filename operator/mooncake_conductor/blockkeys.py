@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .kernels import chain_keys, chain_loaded
+from .blockkeys_kernel import chain_keys, chain_loaded
 
 MASK64 = (1 << 64) - 1
 P = 0x9E3779B97F4A7C15  # odd: invertible mod 2^64

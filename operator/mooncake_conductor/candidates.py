@@ -204,9 +204,9 @@ class LoadOrder:
         return out[:k]
 
     def pool(self, now: float, first: list[tuple[float, int]]) -> tuple[F64Array, int]:
-        """:data:`~.kernels.POOL_FIELDS` aggregates for :func:`~.kernels.rank_rows`, and
-        the row that frees first, given ``first`` (:meth:`least`, at least two rows
-        when the pool has two)."""
+        """:data:`~.scoring_kernel.POOL_FIELDS` aggregates for
+        :func:`~.scoring_kernel.rank_rows`, and the row that frees first, given ``first``
+        (:meth:`least`, at least two rows when the pool has two)."""
         pool: F64Array = np.array([self.live, self.busy(now), self.waiting,
                                    first[0][0] if first else math.inf,
                                    first[1][0] if len(first) > 1 else math.inf])
@@ -229,7 +229,7 @@ class DecodeOrder:
         self._context = cols["context_tokens"]
         self._reserved = cols["reserved_tokens"]
         self._capacity = cols["capacity_tokens"]
-        #: the cost model's decode constants (:data:`~.kernels.DECODE_FIELDS` order)
+        #: the cost model's decode constants (:data:`~.decode_kernel.DECODE_FIELDS` order)
         self._consts = consts
         self.per_seq, self.per_ctx = consts[3], consts[4]
         n = len(self._up)

@@ -220,8 +220,8 @@ class CostModel:
         return compute if compute >= load else load
 
     def prefill_constants(self) -> list[float]:
-        """The constants :func:`~mooncake_conductor.kernels.rank_fifo` prices prefills and
-        transfers with, in the order of :data:`~mooncake_conductor.kernels.COST_FIELDS`."""
+        """The constants :func:`~mooncake_conductor.scoring_kernel.rank_fifo` prices prefills and
+        transfers with, in the order of :data:`~mooncake_conductor.scoring_kernel.COST_FIELDS`."""
         return [self._flops_l_a_d, self._flops_l_b_d2, self._prefill_overhead, self._mfu_max,
                 self._mfu_half, self._peak, float(self.kv_bytes_per_token), self._h2d,
                 self._link]
@@ -267,8 +267,8 @@ class CostModel:
         return self._decode_overhead + max(mem, compute)
 
     def decode_constants(self) -> list[float]:
-        """The constants :func:`~mooncake_conductor.kernels.rank_decode` prices decode
-        steps with, in the order of :data:`~mooncake_conductor.kernels.DECODE_FIELDS`."""
+        """The constants :func:`~mooncake_conductor.decode_kernel.rank_decode` prices decode
+        steps with, in the order of :data:`~mooncake_conductor.decode_kernel.DECODE_FIELDS`."""
         return [float(self._weight_bytes), float(self.kv_bytes_per_token), self._hbm,
                 self._decode_flops_per_seq, self._decode_attn_flops_per_ctx,
                 self._decode_peak, self._decode_overhead]

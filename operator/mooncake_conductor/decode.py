@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from .candidates import CandidatesConfig, DecodeOrder, order_of
 from .cost import CostModel
-from .kernels import rank_decode
+from .decode_kernel import rank_decode
 from .policies.base import least
 from .state import Board, DecodeState, RequestInfo, board_of
 from .topology import Topology, narrow_to_nearest
@@ -117,7 +117,7 @@ class TBTSLODecode(DecodeSelector):
     within ``tie_tolerance`` of the best tie (one drawn at random).
 
     Every live instance is priced in one compiled pass
-    (:func:`~mooncake_conductor.kernels.rank_decode`, the cost model's
+    (:func:`~mooncake_conductor.decode_kernel.rank_decode`, the cost model's
     :meth:`~mooncake_conductor.cost.CostModel.decode_step_time` operation for
     operation); on a pool of at least ``candidates.min_pool`` instances only the
     ``candidates.least_loaded`` with the smallest step for this request and KV room for

@@ -25,7 +25,7 @@ For one request over the live prefill instances:
 4. **Picker** (:func:`tie_band`): the options within the tie band of the best score,
    those that need no new copy if any do; the policy draws one at random.
 
-The fused kernels (:func:`.kernels.rank_fifo`, :func:`.kernels.rank_rows`) compute the
+The fused kernels (:func:`.scoring_kernel.rank_fifo`, :func:`.scoring_kernel.rank_rows`) compute the
 same stages for FIFO queues over a whole pool in one compiled pass; tests hold the two
 equal bit for bit (``tests/conductor/test_scoring.py``). Rule and sources:
 :mod:`.policies.conductor`.

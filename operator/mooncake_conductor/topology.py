@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
-from .kernels import TopoArrays
+from .scoring_kernel import TopoArrays
 from .state import board_of
 
 if TYPE_CHECKING:
@@ -297,7 +297,7 @@ class FetchSources:
         return self.ids[pos]
 
     def arrays(self, cost: CostModel, place: npt.NDArray[np.int64]) -> TopoArrays:
-        """:class:`~.kernels.TopoArrays` for a ranking over rows with places ``place``."""
+        """:class:`~.scoring_kernel.TopoArrays` for a ranking over rows with places ``place``."""
         if self._arrays is None or self._arrays.place is not place:
             levels, bw, latency = self.topology.kernel_arrays(cost)
             self._arrays = TopoArrays(place, np.array(self._distinct, dtype=np.int64),

@@ -1,4 +1,4 @@
-"""Compile every kernel of :mod:`mooncake_conductor.kernels` ahead of need.
+"""Compile every kernel of the core ahead of need (:data:`KERNEL_MODULES`).
 
 :func:`warm_up` runs each compiled loop once on a tiny input (block keys of a long
 prompt, a small key table's upsert, walks and look-ups, both rankings), so numba
@@ -9,20 +9,20 @@ pay for the compilation mid-request.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 
+from . import blockkeys_kernel, decode_kernel, kernels, scoring_kernel
 from .blockkeys import COMPILED_MIN_TOKENS, block_keys_array
-from .kernels import (
-    COST_FIELDS,
-    DECODE_FIELDS,
-    lookup_values,
-    rank_decode,
-    rank_fifo,
-    walk_keys,
-    walk_lengths,
-    walk_lengths_sets,
-)
+from .decode_kernel import DECODE_FIELDS, rank_decode
+from .kernels import lookup_values, walk_keys, walk_lengths, walk_lengths_sets
 from .keytable import KeyMaskTable
+from .scoring_kernel import COST_FIELDS, rank_fifo
+
+#: every module of the core with compiled loops
+KERNEL_MODULES: tuple[ModuleType, ...] = (kernels, blockkeys_kernel, scoring_kernel,
+                                          decode_kernel)
 
 
 def warm_block_keys() -> None:

@@ -11,7 +11,7 @@ import pytest
 from mooncake_conductor.candidates import CandidatesConfig, DecodeOrder, LoadOrder, order_of
 from mooncake_conductor.engine import Conductor, ConductorConfig
 from mooncake_conductor.index import PrefixIndex
-from mooncake_conductor.kernels import POOL_FIELDS, rank_fifo, rank_rows
+from mooncake_conductor.scoring_kernel import POOL_FIELDS, rank_fifo, rank_rows
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo, board_of
 
 from .helpers import COST
@@ -58,7 +58,7 @@ def test_load_order_finds_the_instances_that_free_first_and_the_pool_aggregates(
             assert all(w == _wait(pool[row], now) for w, row in got)
             agg, j1 = order.pool(now, order.least(now, 2))
             full = np.empty(POOL_FIELDS)
-            from mooncake_conductor import kernels
+            from mooncake_conductor import scoring_kernel as kernels
             if kernels._stats is None:
                 kernels._stats, kernels._rank = kernels._compile_rank()
             up, cols = board["up"], board.columns

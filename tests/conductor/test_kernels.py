@@ -7,8 +7,8 @@ import random
 
 import numpy as np
 from mooncake_conductor.cost import CostModel, CostModelConfig, EfficiencySpec
-from mooncake_conductor.kernels import rank_fifo
 from mooncake_conductor.scoring import Option, pool_prices, score, slo_guard, tie_band
+from mooncake_conductor.scoring_kernel import rank_fifo
 
 from .helpers import COST
 
@@ -86,11 +86,12 @@ def test_kernels_close_over_no_dispatcher() -> None:
     """numba keys its on-disk cache on the pickled closure of a kernel, and a compiled
     function pickles differently in every process: a kernel closing over one is never
     found in the cache and is compiled again by every process (seconds each)."""
-    from mooncake_conductor import kernels
+    from mooncake_conductor import blockkeys_kernel, decode_kernel, kernels, scoring_kernel
     from numba.core.dispatcher import Dispatcher
 
     compiled = [*kernels._compile(), kernels._compile_lengths_sets(), kernels._compile_upsert(),
-                kernels._compile_chain(), *kernels._compile_rank(), kernels._compile_decode()]
+                blockkeys_kernel._compile_chain(), *scoring_kernel._compile_rank(),
+                decode_kernel._compile_decode()]
     for fn in compiled:
         cells = fn.py_func.__closure__ or ()
         assert not [c for c in cells if isinstance(c.cell_contents, Dispatcher)], fn

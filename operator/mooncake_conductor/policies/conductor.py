@@ -8,7 +8,7 @@ T_prefill``, plus chunked-pipeline groups for long prompts; rank them by
 or the decode side's TBT breaks its SLO. The ranking reads as named stages in
 :mod:`..scoring` (options, the scorers queue, transfer, prefill, work price and
 shut-out, an SLO guard, a tie-band picker); the compiled ranking
-(:func:`..kernels.rank_fifo`) is one tested implementation of their sum.
+(:func:`..scoring_kernel.rank_fifo`) is one tested implementation of their sum.
 
 Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
 (measured in ``docs/paper-fig5.md``):
@@ -101,8 +101,8 @@ from ..arrivals import ArrivalRate, shut_out_wait
 from ..candidates import LoadOrder, order_of
 from ..capabilities import Capabilities
 from ..cpp import ChunkPricer, CPPConfig, first_stage_s, staggered_start
-from ..kernels import rank_fifo, rank_rows
 from ..scoring import Option, PoolPrices, pool_prices, score, slo_guard, tie_band
+from ..scoring_kernel import rank_fifo, rank_rows
 from ..spread import ServiceSpread
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
 from ..topology import FetchSources, domain_orders
@@ -302,7 +302,7 @@ class ConductorPolicy(PrefillPolicy):
         else:
             # FIFO: the same stages (kappa, scores, SLO guard, tie band, no-copy
             # preference) over every live instance in one compiled pass
-            # (:func:`..kernels.rank_fifo`)
+            # (:func:`..scoring_kernel.rank_fifo`)
             # over the pool's board (rows in pool order: live rows in live order), or
             # over the candidates of a large pool (:mod:`..candidates`)
             want_cpp = prm.cpp.enabled and self.ctx.cpp
