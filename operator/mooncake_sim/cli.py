@@ -51,6 +51,10 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                    "presets)")
     r.add_argument("--nic-contention", action=argparse.BooleanOptionalAction, default=None,
                    help="transfers queue on each node's NIC (default off; on in presets)")
+    r.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                   help="every request asks N as max_tokens, all the Conductor knows of its "
+                   "output; streams stop at their trace length or N (default: each asks "
+                   "its trace length, as the replay client sends it)")
     p.add_argument("--topology", default=None, metavar="LEVEL=N[,LEVEL=N]",
                    help="domains per topology level, e.g. zone=2 or rack=4,zone=2 (links: "
                    "docs/topology.md); default a flat fleet")
@@ -100,7 +104,7 @@ def register(sub: Any) -> None:
     c = sub.add_parser(
         "capacity",
         help="effective request capacity of policies on a trace (the paper's headline metric)",
-        description="Highest replay speed at which >= 90%% of ALL requests (rejections count "
+        description="Highest replay speed at which >= 90% of ALL requests (rejections count "
         "as misses) meet both the TTFT and the TBT SLO, found by bisection over simulated "
         "replays, next to the upper bound no design can pass and the share of work "
         "rejected at capacity. Every design is offered overload shedding, work stealing "
@@ -164,6 +168,7 @@ class _Setup:
     model_bias: float
     event_lag_ms: float
     nic_contention: bool
+    max_tokens: int | None = None
     routing_only: bool = False
     shedding: bool | None = None
     stealing: bool | None = None
@@ -199,7 +204,8 @@ class _Setup:
 
     def realism(self) -> dict[str, Any]:
         return {"prediction_error": self.prediction_error, "model_bias": self.model_bias,
-                "event_lag_ms": self.event_lag_ms, "nic_contention": self.nic_contention}
+                "event_lag_ms": self.event_lag_ms, "nic_contention": self.nic_contention,
+                "max_tokens": self.max_tokens}
 
     def settings(self, preset_name: str | None, seed: int) -> dict[str, Any]:
         return {
@@ -258,10 +264,10 @@ def _setup(args: argparse.Namespace, capabilities: str = "own") -> _Setup | str:
         if args.preset not in PRESETS:
             return f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}"
         preset = PRESETS[args.preset]
-    for flag in ("prefill", "decode", "limit", "jobs"):
+    for flag in ("prefill", "decode", "limit", "jobs", "max_tokens"):
         v = getattr(args, flag)
         if v is not None and v <= 0:
-            return f"--{flag} must be positive"
+            return f"--{flag.replace('_', '-')} must be positive"
     for flag in ("prediction_error", "event_lag_ms"):
         v = getattr(args, flag)
         if v is not None and (not math.isfinite(v) or v < 0):
@@ -305,6 +311,7 @@ def _setup(args: argparse.Namespace, capabilities: str = "own") -> _Setup | str:
         model_bias=_pick(args.model_bias, preset, "model_bias", 0.0),
         event_lag_ms=_pick(args.event_lag_ms, preset, "event_lag_ms", 0.0),
         nic_contention=bool(_pick(args.nic_contention, preset, "nic_contention", False)),
+        max_tokens=args.max_tokens,
         routing_only=bool(args.routing_only),
         shedding=equal if args.shedding is None else args.shedding,
         stealing=equal if args.stealing is None else args.stealing,
@@ -325,6 +332,7 @@ def _realism_line(setup: _Setup) -> str:
     return (f"prediction error {setup.prediction_error:g}, bias {setup.model_bias:g}, "
             f"event lag {setup.event_lag_ms:g} ms, NIC contention "
             f"{'on' if setup.nic_contention else 'off'}"
+            + ("" if setup.max_tokens is None else f", max_tokens {setup.max_tokens}")
             + (" | routing only (no fetch, CPP, admission, replication)"
                if setup.routing_only else "") + " | " + _capabilities_line(setup))
 

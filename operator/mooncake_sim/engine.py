@@ -133,6 +133,11 @@ class SimConfig(BaseModel):
     replica_lag_ms: float = Field(
         0.0, ge=0, description="how late a replica hears of the others' placements, ms "
         "(inf: never, each sees only its own)")
+    max_tokens: int | None = Field(
+        None, ge=1, description="the max_tokens every request asks for, all the Conductor "
+        "knows of its output: it books input + max_tokens on its decode instance; the "
+        "stream stops at its trace length or there (None: each request asks its trace "
+        "length, as the replay client sends it)")
     conductor: ConductorConfig = ConductorConfig()
     progress: bool = False
 
@@ -150,6 +155,9 @@ class SimConfig(BaseModel):
 @dataclass(slots=True)
 class _Req:
     info: RequestInfo
+    #: tokens the stream really gets (``info.output_tokens`` is what it asked for, the
+    #: Conductor's only knowledge of it)
+    output_len: int = 1
     decision: Decision | None = None
     placed_at: float = 0.0
     ttft: float = math.nan
@@ -177,9 +185,12 @@ class _Decoder:
     steps: int = 0
     admitted: int = 0
     version: int = 0
-    #: prompt plus output of every admitted request (what admission checks); the state
-    #: shows the scheduler the part not yet in ``context_tokens`` as ``reserved_tokens``
+    #: prompt plus output of every admitted request (what the engine's admission checks:
+    #: the KV it will hold)
     reserved: int = 0
+    #: prompt plus max_tokens of every admitted request (what a gateway books); the state
+    #: shows the scheduler the part not yet in ``context_tokens`` as ``reserved_tokens``
+    booked: int = 0
     seg_start: list[float] = field(default_factory=list)
     seg_dt: list[float] = field(default_factory=list)
     seg_steps: list[int] = field(default_factory=list)
@@ -235,15 +246,16 @@ class Simulation:
                                      namespace_seed("trace", bt))
         self.reqs: list[_Req] = []
         for rid, r in enumerate(records):
+            out = max(1, r.output_length)
             info = RequestInfo(
                 rid=rid,
                 arrival=r.timestamp_ms / 1000.0 / config.speed,
                 input_tokens=r.input_length,
-                output_tokens=max(1, r.output_length),
+                output_tokens=out if config.max_tokens is None else config.max_tokens,
                 keys=keys[rid],
                 block_tokens=bt,
             )
-            self.reqs.append(_Req(info=info))
+            self.reqs.append(_Req(info=info, output_len=min(out, info.output_tokens)))
         self._events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         self._chunk = config.chunk_steps
@@ -666,7 +678,7 @@ class Simulation:
         self._start_next(inst, now)
         assert req.decision is not None
         did = req.decision.decode.decode
-        if info.output_tokens <= 1 or did is None:
+        if req.output_len <= 1 or did is None:
             req.tbt = 0.0
             self.conductor.finished(info, req.decision)
             return
@@ -681,7 +693,7 @@ class Simulation:
         dec = self.decoders[did]
         st = dec.state
         req = self.reqs[rid]
-        need = req.info.input_tokens + req.info.output_tokens
+        need = req.info.input_tokens + req.output_len
         self._advance(dec, now)
         if st.capacity_tokens and dec.reserved + need > st.capacity_tokens and st.batch:
             dec.waiting.append(rid)
@@ -698,14 +710,15 @@ class Simulation:
         if not st.batch:
             dec.last = max(dec.last, now)
         req.s0 = dec.steps
-        req.end_step = dec.steps + req.info.output_tokens - 1
+        req.end_step = dec.steps + req.output_len - 1
         req.seg0 = len(dec.seg_dt)
         heapq.heappush(dec.running, (req.end_step, dec.admitted, rid))
         dec.admitted += 1
         st.batch += 1
         st.context_tokens += req.info.input_tokens + 1
-        dec.reserved += req.info.input_tokens + req.info.output_tokens
-        st.reserved_tokens = dec.reserved - st.context_tokens
+        dec.reserved += req.info.input_tokens + req.output_len
+        dec.booked += req.info.input_tokens + req.info.output_tokens
+        st.reserved_tokens = dec.booked - st.context_tokens
         if self.replicas.active:
             self.replicas.joined(self.replicas.replica_of(req.info), rid, st.iid,
                                  req.info.input_tokens + 1, req.info.output_tokens - 1, now)
@@ -727,7 +740,7 @@ class Simulation:
         dec.steps += k
         context = st.context_tokens + st.batch * k
         st.context_tokens = context
-        st.reserved_tokens = dec.reserved - context
+        st.reserved_tokens = dec.booked - context
         running = dec.running
         if running[0][0] <= dec.steps:
             # in admission order (k never passes the soonest end, so all end at this step)
@@ -745,8 +758,9 @@ class Simulation:
         if self.replicas.active:
             self.replicas.finished(self.replicas.replica_of(r.info), rid, st.iid,
                                    r.info.input_tokens + 1 + dec.steps - r.s0, dec.last)
-        dec.reserved -= r.info.input_tokens + r.info.output_tokens
-        st.reserved_tokens = dec.reserved - st.context_tokens
+        dec.reserved -= r.info.input_tokens + r.output_len
+        dec.booked -= r.info.input_tokens + r.info.output_tokens
+        st.reserved_tokens = dec.booked - st.context_tokens
         r.tbt = self._tbt(dec, r)
         assert r.decision is not None
         # the core's one path for a finished stream (the gateway's too; off by default)
@@ -757,7 +771,7 @@ class Simulation:
             self._release_held()
         while dec.waiting:
             nxt = self.reqs[dec.waiting[0]]
-            need = nxt.info.input_tokens + nxt.info.output_tokens
+            need = nxt.info.input_tokens + nxt.output_len
             if st.batch and dec.reserved + need > st.capacity_tokens:
                 break
             dec.waiting.popleft()

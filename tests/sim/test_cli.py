@@ -187,6 +187,7 @@ def test_plot(small_trace: Path, tmp_path: Path) -> None:
         (["--compare", "random,random"], "listed twice"),
         (["--preset", "nope"], "unknown preset"),
         (["--prefill", "0"], "--prefill must be positive"),
+        (["--max-tokens", "0"], "--max-tokens must be positive"),
         (["--speed", "-1"], "--speed must be a positive number"),
         (["--params", "{bad"], "--params is not valid JSON"),
         (["--params", '{"priority_weight": -1}'], "bad setting"),
@@ -197,6 +198,16 @@ def test_bad_arguments_exit_2(small_trace: Path, args: list[str], message: str,
                               capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", "--trace", str(small_trace), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_max_tokens_reaches_the_run_and_its_settings(small_trace: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    assert main(["simulate", "--trace", str(small_trace), "--policy", "conductor",
+                 "--prefill", "2", "--decode", "2", "--max-tokens", "4096",
+                 "--json", str(out)]) == 0
+    assert "max_tokens 4096" in capsys.readouterr().err
+    assert json.loads(out.read_text())["settings"]["max_tokens"] == 4096
 
 
 def test_trace_stats_prints_the_ceiling(small_trace: Path) -> None:

@@ -422,6 +422,53 @@ def test_conductor_sees_room_for_requests_that_fit_the_decode_instance() -> None
     assert r["rejected"] == 0 and r["completed"] == 2
 
 
+def test_the_conductor_books_max_tokens_not_the_streams_true_length() -> None:
+    """With ``max_tokens`` the Conductor knows only what a gateway knows: the decode
+    instance shows ``prompt + max_tokens`` booked for a stream while the stream decodes
+    its trace length."""
+    recs = [TraceRecord(0.0, 4096, 50, tuple(range(8))),
+            TraceRecord(1000.0, 2048, 30, tuple(range(100, 104)))]
+    s = sim(recs, "round-robin", max_tokens=200)
+    seen: list[tuple[int, int, int]] = []
+    arrive = s._arrive
+
+    def spy(now: float, rid: int) -> None:
+        d = s.cluster.decode[0]
+        seen.append((d.batch, d.context_tokens, d.reserved_tokens))
+        arrive(now, rid)
+
+    s._arrive = spy  # type: ignore[method-assign]
+    s.run()
+    batch, context, reserved = seen[1]
+    assert batch == 1 and 4097 < context < 4096 + 50
+    assert context + reserved == 4096 + 200  # booked, not the 50 it will decode
+    first = s.reqs[0]
+    assert (first.info.output_tokens, first.output_len) == (200, 50)
+    assert first.end_step - first.s0 == 49  # 50 tokens: the first from the prefill
+    d = s.cluster.decode[0]
+    assert (d.batch, d.context_tokens, d.reserved_tokens) == (0, 0, 0)
+
+
+def test_a_stream_stops_at_max_tokens() -> None:
+    s = sim([TraceRecord(0.0, 4096, 50, tuple(range(8)))], max_tokens=10)
+    s.run()
+    r = s.reqs[0]
+    assert (r.info.output_tokens, r.output_len, r.end_step - r.s0) == (10, 10, 9)
+
+
+@pytest.mark.parametrize(("max_tokens", "rejected"), [(None, 0), (1000, 1)])
+def test_booking_max_tokens_can_leave_no_room(max_tokens: int | None, rejected: int) -> None:
+    """Room for both streams' true lengths, not for the max_tokens they ask: the paper's
+    rule (no holding) refuses the second for decode room."""
+    recs = [TraceRecord(0.0, 4096, 50, tuple(range(8))),
+            TraceRecord(1000.0, 2048, 30, tuple(range(100, 104)))]
+    s = sim(recs, "kvcache-centric", decode_capacity_tokens=(4096 + 50) + (2048 + 30),
+            max_tokens=max_tokens)
+    r = s.run()
+    assert r["rejected"] == rejected and r["completed"] == 2 - rejected
+    assert s.reject_reasons == ({"tbt-slo": 1} if rejected else {})
+
+
 # -- SLO attainment in the result row ---------------------------------------------------------
 
 def test_sim_slo_attainment_counts_rejected_requests_as_misses() -> None:
