@@ -18,6 +18,10 @@ import numpy.typing as npt
 
 from .index import PrefixIndex
 
+#: prefills an instance's observed average weighs equally before it moves on
+#: (:meth:`PrefillState.observe_prefill`)
+AVG_PREFILL_WINDOW = 50
+
 
 @dataclass(slots=True)
 class RequestInfo:
@@ -314,6 +318,15 @@ class PrefillState(_Instance):
         return (f"PrefillState(iid={self.iid}, name={self.name!r}, up={self.up}, "
                 f"busy_until={self.busy_until}, queued={len(self.queue)}, "
                 f"queued_work_s={self.queued_work_s})")
+
+    def observe_prefill(self, elapsed_s: float) -> None:
+        """A prefill here took ``elapsed_s`` (measured): ``completed`` counts it and
+        ``avg_prefill_s`` (AIBrix's observed average) takes it in, as the plain mean of
+        the first :data:`AVG_PREFILL_WINDOW` and a moving mean of about as many after.
+        The gateway and the simulator both report through here."""
+        self.completed += 1
+        self.avg_prefill_s += ((elapsed_s - self.avg_prefill_s)
+                               / min(self.completed, AVG_PREFILL_WINDOW))
 
     @property
     def outstanding(self) -> int:

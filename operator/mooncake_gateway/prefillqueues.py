@@ -35,8 +35,6 @@ from .settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
-#: weight of the newest measurement in moving averages of prefill time
-EWMA_ALPHA = 0.2
 #: wall seconds between a held prefill's own checks of its turn (a safety net: turns are
 #: handed out when an engine answers, or when a steal moves the prefill)
 TURN_RECHECK_S = 1.0
@@ -258,9 +256,5 @@ class PrefillQueues:
         self.index.sync()
         inst.inflight -= 1
         if sent:  # one abandoned while held here never reached the engine
-            p.completed += 1
-            p.avg_prefill_s = (
-                elapsed_s if p.completed == 1
-                else (1 - EWMA_ALPHA) * p.avg_prefill_s + EWMA_ALPHA * elapsed_s
-            )
+            p.observe_prefill(elapsed_s)  # the core's one average (the simulator's too)
         self._hand_turn(inst.iid)

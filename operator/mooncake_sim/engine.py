@@ -667,9 +667,8 @@ class Simulation:
         self._publish(now, iid, info.keys, DRAM)
         if self.cluster.store_id is not None:
             self._publish(now, self.cluster.store_id, info.keys, STORE)
-        inst.completed += 1
         observed = req.exec_s  # what the gateway measures
-        inst.avg_prefill_s += (observed - inst.avg_prefill_s) / min(inst.completed, 50)
+        inst.observe_prefill(observed)
         self._pairs.append((req.predicted_s, observed))
         self.conductor.observe_prefill(req.predicted_s, observed)
         req.ttft = now - info.arrival

@@ -115,6 +115,21 @@ def test_a_new_prefill_instance_has_no_load() -> None:
     assert p.outstanding == 0 and p.active_blocks == 0 and p.wait_time(3.0) == 0.0
 
 
+def test_the_observed_prefill_average_is_a_mean_then_a_moving_one() -> None:
+    p = PrefillState(0)
+    for t in (1.0, 2.0, 6.0):
+        p.observe_prefill(t)
+    assert (p.completed, p.avg_prefill_s) == (3, 3.0)  # the plain mean
+    window = state_mod.AVG_PREFILL_WINDOW
+    for _ in range(window - 3):
+        p.observe_prefill(3.0)
+    assert p.completed == window and p.avg_prefill_s == pytest.approx(3.0)
+    p.observe_prefill(3.0 + window)  # past the window: one more moves it by 1/window
+    assert p.avg_prefill_s == pytest.approx(4.0)
+    p.observe_prefill(4.0 + window)
+    assert p.avg_prefill_s == pytest.approx(5.0)
+
+
 def test_a_prefill_state_keeps_what_it_is_given(groups: None) -> None:
     p = PrefillState(3, name="p3", up=False, busy_until=7.5, running_blocks=4,
                      running_tokens=300, queued_work_s=1.25, queued_blocks=6,
