@@ -209,13 +209,9 @@ def rank_fifo(
     assert _stats is not None
     pool = np.empty(POOL_FIELDS)
     j1 = _stats(now, up, busy_until, qwork, qlen, pool)
-    rows = all_rows(len(up))
-    t = _flat_topo(len(up)) if topo is None else topo
-    count, kappa = _rank(consts, now, n, block, best_len, best_pos, work_weight, shut_rate,
-                         slo_s, open_s, overlap, tol, tol_s, pool, j1, rows, up, busy_until,
-                         qwork, iid, local, score, fetch, ties, topo is not None, t.place,
-                         t.srcs, t.levels, t.bw, t.latency)
-    return int(count), float(kappa)
+    return rank_rows(consts, now, n, block, best_len, best_pos, work_weight, shut_rate, slo_s,
+                     open_s, overlap, tol, tol_s, pool, j1, all_rows(len(up)), up, busy_until,
+                     qwork, iid, local, score, fetch, ties, topo)
 
 
 class TopoArrays(NamedTuple):

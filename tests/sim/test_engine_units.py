@@ -388,13 +388,9 @@ def test_replication_rounds_copy_the_planned_blocks() -> None:
     assert s.index.match(0, keys) == 8 and s.index.match(1, keys) == 8
 
 
-def test_the_schedulers_view_of_decode_kv_is_what_the_requests_hold_and_reserve() -> None:
-    """``context_tokens + reserved_tokens`` is the KV a decode instance's requests hold
-    or will hold (prompt plus output each), as the gateway reports it (context: prompts,
-    reserved: outputs): the tbt-slo room check and ``kv_usage`` read that sum."""
-    recs = [TraceRecord(0.0, 4096, 50, tuple(range(8))),
-            TraceRecord(1000.0, 2048, 30, tuple(range(100, 104)))]
-    s = sim(recs, "round-robin")
+def _decode_views(s: Simulation) -> list[tuple[int, int, int]]:
+    """What decode instance 0 shows the scheduler (batch, context, reserved tokens) at
+    each arrival of the run to come."""
     seen: list[tuple[int, int, int]] = []
     arrive = s._arrive
 
@@ -404,6 +400,17 @@ def test_the_schedulers_view_of_decode_kv_is_what_the_requests_hold_and_reserve(
         arrive(now, rid)
 
     s._arrive = spy  # type: ignore[method-assign]
+    return seen
+
+
+def test_the_schedulers_view_of_decode_kv_is_what_the_requests_hold_and_reserve() -> None:
+    """``context_tokens + reserved_tokens`` is the KV a decode instance's requests hold
+    or will hold (prompt plus output each), as the gateway reports it (context: prompts,
+    reserved: outputs): the tbt-slo room check and ``kv_usage`` read that sum."""
+    recs = [TraceRecord(0.0, 4096, 50, tuple(range(8))),
+            TraceRecord(1000.0, 2048, 30, tuple(range(100, 104)))]
+    s = sim(recs, "round-robin")
+    seen = _decode_views(s)
     s.run()
     batch, context, reserved = seen[1]  # at 1 s the first request is decoding
     assert batch == 1
@@ -429,15 +436,7 @@ def test_the_conductor_books_max_tokens_not_the_streams_true_length() -> None:
     recs = [TraceRecord(0.0, 4096, 50, tuple(range(8))),
             TraceRecord(1000.0, 2048, 30, tuple(range(100, 104)))]
     s = sim(recs, "round-robin", max_tokens=200)
-    seen: list[tuple[int, int, int]] = []
-    arrive = s._arrive
-
-    def spy(now: float, rid: int) -> None:
-        d = s.cluster.decode[0]
-        seen.append((d.batch, d.context_tokens, d.reserved_tokens))
-        arrive(now, rid)
-
-    s._arrive = spy  # type: ignore[method-assign]
+    seen = _decode_views(s)
     s.run()
     batch, context, reserved = seen[1]
     assert batch == 1 and 4097 < context < 4096 + 50
