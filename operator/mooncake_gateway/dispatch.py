@@ -271,22 +271,10 @@ class Dispatcher:
         return decision, record
 
     def _candidates(self, rt: ModelRuntime, req: RequestInfo, now: float) -> list[dict[str, Any]]:
-        """Every routable prefill instance's predicted TTFT parts, best first."""
-        cost = rt.cost
-        matched = rt.index.match_all(req.keys, rt.cluster.prefill_mask, include_pending=True)
-        out: list[dict[str, Any]] = []
-        for ps in rt.cluster.prefill:
-            if not ps.up:
-                continue
-            local = matched.get(ps.iid, 0)
-            cached = req.tokens_of(local)
-            queue = ps.wait_time(now)
-            prefill = cost.prefill_time(req.input_tokens, cached)
-            out.append({"instance": rt.prefill[ps.iid].name, "matched_blocks": local,
-                        "cached_tokens": cached, "queue_s": queue, "prefill_s": prefill,
-                        "ttft_s": queue + prefill})
-        out.sort(key=lambda c: float(c["ttft_s"]))
-        return out[: self.settings.explain_top]
+        """The policy's own best options for ``req``, best first (its ``explain``: for
+        ``conductor``, every routable prefill instance priced by the named stages)."""
+        rows = rt.conductor.policy.explain(req, rt.cluster, now, self.settings.explain_top)
+        return [{**row, "instance": rt.prefill[int(row["instance"])].name} for row in rows]
 
     # -- prefill and decode at once --------------------------------------------------------
     async def _both_at_once(self, request: web.Request | None, rt: ModelRuntime,

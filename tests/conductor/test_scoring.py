@@ -147,3 +147,47 @@ def test_the_policy_decides_the_same_by_its_stages_and_by_the_kernel() -> None:
     # the fetch option and CPP groups decided some, and the shut-out was priced
     assert fetched > 20 and groups > 5
     assert all(p._arrivals.settled for p in by.values())  # type: ignore[attr-defined]
+
+
+def test_explain_shows_the_stages_the_choice_ranks_by_and_changes_nothing() -> None:
+    r = random.Random(5)
+    slo = SLOConfig(ttft_s=8.0)
+    pol = create_policy("conductor", PolicyContext(cost=COST, slo=slo, rng=random.Random(3)),
+                        {"cpp": {"enabled": False}})
+    agreed = 0
+    for rid in range(200):
+        now = rid * 0.2
+        c = _pool(r, now)
+        keys = list(range(r.randint(1, 120)))
+        req = request(keys, arrival=now, rid=rid)
+        # as the gateway does: the decision first (it measures the arrival), then explain
+        chosen = pol.choose(req, c, now)
+        rng_before = pol.ctx.rng.getstate()
+        rows = pol.explain(req, c, now, top=100)
+        assert pol.explain(req, c, now, top=100) == rows  # nothing observed or drawn
+        assert pol.ctx.rng.getstate() == rng_before
+        assert {row["instance"] for row in rows} == {p.iid for p in c.prefill if p.up}
+        for row in rows:
+            ttft = row["queue_s"] + row["transfer_s"] + row["prefill_s"]
+            assert row["ttft_s"] == ttft
+            if math.isfinite(row["score_s"]):
+                assert row["score_s"] == ttft + row["work_price_s"] + row["shut_out_s"]
+        assert [row["score_s"] for row in rows] == sorted(row["score_s"] for row in rows)
+        top = [row for row in rows if row["score_s"] <= rows[0]["score_s"] * 1.02 + 0.005]
+        assert chosen.prefill in {row["instance"] for row in top}  # inside the tie band
+        agreed += len(top) == 1
+    assert agreed > 50  # most choices are unique: explain's first row is the choice
+
+
+def test_a_policy_without_its_own_pricing_explains_recompute_by_ttft() -> None:
+    c = _pool(random.Random(2), 1.0)
+    pol = create_policy("least-load", PolicyContext(cost=COST, slo=SLOConfig(),
+                                                    rng=random.Random(0)), {})
+    req = request(list(range(30)), arrival=1.0)
+    rows = pol.explain(req, c, 1.0, top=2)
+    assert len(rows) == min(2, sum(p.up for p in c.prefill))
+    for row in rows:
+        p = next(p for p in c.prefill if p.iid == row["instance"])
+        assert row["queue_s"] == p.wait_time(1.0)
+        assert row["prefill_s"] == COST.prefill_time(req.input_tokens, row["cached_tokens"])
+    assert [row["ttft_s"] for row in rows] == sorted(row["ttft_s"] for row in rows)

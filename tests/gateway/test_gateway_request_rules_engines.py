@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 from mooncake_conductor.cost import CostModel
 from mooncake_gateway.settings import GatewaySettings
@@ -300,17 +301,26 @@ def test_explained_candidates_are_the_up_prefill_instances_best_first() -> None:
                 n = len(prefix) + 3
                 queues = {c["instance"]: c["queue_s"] for c in cands}
                 assert set(queues) == {"p1", "p2", "p3"}  # every one that is up
+                # the conductor's stages: a GPU second is priced at (busy instances +
+                # waiting requests) / instances = (1 + 1) / 3; no arrival rate measured yet
+                kappa = (1 + 1) / 3
                 want = []
                 for e in (p1, p2, p3):  # the prefix is pending on the busy one
                     blocks = 4 if e is busy else 0
                     queue = queues[e.name]
                     assert queue >= 0 and (queue == 0 or e is busy)
                     prefill = cost.prefill_time(n, blocks * BLOCK)
+                    work = kappa * prefill
                     want.append({"instance": e.name, "matched_blocks": blocks,
-                                 "cached_tokens": blocks * BLOCK, "queue_s": queue,
-                                 "prefill_s": prefill, "ttft_s": queue + prefill})
-                want.sort(key=lambda c: c["ttft_s"])
-                assert cands == want
+                                 "cached_tokens": blocks * BLOCK, "fetch_blocks": 0,
+                                 "queue_s": queue, "transfer_s": 0.0, "prefill_s": prefill,
+                                 "work_price_s": work, "shut_out_s": 0.0,
+                                 "ttft_s": queue + prefill, "score_s": queue + prefill + work})
+                want.sort(key=lambda c: (c["score_s"], c["ttft_s"]))
+                assert [c["instance"] for c in cands] == [c["instance"] for c in want]
+                for got, exp in zip(cands, want, strict=True):
+                    assert got.pop("instance") == exp.pop("instance")
+                    assert got == pytest.approx(exp, rel=1e-12)
                 assert cost.prefill_time(n, 4 * BLOCK) < cost.prefill_time(n)
             # at most explain_top of them (equal: in instance order)
             for e in (p1, p2, p3):

@@ -129,6 +129,27 @@ class PrefillPolicy(ABC):
         """Hook when a placed request is done: its last token sent, or it failed (routers
         that count their own outstanding requests release it here)."""
 
+    def explain(self, req: RequestInfo, cluster: ClusterState, now: float,
+                top: int) -> list[dict[str, float | int]]:
+        """The ``top`` best options for ``req`` as the policy sees them, best first, without
+        changing anything (what a gateway shows for an explained decision). By default:
+        every live prefill instance recomputing past its own prefix (stored or pending) as
+        its queue stands, by TTFT; a policy that prices more overrides it."""
+        matched = cluster.index.match_all(req.keys, cluster.prefill_mask, include_pending=True,
+                                          key_array=req.key_array)
+        rows: list[dict[str, float | int]] = []
+        for p in cluster.prefill:
+            if not p.up:
+                continue
+            local = matched.get(p.iid, 0)
+            cached = req.tokens_of(local)
+            queue = p.wait_time(now)
+            prefill = self.ctx.cost.prefill_time(req.input_tokens, cached)
+            rows.append({"instance": p.iid, "matched_blocks": local, "cached_tokens": cached,
+                         "queue_s": queue, "prefill_s": prefill, "ttft_s": queue + prefill})
+        rows.sort(key=lambda r: r["ttft_s"])  # stable: equal ones in pool order
+        return rows[:top]
+
     # -- helpers shared by several policies ---------------------------------------------------
     def local_placement(
         self, req: RequestInfo, inst: PrefillState, local_blocks: int, now: float

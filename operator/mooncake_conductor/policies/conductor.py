@@ -101,12 +101,21 @@ from ..arrivals import ArrivalRate, shut_out_wait
 from ..candidates import LoadOrder, order_of
 from ..capabilities import Capabilities
 from ..cpp import ChunkPricer, CPPConfig, first_stage_s, staggered_start
-from ..scoring import Option, PoolPrices, pool_prices, score, slo_guard, tie_band
+from ..scoring import (
+    Option,
+    PoolPrices,
+    breakdown,
+    pool_prices,
+    score,
+    slo_guard,
+    tie_band,
+)
 from ..scoring_kernel import rank_fifo, rank_rows
 from ..spread import ServiceSpread
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
 from ..topology import FetchSources, domain_orders
 from .base import Placement, PolicyContext, PrefillPolicy, register
+from .conductor_options import RequestOptions
 
 
 class ConductorParams(BaseModel):
@@ -162,7 +171,6 @@ class ConductorParams(BaseModel):
     cpp: CPPConfig = CPPConfig()
 
 
-_AFTER = 1e-6  # priority step that orders a request right after another
 _ONE = 1
 
 
@@ -227,67 +235,14 @@ class ConductorPolicy(PrefillPolicy):
                      if prm.placement_shut_out and self._arrivals.settled else 0.0)
         slo_s = self.ctx.slo.ttft_s
         open_s = prm.shut_out_open_share * slo_s
-        index = cluster.index
-        search = live_mask
-        if cluster.store_id is not None:
-            search |= 1 << cluster.store_id
-        # longest prefix per instance id: stored (any holder, the store pool too) and,
-        # for live instances, stored or pending (what queued prefills will have written)
-        stored, local_view, best_src, best_len = index.match_lengths(
-            req.keys, search, live_mask if prm.include_pending else None,
-            key_array=req.key_array)
-        if not self.ctx.fetch:  # local caches only: nothing is fetched
-            best_src, best_len = None, 0
-        n = req.input_tokens
-        weight = prm.priority_weight
-        best_tokens = req.tokens_of(best_len)
-        fetch_prefill = cost.prefill_time(n, best_tokens)
-        f_prio = req.arrival + weight * fetch_prefill
-        # with an active topology a fetch comes from the nearest holder of the prefix
-        holders = (FetchSources.of(self.ctx.topology, cluster, stored, best_len)
-                   if best_src is not None and self.ctx.topology.active else None)
-        # instances with the same local match (and place) share their prefill and
-        # transfer times
-        by_local: dict[tuple[int, int], tuple[float, float]] = {}
-
-        def times_of(local: int, place: int = 0) -> tuple[float, float]:
-            times = by_local.get((local, place))
-            if times is None:
-                local_tokens = req.tokens_of(local)
-                tokens = best_tokens - local_tokens
-                times = (cost.prefill_time(n, local_tokens),
-                         cost.transfer_time(tokens) if holders is None
-                         else holders.time_to(cost, tokens, place))
-                by_local[local, place] = times
-            return times
-
-        def option_of(p: PrefillState, position: int = -1) -> Option:
-            """The instance's option (:mod:`..scoring`): recompute, or fetch when that
-            is faster."""
-            iid = p.iid
-            local = int(local_view[iid])
-            recompute, transfer = times_of(local, 0 if holders is None else p.place)
-            prio = req.arrival + weight * recompute
-            if local > stored[iid] and p.queue:
-                # reusing blocks a queued prefill will write: never jump ahead of it
-                prio = max(prio, max(q.priority for q in p.queue) + _AFTER)
-            if weight:
-                queue = p.wait_time(now, prio)
-            else:  # FIFO: what runs plus what is queued
-                queue = (p.busy_until - now if p.busy_until > now else 0.0) + p.queued_work_s
-            option = Option(iid, local, 0, queue, 0.0, recompute, prio, position)
-            if best_len > local and best_src != iid:
-                f_queue = p.wait_time(now, f_prio) if weight else queue
-                f_transfer = max(0.0, transfer - f_queue) if prm.overlap_transfer else transfer
-                fetched = Option(iid, local, best_len - local, f_queue, f_transfer,
-                                 fetch_prefill, f_prio, position)
-                if fetched.ttft_s < option.ttft_s:
-                    option = fetched
-            return option
+        ro = self._options(req, cluster, live_mask, now)
+        stored, local_view, holders = ro.stored, ro.local_view, ro.holders
+        best_src, best_len = ro.best_src, ro.best_len
+        option_of = ro.option_of
 
         options: list[Option] = []
         pool_size = idle = -1  # the pool's live and idle instances (-1: ``live`` is all)
-        if weight or prm.explain:
+        if prm.priority_weight or prm.explain:
             # the stages one instance at a time (:mod:`..scoring`): the readable rule, and
             # the only way with priority queues
             assert live is not None
@@ -323,9 +278,8 @@ class ConductorPolicy(PrefillPolicy):
             ties_at = self._ties
             chosen = cluster.prefill[int(ties_at[0] if count == 1
                                          else ties_at[self.ctx.rng.choice(range(count))])]
-        source = best_src if holders is None else holders.source_for(
-            cost, best_tokens - req.tokens_of(int(local_view[chosen.iid])), chosen.place)
-        choice = self._placement(option_of(chosen), source)
+        option = option_of(chosen)
+        choice = self._placement(option, ro.source_for(option.local, chosen.place))
         cpp: Placement | None = None
         if prm.cpp.enabled and self.ctx.cpp:
             if live is None:
@@ -344,9 +298,9 @@ class ConductorPolicy(PrefillPolicy):
                 ):
                     choice = cpp
         if prm.explain:
-            shown = [self._placement(o, best_src if holders is None else holders.source_for(
-                cost, best_tokens - req.tokens_of(o.local), cluster.prefill[o.iid].place))
-                for o in sorted(options, key=lambda o: (o.ttft_s, o.iid))[:5]]
+            assert live is not None
+            shown = [self._placement(o, ro.source_for(o.local, live[o.position].place))
+                     for o in sorted(options, key=lambda o: (o.ttft_s, o.iid))[:5]]
             if cpp is not None:
                 shown.append(cpp)
             choice.candidates = [
@@ -356,6 +310,47 @@ class ConductorPolicy(PrefillPolicy):
                 for o in sorted(shown, key=lambda o: o.ttft_s)[:5]
             ]
         return choice
+
+    def explain(self, req: RequestInfo, cluster: ClusterState, now: float,
+                top: int) -> list[dict[str, float | int]]:
+        """Every live instance's option priced by the named stages (:mod:`..scoring`), best
+        score first: its TTFT parts, the price of its work and of the arrivals it shuts
+        out, and their sum; read from the measured arrival rate and spread as they stand
+        (nothing is observed or drawn). CPP groups are not listed."""
+        assert isinstance(self.params, ConductorParams)
+        prm = self.params
+        live = [p for p in cluster.prefill if p.up]
+        if not live:
+            return []
+        spread = self._spread.factor if prm.spread_price else 1.0
+        shut_rate = (self._arrivals.per_s * spread
+                     if prm.placement_shut_out and self._arrivals.settled else 0.0)
+        slo_s = self.ctx.slo.ttft_s
+        ro = self._options(req, cluster, sum(map(_ONE.__lshift__, [p.iid for p in live])), now)
+        prices = pool_prices([p.wait_time(now) for p in live], [len(p.queue) for p in live],
+                             [p.busy_until > now for p in live], prm.work_weight * spread,
+                             shut_rate, prm.shut_out_open_share * slo_s)
+        options = [ro.option_of(p, pos) for pos, p in enumerate(live)]
+        scores = slo_guard(options, [score(o, prices) for o in options], slo_s, prices)
+        rows: list[dict[str, float | int]] = []
+        for o, total in zip(options, scores, strict=True):
+            row: dict[str, float | int] = {
+                "instance": o.iid, "matched_blocks": o.local,
+                "cached_tokens": req.tokens_of(o.local), "fetch_blocks": o.fetch}
+            row.update({f"{name}_s": v for name, v in breakdown(o, prices).items()})
+            row.update({"ttft_s": o.ttft_s, "score_s": total})
+            rows.append(row)
+        rows.sort(key=lambda r: (r["score_s"], r["ttft_s"]))  # stable: ties in pool order
+        return rows[:top]
+
+    def _options(self, req: RequestInfo, cluster: ClusterState, live_mask: int,
+                 now: float) -> RequestOptions:
+        assert isinstance(self.params, ConductorParams)
+        prm = self.params
+        return RequestOptions(req, cluster, live_mask, now, self.ctx.cost, self.ctx.topology,
+                              fetch=self.ctx.fetch, include_pending=prm.include_pending,
+                              overlap_transfer=prm.overlap_transfer,
+                              priority_weight=prm.priority_weight)
 
     def _rank(
         self, req: RequestInfo, pool: list[PrefillState], local_view: npt.NDArray[np.int64],
