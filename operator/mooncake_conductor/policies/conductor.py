@@ -77,11 +77,12 @@ Where it differs from the paper's Algorithm 1 (``kvcache-centric``), and why
     queue nears the TTFT SLO, a request costing more GPU seconds than the
     average offered one is rejected (``overload``); the paper's rule rejects
     only predicted misses, whoever they are.
-13. **Late binding of queued work** (:mod:`..stealing`, capability ``stealing``): an instance that
-    goes idle takes the prompt queued elsewhere whose predicted TTFT drops most by
-    moving; placement binds on predictions, and executions stray from them.
-14. **Full decode pool: wait, don't refuse** (:mod:`..holding`, capability ``holding``): a request
-    refused only for decode room waits for room while it can still meet the TTFT SLO.
+13. **Late binding of queued work** (:mod:`..stealing`, capability ``stealing``): an
+    instance that goes idle takes the prompt queued elsewhere whose predicted TTFT drops
+    most by moving; placement binds on predictions, and executions stray from them.
+14. **Full decode pool: wait, don't refuse** (:mod:`..holding`, capability ``holding``):
+    a request refused only for decode room waits for room while it can still meet the
+    TTFT SLO.
 15. **A prefill past its predicted end is not done** (:mod:`..overrun`, capability
     ``reestimation``): an instance whose prefill is still running at its predicted end
     gets a new expected end from the prediction error measured so far, instead of
@@ -229,10 +230,7 @@ class ConductorPolicy(PrefillPolicy):
         if cost.version != self._consts_version:  # the cost model was recalibrated
             self._consts = np.array(cost.prefill_constants())
             self._consts_version = cost.version
-        # the price of the arrivals a choice shuts out, per second squared (from a rate
-        # measured over a whole window: a burst at start-up is no stream of arrivals)
-        shut_rate = (self._arrivals.per_s * spread
-                     if prm.placement_shut_out and self._arrivals.settled else 0.0)
+        shut_rate = self._shut_rate(spread)
         slo_s = self.ctx.slo.ttft_s
         open_s = prm.shut_out_open_share * slo_s
         ro = self._options(req, cluster, live_mask, now)
@@ -323,8 +321,7 @@ class ConductorPolicy(PrefillPolicy):
         if not live:
             return []
         spread = self._spread.factor if prm.spread_price else 1.0
-        shut_rate = (self._arrivals.per_s * spread
-                     if prm.placement_shut_out and self._arrivals.settled else 0.0)
+        shut_rate = self._shut_rate(spread)
         slo_s = self.ctx.slo.ttft_s
         ro = self._options(req, cluster, sum(map(_ONE.__lshift__, [p.iid for p in live])), now)
         prices = pool_prices([p.wait_time(now) for p in live], [len(p.queue) for p in live],
@@ -342,6 +339,14 @@ class ConductorPolicy(PrefillPolicy):
             rows.append(row)
         rows.sort(key=lambda r: (r["score_s"], r["ttft_s"]))  # stable: ties in pool order
         return rows[:top]
+
+    def _shut_rate(self, spread: float) -> float:
+        """The price of the arrivals a choice shuts out, per second squared: the measured
+        arrival rate times the spread factor, once measured over a whole window (a burst
+        at start-up is no stream of arrivals); 0 with ``placement_shut_out`` off."""
+        assert isinstance(self.params, ConductorParams)
+        return (self._arrivals.per_s * spread
+                if self.params.placement_shut_out and self._arrivals.settled else 0.0)
 
     def _options(self, req: RequestInfo, cluster: ClusterState, live_mask: int,
                  now: float) -> RequestOptions:
