@@ -112,11 +112,15 @@ class ConductorConfig(BaseModel):
             raise ValueError(f"unknown decode selector {self.decode_selector!r}; known: {known}")
         return self
 
+    def decode_name(self) -> str:
+        """The decode selector in force: as set, else the policy's own."""
+        return self.decode_selector or policy_class(self.policy).default_decode
+
     def capabilities(self) -> Capabilities:
         """What a Conductor of this configuration does beyond placing: each switch set
         here, else the policy's own (:mod:`.capabilities`)."""
         cls = policy_class(self.policy)
-        decode = DECODE_SELECTORS[self.decode_selector or cls.default_decode]
+        decode = DECODE_SELECTORS[self.decode_name()]
         return compose(
             cls.capabilities,
             Overrides(admission=self.admission, shedding=self.shedding.enabled,
@@ -153,10 +157,9 @@ class Conductor:
                             fetch=not only, cpp=not only, candidates=self.config.candidates,
                             topology=self.topology)
         self.policy = create_policy(self.config.policy, ctx, self.config.params)
-        decode_name = self.config.decode_selector or self.policy.default_decode
         self.decode_selector = create_decode_selector(
-            decode_name, self.cost, self.config.slo.tbt_s, self.rng, self.config.candidates
-        )
+            self.config.decode_name(), self.cost, self.config.slo.tbt_s, self.rng,
+            self.config.candidates)
         self.decode_selector.topology = self.topology
         cfg = self.config
         #: what this Conductor does beyond placing, composed once (:mod:`.capabilities`)

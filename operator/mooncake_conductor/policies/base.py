@@ -141,12 +141,10 @@ class PrefillPolicy(ABC):
         for p in cluster.prefill:
             if not p.up:
                 continue
-            local = matched.get(p.iid, 0)
-            cached = req.tokens_of(local)
-            queue = p.wait_time(now)
-            prefill = self.ctx.cost.prefill_time(req.input_tokens, cached)
-            rows.append({"instance": p.iid, "matched_blocks": local, "cached_tokens": cached,
-                         "queue_s": queue, "prefill_s": prefill, "ttft_s": queue + prefill})
+            pl = self.local_placement(req, p, matched.get(p.iid, 0), now)
+            rows.append({"instance": p.iid, "matched_blocks": pl.local_blocks,
+                         "cached_tokens": req.tokens_of(pl.local_blocks), "queue_s": pl.queue_s,
+                         "prefill_s": pl.prefill_s, "ttft_s": pl.queue_s + pl.prefill_s})
         rows.sort(key=lambda r: r["ttft_s"])  # stable: equal ones in pool order
         return rows[:top]
 

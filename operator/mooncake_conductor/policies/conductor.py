@@ -244,12 +244,8 @@ class ConductorPolicy(PrefillPolicy):
             # the stages one instance at a time (:mod:`..scoring`): the readable rule, and
             # the only way with priority queues
             assert live is not None
-            prices = pool_prices([p.wait_time(now) for p in live], [len(p.queue) for p in live],
-                                 [p.busy_until > now for p in live], prm.work_weight * spread,
-                                 shut_rate, open_s)
+            prices, options, scores = self._staged(ro, live, now, spread, shut_rate)
             kappa = prices.kappa
-            options = [option_of(p, pos) for pos, p in enumerate(live)]
-            scores = slo_guard(options, [score(o, prices) for o in options], slo_s, prices)
             ties = tie_band(options, scores, prm.tie_tolerance, prm.tie_tolerance_s)
             chosen = live[ties[0] if len(ties) == 1 else self.ctx.rng.choice(ties)]
         else:
@@ -321,14 +317,8 @@ class ConductorPolicy(PrefillPolicy):
         if not live:
             return []
         spread = self._spread.factor if prm.spread_price else 1.0
-        shut_rate = self._shut_rate(spread)
-        slo_s = self.ctx.slo.ttft_s
         ro = self._options(req, cluster, sum(map(_ONE.__lshift__, [p.iid for p in live])), now)
-        prices = pool_prices([p.wait_time(now) for p in live], [len(p.queue) for p in live],
-                             [p.busy_until > now for p in live], prm.work_weight * spread,
-                             shut_rate, prm.shut_out_open_share * slo_s)
-        options = [ro.option_of(p, pos) for pos, p in enumerate(live)]
-        scores = slo_guard(options, [score(o, prices) for o in options], slo_s, prices)
+        prices, options, scores = self._staged(ro, live, now, spread, self._shut_rate(spread))
         rows: list[dict[str, float | int]] = []
         for o, total in zip(options, scores, strict=True):
             row: dict[str, float | int] = {
@@ -339,6 +329,22 @@ class ConductorPolicy(PrefillPolicy):
             rows.append(row)
         rows.sort(key=lambda r: (r["score_s"], r["ttft_s"]))  # stable: ties in pool order
         return rows[:top]
+
+    def _staged(self, ro: RequestOptions, live: list[PrefillState], now: float,
+                spread: float, shut_rate: float
+                ) -> tuple[PoolPrices, list[Option], list[float]]:
+        """The named stages over ``live``, one instance at a time (:mod:`..scoring`): the
+        pool's prices, each instance's option (at its live position) and its score after
+        the SLO guard."""
+        assert isinstance(self.params, ConductorParams)
+        prm = self.params
+        slo_s = self.ctx.slo.ttft_s
+        prices = pool_prices([p.wait_time(now) for p in live], [len(p.queue) for p in live],
+                             [p.busy_until > now for p in live], prm.work_weight * spread,
+                             shut_rate, prm.shut_out_open_share * slo_s)
+        options = [ro.option_of(p, pos) for pos, p in enumerate(live)]
+        return prices, options, slo_guard(options, [score(o, prices) for o in options],
+                                          slo_s, prices)
 
     def _shut_rate(self, spread: float) -> float:
         """The price of the arrivals a choice shuts out, per second squared: the measured

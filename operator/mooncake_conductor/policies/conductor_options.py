@@ -24,8 +24,8 @@ _AFTER = 1e-6  # priority step that orders a request right after another
 
 class RequestOptions:
     """What pricing ``req`` on ``cluster`` at ``now`` reads, looked up once: the longest
-    prefix per instance (stored; stored or pending for the live ones in
-    ``pending_mask``), the longest prefix's holder, and each local match's times."""
+    prefix per instance (stored; with ``include_pending``, stored or pending for the live
+    ones in ``live_mask``), the longest prefix's holder, and each local match's times."""
 
     def __init__(self, req: RequestInfo, cluster: ClusterState, live_mask: int, now: float,
                  cost: CostModel, topology: Topology, *, fetch: bool, include_pending: bool,
