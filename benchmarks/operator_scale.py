@@ -135,7 +135,8 @@ def wait_until(cond: Callable[[], bool], timeout: float, what: str, every: float
 
 # -- Prometheus -----------------------------------------------------------------------------------
 def scrape(url: str) -> dict[str, float]:
-    """The operator's counters we diff: ``writes:<verb>/<kind>`` and ``reconciles:<outcome>``."""
+    """The operator's counters we diff: ``writes:<verb>/<kind>``, ``reads:<verb>/<kind>``
+    and ``reconciles:<outcome>``."""
     with urllib.request.urlopen(url, timeout=10) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
@@ -148,6 +149,8 @@ def scrape(url: str) -> dict[str, float]:
         labels = {k.strip(): v.strip().strip('"') for k, v in labels.items()}
         if name == "mooncake_operator_api_writes_total":
             out[f"writes:{labels.get('verb')}/{labels.get('kind')}"] = float(value)
+        elif name == "mooncake_operator_api_reads_total":
+            out[f"reads:{labels.get('verb')}/{labels.get('kind')}"] = float(value)
         elif name == "mooncake_operator_reconciles_total":
             out[f"reconciles:{labels.get('outcome')}"] = float(value)
     return out
@@ -384,6 +387,9 @@ class Steady:
     writes_by: dict[str, int]
     reconciles: int
     events: int
+    #: API reads by verb/kind (the Lease's included); empty from an operator before reads
+    #: were counted
+    reads_by: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -536,10 +542,12 @@ class Bench:
                     gw_cpu_pct=100 * (g1 - g0) / secs if gw_pid is not None else None,
                     op_rss_peak_mib=peak / 1024, writes=sum(writes_by.values()),
                     writes_by=writes_by, reconciles=sum(diff(m1, m0, "reconciles:").values()),
-                    events=sum(cluster_events(self.http, name).values()) - ev0)
+                    events=sum(cluster_events(self.http, name).values()) - ev0,
+                    reads_by=diff(m1, m0, "reads:"))
         log(f"  {name}: steady {secs:.0f}s: operator CPU {st.op_cpu_pct:.2f}% "
             f"({st.op_cpu_s:.2f}s), writes {st.writes} {st.writes_by}, reconciles "
-            f"{st.reconciles}, events {st.events}, RSS peak {st.op_rss_peak_mib:.0f} MiB")
+            f"{st.reconciles}, reads {st.reads_by}, events {st.events}, RSS peak "
+            f"{st.op_rss_peak_mib:.0f} MiB")
         return st
 
     def teardown(self, name: str) -> float | None:

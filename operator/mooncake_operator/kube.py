@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import crd
-from .metrics import WRITES
+from .metrics import READS, WRITES
 
 JsonDict = dict[str, Any]
 MERGE_PATCH = "application/merge-patch+json"
@@ -82,12 +82,13 @@ def api_client_from_env() -> Any:
 
 
 class Kube:
-    """Async get/list/create/patch/delete of plain-dict objects, counting writes."""
+    """Async get/list/create/patch/delete of plain-dict objects, counting reads and writes."""
 
     def __init__(self, api_client: Any, field_manager: str) -> None:
         self.api = api_client
         self.field_manager = field_manager
         self.writes: Counter[tuple[str, str]] = Counter()
+        self.reads: Counter[tuple[str, str]] = Counter()
         #: whether this replica may write now (None: always); the Lease is always written
         self.may_write: Callable[[], bool] | None = None
 
@@ -146,7 +147,12 @@ class Kube:
         return sum(self.writes.values())
 
     # -- reads ----------------------------------------------------------------------------------
+    def _read(self, verb: str, kind: str) -> None:
+        self.reads[(verb, kind)] += 1
+        READS.labels(verb, kind).inc()
+
     async def get(self, kind: str, namespace: str, name: str) -> JsonDict | None:
+        self._read("get", kind)
         try:
             out: JsonDict = await self.request("GET", path(kind, namespace, name))
             return out
@@ -157,6 +163,7 @@ class Kube:
 
     async def list(self, kind: str, namespace: str, selector: str | None = None
                    ) -> list[JsonDict]:
+        self._read("list", kind)
         query = {"labelSelector": selector} if selector else None
         out = await self.request("GET", path(kind, namespace), query=query)
         items: list[JsonDict] = out.get("items") or []

@@ -13,6 +13,8 @@ RECONCILE_SECONDS = Histogram("mooncake_operator_reconcile_seconds",
                               "Wall time of one reconcile")
 WRITES = Counter("mooncake_operator_api_writes_total",
                  "Writes to the API server by verb and kind", ["verb", "kind"])
+READS = Counter("mooncake_operator_api_reads_total",
+                "Reads from the API server by verb and kind", ["verb", "kind"])
 ERRORS = Counter("mooncake_operator_errors_total", "Reconcile errors by kind", ["kind"])
 REPLICA_PATCHES = Counter("mooncake_operator_replica_patches_total",
                           "Replica-annotation patches by the Conductor controller",
