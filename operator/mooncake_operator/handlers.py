@@ -2,9 +2,11 @@
 
 - one daemon per MooncakeCluster runs :func:`~.runtime.run_cluster` (reconcile + the
   Conductor controller);
-- pod, Deployment, DaemonSet and MooncakeCluster events wake that cluster's daemon
-  (watch events, not list calls; no handler state is persisted, so kopf writes nothing of
-  its own but its finalizer, which every replica adds alike);
+- kopf indexes every kind the operator creates (:mod:`.cache`); reconciles read their
+  children and pods from there, not from the API;
+- an event on any of those, or on a MooncakeCluster, wakes that cluster's daemon (watch
+  events, not list calls; no handler state is persisted, so kopf writes nothing of its own
+  but its finalizer, which every replica adds alike);
 - every replica watches; only the holder of the leader Lease reconciles and writes
   (``leader.py``, :meth:`~.runtime.OperatorState.follow_leadership`).
 """
@@ -20,7 +22,7 @@ from typing import Any
 import kopf
 from mooncake_contract import conventions as c
 
-from . import crd
+from . import cache, crd
 from .kube import api_client_from_env
 from .runtime import OperatorState, run_cluster
 from .settings import OperatorSettings
@@ -72,7 +74,7 @@ def configure_kopf(settings: kopf.OperatorSettings, ours: OperatorSettings) -> N
 
 
 @kopf.on.startup()
-async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, **kwargs: Any) -> None:
     global STATE
     ours = OperatorSettings()
     configure_kopf(settings, ours)
@@ -80,7 +82,9 @@ async def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
         from prometheus_client import start_http_server
 
         start_http_server(ours.metrics_port, addr=ours.metrics_host)
-    STATE = OperatorState.create(ours, api_client_from_env())
+    # kopf's live indexes (empty now; filled before any daemon starts)
+    indexes = {kind: kwargs[cache.index_id(kind)] for kind in cache.INDEXED}
+    STATE = OperatorState.create(ours, api_client_from_env(), indexes)
     global ELECTION
     ELECTION = asyncio.get_running_loop().create_task(STATE.follow_leadership())
     log.info("mooncake-operator started; gateway at %s", ours.gateway_url)
@@ -130,9 +134,21 @@ def cluster_changed(name: str | None, namespace: str | None, **_: Any) -> None:
         STATE.wake(namespace, name)
 
 
-@kopf.on.event("", "v1", "pods", labels=OUR_LABELS)
-@kopf.on.event("apps", "v1", "deployments", labels=OUR_LABELS)
-@kopf.on.event("apps", "v1", "daemonsets", labels=OUR_LABELS)
 def child_changed(labels: Mapping[str, str], namespace: str | None, **_: Any) -> None:
+    """A child changed (a pod became ready, someone deleted the store Service, ...):
+    reconcile its cluster now rather than at the next resync."""
     if STATE is not None:
         STATE.wake(namespace, labels.get(c.LABEL_CLUSTER))
+
+
+def index_children(body: Mapping[str, Any], **_: Any) -> dict[cache.IndexKey, dict[str, Any]]:
+    """kopf's index of one kind: each object under its name and its cluster (kopf drops it
+    when it is deleted or loses the operator's labels)."""
+    return cache.entries(body)
+
+
+for _kind, (_group, _version, _plural) in cache.INDEXED.items():
+    kopf.index(_group, _version, _plural, id=cache.index_id(_kind),
+               labels=OUR_LABELS)(index_children)
+    kopf.on.event(_group, _version, _plural, id=f"wake_on_{_plural}",
+                  labels=OUR_LABELS)(child_changed)

@@ -91,6 +91,11 @@ class Kube:
         self.reads: Counter[tuple[str, str]] = Counter()
         #: whether this replica may write now (None: always); the Lease is always written
         self.may_write: Callable[[], bool] | None = None
+        #: told of every write that landed: (kind, namespace, name, the object as the API
+        #: answered or None once it is gone, its uid when known); the reconciler's cache
+        #: reads its own writes (cache.py)
+        self.on_written: Callable[[str, str, str, JsonDict | None, str | None], None] | None
+        self.on_written = None
 
     def _call(self, method: str, url: str, body: Any = None,
               content_type: str = "application/json",
@@ -142,6 +147,11 @@ class Kube:
         self.writes[(verb, kind)] += 1
         WRITES.labels(verb, kind).inc()
 
+    def _written(self, kind: str, namespace: str, name: str, obj: JsonDict | None,
+                 uid: str | None = None) -> None:
+        if self.on_written is not None:
+            self.on_written(kind, namespace, name, obj, uid)
+
     @property
     def total_writes(self) -> int:
         return sum(self.writes.values())
@@ -177,6 +187,7 @@ class Kube:
         try:
             out: JsonDict = await self.request(
                 "POST", path(kind, ns), obj, query={"fieldManager": self.field_manager})
+            self._written(kind, ns, obj["metadata"]["name"], out)
             return out
         except KubeError as err:
             if err.status == 409:
@@ -192,6 +203,7 @@ class Kube:
             out: JsonDict = await self.request(
                 "PATCH", path(kind, namespace, name, sub), body, content_type,
                 query={"fieldManager": self.field_manager})
+            self._written(kind, namespace, name, out)
             return out
         except KubeError as err:
             if err.status == 404:
@@ -207,7 +219,12 @@ class Kube:
         if uid is not None:
             body["preconditions"] = {"uid": uid}
         try:
-            await self.request("DELETE", path(kind, namespace, name), body)
+            out = await self.request("DELETE", path(kind, namespace, name), body)
+            # a pod in its grace period (or an object held by finalizers) is still there,
+            # marked for deletion; otherwise the API answers a Status and it is gone
+            meta = (out or {}).get("metadata") or {}
+            self._written(kind, namespace, name, out if meta.get("deletionTimestamp") else None,
+                          uid)
             return True
         except KubeError as err:
             if err.status in (404, 409):

@@ -62,27 +62,35 @@ RULES: tuple[Rule, ...] = (
     Rule(crd.GROUP, f"{crd.PLURAL}/status", ("patch",),
          "reconcile.Reconciler._write_status and write_hot_prefixes: status merge patches"),
     Rule("", "pods", ("list", "watch", "create", "patch", "delete"),
-         "kopf watches pods (handlers.child_changed); reconcile lists a cluster's pods, "
-         "creates engine pods, patches the drain annotation and deletes drained pods; "
-         "runtime.controller_round lists prefill pods and patches mooncake.io/replicas; "
+         "kopf lists and watches pods into an index (handlers, cache.py), which the "
+         "reconcile and runtime.controller_round read; reconcile creates engine pods, "
+         "patches the drain annotation and deletes drained pods; the controller patches "
+         "mooncake.io/replicas; "
          "the gateway lists and watches each model's pods (discovery.KubernetesPodSource) "
          "and its own replicas' pods (peers.PeerSync)"),
-    Rule("", "services", ("get", "list", "create", "patch", "delete"),
-         "reconcile.Reconciler._apply_children: the store Service (get, create, patch when "
-         "its hash changed, list + delete when no longer wanted)"),
+    Rule("", "services", ("get", "list", "watch", "create", "patch", "delete"),
+         "kopf lists and watches them into an index (cache.py); "
+         "reconcile.Reconciler._apply_children: the store Service (create, patch when its "
+         "hash changed, delete when no longer wanted; get when a create finds it exists)"),
     Rule("", "configmaps", ("get", "list", "watch", "create", "patch", "delete"),
-         "reconcile.Reconciler._apply_children: the {cluster}-gateway ConfigMap (get, "
-         "create, patch, list + delete); the gateway lists and watches the labelled "
-         "ConfigMaps (catalog.ConfigMapWatch)"),
+         "kopf lists and watches them into an index (cache.py); "
+         "reconcile.Reconciler._apply_children: the {cluster}-gateway ConfigMap (create, "
+         "patch, delete; get when a create finds it exists); the gateway lists and "
+         "watches the labelled ConfigMaps (catalog.ConfigMapWatch)"),
     Rule("apps", "deployments", ("get", "list", "watch", "create", "patch", "delete"),
-         "kopf watches them (handlers.child_changed); reconcile.Reconciler._apply_children: "
-         "the store master Deployment"),
+         "kopf lists and watches them into an index (cache.py); "
+         "reconcile.Reconciler._apply_children: the store master Deployment (create, "
+         "patch, delete; get when a create finds it exists)"),
     Rule("apps", "daemonsets", ("get", "list", "watch", "create", "patch", "delete"),
-         "kopf watches them (handlers.child_changed); reconcile.Reconciler._apply_children: "
-         "the store-node DaemonSet"),
-    Rule("networking.k8s.io", "networkpolicies", ("get", "list", "create", "patch", "delete"),
+         "kopf lists and watches them into an index (cache.py); "
+         "reconcile.Reconciler._apply_children: the store-node DaemonSet (create, patch, "
+         "delete; get when a create finds it exists)"),
+    Rule("networking.k8s.io", "networkpolicies",
+         ("get", "list", "watch", "create", "patch", "delete"),
+         "kopf lists and watches them into an index (cache.py); "
          "reconcile.Reconciler._apply_children: each cluster's NetworkPolicy (netpol.py; "
-         "get, create, patch when its hash changed, list + delete when no longer wanted)"),
+         "create, patch when its hash changed, delete when no longer wanted; get when a "
+         "create finds it exists)"),
     Rule("coordination.k8s.io", "leases", ("get", "create", "patch"),
          "leader.LeaderElector: read the leader Lease, create it once, renew or take it over "
          "(patches carry its resourceVersion) and release it on shutdown"),

@@ -25,6 +25,7 @@ from mooncake_contract import conventions as c
 from pydantic import ValidationError
 
 from . import builders, engines, names, observe, placement, rollout, status
+from .cache import Reader
 from .crashes import CrashHistory
 from .gatewayclient import GatewayClient
 from .kube import Kube
@@ -106,8 +107,11 @@ def status_patch(st: MooncakeClusterStatus) -> JsonDict:
 
 class Reconciler:
     def __init__(self, kube: Kube, gateway: GatewayClient | None, settings: OperatorSettings,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, reader: Reader | None = None
+                 ) -> None:
         self.kube = kube
+        #: where children and pods are read: kopf's indexes in the operator (cache.py)
+        self.reader: Reader = reader if reader is not None else kube
         self.gateway = gateway
         self.settings = settings
         self.clock = clock
@@ -122,12 +126,18 @@ class Reconciler:
         live: dict[str, JsonDict] = {}
         for obj in wanted:
             kind, name = obj["kind"], obj["metadata"]["name"]
-            cur = await self.kube.get(kind, ref.namespace, name)
+            cur = await self.reader.get(kind, ref.namespace, name)
             want_hash = obj["metadata"]["annotations"][builders.SPEC_HASH_ANNOTATION]
             if cur is None:
                 created = await self.kube.create(obj)
-                cur = created or await self.kube.get(kind, ref.namespace, name)
-            elif (cur["metadata"].get("annotations") or {}).get(
+                if created is not None:
+                    live[f"{kind}/{name}"] = created
+                    continue
+                # it exists: the cache lags, or the object is not labelled as ours
+                cur = await self.kube.get(kind, ref.namespace, name)
+                if cur is None:
+                    continue  # deleted meanwhile: the next pass creates it
+            if (cur["metadata"].get("annotations") or {}).get(
                     builders.SPEC_HASH_ANNOTATION) != want_hash:
                 body = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
                 # the version just read: a concurrent writer's change is not overwritten
@@ -141,7 +151,7 @@ class Reconciler:
         keep = {f"{o['kind']}/{o['metadata']['name']}" for o in wanted}
         selector = f"{c.LABEL_CLUSTER}={ref.name},{c.LABEL_MANAGED_BY}={c.MANAGED_BY}"
         for kind in CHILD_KINDS:
-            for obj in await self.kube.list(kind, ref.namespace, selector):
+            for obj in await self.reader.list(kind, ref.namespace, selector):
                 key = f"{kind}/{obj['metadata']['name']}"
                 owners = obj["metadata"].get("ownerReferences") or []
                 if key not in keep and any(o.get("uid") == ref.uid for o in owners):
@@ -168,7 +178,8 @@ class Reconciler:
         now = self.clock()
         before = parse_status(body)
         spec, invalid = parse_spec(body)
-        pods_raw = await self.kube.list("Pod", ref.namespace, f"{c.LABEL_CLUSTER}={ref.name}")
+        pods_raw = await self.reader.list("Pod", ref.namespace,
+                                          f"{c.LABEL_CLUSTER}={ref.name}")
         pods = [v for p in pods_raw if self._owned(p, ref) and (v := observe.pod_view(p))]
         if spec is None:
             assert invalid is not None

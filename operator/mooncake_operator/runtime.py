@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from mooncake_contract import conventions as c
 
 from . import hotprefix, names, observe, status
+from .cache import IndexedReader, IndexView, Reader
 from .gatewayclient import GatewayClient
 from .kube import Kube, KubeError, NotLeader
 from .leader import LeaderElector
@@ -63,8 +64,15 @@ class OperatorState:
         default_factory=dict)
 
     @classmethod
-    def create(cls, settings: OperatorSettings, api_client: Any) -> OperatorState:
+    def create(cls, settings: OperatorSettings, api_client: Any,
+               indexes: Mapping[str, IndexView] | None = None) -> OperatorState:
+        """The state of one operator process; ``indexes`` (kind -> kopf index,
+        :mod:`.cache`) serve the reconciler's reads when given."""
         kube = Kube(api_client, settings.field_manager)
+        reader: Reader = kube
+        if indexes is not None:
+            reader = IndexedReader(indexes, kube)
+            kube.on_written = reader.written
         gateway = GatewayClient(settings.gateway_url, settings.gateway_timeout_s,
                                 settings.gateway_admin_keys_dir, settings.gateway_public_url)
         leader = None
@@ -76,7 +84,8 @@ class OperatorState:
                 lease_s=settings.lease_duration_s, renew_deadline_s=settings.renew_deadline_s,
                 retry_s=settings.lease_retry_s)
             kube.may_write = lambda: leader.leading
-        return cls(settings, kube, gateway, Reconciler(kube, gateway, settings), leader)
+        return cls(settings, kube, gateway, Reconciler(kube, gateway, settings, reader=reader),
+                   leader)
 
     @property
     def leading(self) -> bool:
@@ -142,8 +151,8 @@ async def controller_round(state: OperatorState, ref: ClusterRef, outcome: Outco
     if data is None or reg_data is None:
         return  # gateway unknown: change nothing
     registry = observe.registry_from_json(reg_data, model, ref.namespace)
-    raw = await state.kube.list("Pod", ref.namespace,
-                                names.selector_string(ref.name, c.ROLE_PREFILL))
+    raw = await state.reconciler.reader.list("Pod", ref.namespace,
+                                             names.selector_string(ref.name, c.ROLE_PREFILL))
     pods = [v for p in raw if (v := observe.pod_view(p)) is not None]
     hot = hotprefix.parse_hot(data) if hp.enabled else []
     plan = hotprefix.plan(pods, registry, hot, hp, store=spec.store.enabled)

@@ -157,6 +157,38 @@ def test_a_reconcile_with_nothing_to_change_writes_nothing(llama: Clusters,
     assert first == 0 and second == 0
 
 
+def _operator_counters(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name in ("mooncake_operator_api_reads_total",
+                          "mooncake_operator_reconciles_total")}
+
+
+def test_a_steady_operator_reads_its_children_from_kopf_indexes(
+        llama: Clusters, operator: Operator) -> None:
+    """Reconciles go on (every resync), but none sends the API server a read of a pod or a
+    child: they come from kopf's indexes (cache.py). Only the Lease is read."""
+    from mooncake_operator import cache
+
+    ok = ("mooncake_operator_reconciles_total", (("outcome", "ok"),))
+    first = _operator_counters(operator.metrics_url)
+    wait_for(lambda: _operator_counters(operator.metrics_url).get(ok, 0) >= first.get(ok, 0) + 2,
+             30, "two more reconciles")
+    later = _operator_counters(operator.metrics_url)
+    grew = {}
+    for (name, labels), value in later.items():
+        kind = dict(labels).get("kind")
+        if name == "mooncake_operator_api_reads_total" and kind in cache.INDEXED:
+            grew[labels] = value - first.get((name, labels), 0.0)
+    assert not any(grew.values()), grew
+
+
 def test_two_clusters_one_gateway(llama: Clusters, operator: Operator,
                                   k8s_cluster: Any) -> None:
     other = Clusters(k8s_cluster.http(), "e2e-two")
