@@ -21,11 +21,20 @@ The indexes lag the API by one watch event. Two things keep that lag harmless:
 kopf fills every index before it starts any other handler, so the first reconcile after a
 restart already sees every child. Kinds that are not indexed (Nodes, Leases, the
 MooncakeCluster itself), and selectors that do not name a cluster, go to the API.
+
+**Audits.** When a watch breaks and its resourceVersion has expired (410 Gone, as after an
+API server restart), kopf lists again and indexes what the list holds, but it never drops
+what the list no longer holds: an object deleted while the watch was down would stay in
+the index for good, and the reconciler would never make it again. So every
+``audit_s`` each cluster's list of each kind is read from the API once, and an indexed
+object the API no longer has is read as deleted from then on (logged and counted; its
+name's new incarnation is read beside it).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -33,6 +42,9 @@ from typing import Any, Protocol
 
 from mooncake_contract import conventions as c
 
+from .metrics import INDEX_GHOSTS
+
+log = logging.getLogger(__name__)
 JsonDict = dict[str, Any]
 #: an index key: (namespace, "name" | "cluster", value)
 IndexKey = tuple[str, str, str]
@@ -133,12 +145,17 @@ class IndexedReader:
     index's own objects: read them, do not change them."""
 
     def __init__(self, indexes: Mapping[str, IndexView], fallback: Reader,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 audit_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.indexes = indexes
         self.fallback = fallback
+        self.audit_s = audit_s
         self.clock = clock
         #: kind -> (namespace, name) -> our write not yet seen in the index
         self._writes: dict[str, dict[tuple[str, str], _Write]] = {k: {} for k in indexes}
+        #: kind -> uids of indexed objects the API no longer has
+        self._ghosts: dict[str, set[str]] = {k: set() for k in indexes}
+        #: (kind, namespace, selector) -> when that list is next checked against the API
+        self._audits: dict[tuple[str, str, str], float] = {}
 
     def written(self, kind: str, namespace: str, name: str, obj: JsonDict | None,
                 uid: str | None = None) -> None:
@@ -155,8 +172,12 @@ class IndexedReader:
 
     def _current(self, kind: str, namespace: str, name: str, index: IndexView
                  ) -> JsonDict | None:
-        """The object under ``name``: the index's, or a newer write of ours."""
-        indexed = next(iter(index.get((namespace, BY_NAME, name), ())), None)
+        """The object under ``name``: the index's (unless an audit found it gone), or a
+        newer write of ours."""
+        ghosts = self._ghosts[kind]
+        # beside a ghost the index may hold the name's new incarnation
+        indexed = next((o for o in index.get((namespace, BY_NAME, name), ())
+                        if _uid(o) not in ghosts), None)
         writes = self._writes[kind]
         w = writes.get((namespace, name))
         if w is None:
@@ -178,8 +199,13 @@ class IndexedReader:
         terms = parse_selector(selector)
         if index is None or terms is None or c.LABEL_CLUSTER not in terms:
             return await self.fallback.list(kind, namespace, selector)
-        names = {str(o["metadata"]["name"]) for o in
-                 index.get((namespace, BY_CLUSTER, terms[c.LABEL_CLUSTER]), ())}
+        bucket = index.get((namespace, BY_CLUSTER, terms[c.LABEL_CLUSTER]), ())
+        now = self.clock()
+        key = (kind, namespace, selector or "")
+        if now >= self._audits.setdefault(key, now + self.audit_s):
+            self._audits[key] = now + self.audit_s
+            await self._audit(kind, namespace, selector, terms, bucket)
+        names = {str(o["metadata"]["name"]) for o in bucket}
         names |= {n for (ns, n) in self._writes[kind] if ns == namespace}
         out = []
         for name in sorted(names):
@@ -187,6 +213,22 @@ class IndexedReader:
             if obj is not None and _labelled(obj, terms):
                 out.append(obj)
         return out
+
+
+    async def _audit(self, kind: str, namespace: str, selector: str | None,
+                     terms: dict[str, str], bucket: Collection[JsonDict]) -> None:
+        """Hide what the index holds under ``selector`` and the API no longer has."""
+        live = {_uid(o) for o in await self.fallback.list(kind, namespace, selector)}
+        ghosts = self._ghosts[kind]
+        for obj in bucket:
+            uid = _uid(obj)
+            if uid is None or uid in live or uid in ghosts or not _labelled(obj, terms):
+                continue
+            log.warning("%s %s/%s: in kopf's index but gone from the API (a deletion its "
+                        "watch missed); read as deleted", kind, namespace,
+                        obj["metadata"]["name"])
+            INDEX_GHOSTS.labels(kind).inc()
+            ghosts.add(uid)
 
 
 def _labelled(obj: JsonDict, terms: dict[str, str]) -> bool:

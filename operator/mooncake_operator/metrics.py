@@ -15,6 +15,9 @@ WRITES = Counter("mooncake_operator_api_writes_total",
                  "Writes to the API server by verb and kind", ["verb", "kind"])
 READS = Counter("mooncake_operator_api_reads_total",
                 "Reads from the API server by verb and kind", ["verb", "kind"])
+INDEX_GHOSTS = Counter("mooncake_operator_index_ghosts_total",
+                       "Objects an audit found in kopf's indexes but gone from the API (a "
+                       "deletion a broken watch missed), by kind", ["kind"])
 ERRORS = Counter("mooncake_operator_errors_total", "Reconcile errors by kind", ["kind"])
 REPLICA_PATCHES = Counter("mooncake_operator_replica_patches_total",
                           "Replica-annotation patches by the Conductor controller",

@@ -71,7 +71,7 @@ class OperatorState:
         kube = Kube(api_client, settings.field_manager)
         reader: Reader = kube
         if indexes is not None:
-            reader = IndexedReader(indexes, kube)
+            reader = IndexedReader(indexes, kube, settings.index_audit_interval_s)
             kube.on_written = reader.written
         gateway = GatewayClient(settings.gateway_url, settings.gateway_timeout_s,
                                 settings.gateway_admin_keys_dir, settings.gateway_public_url)

@@ -54,6 +54,10 @@ class OperatorSettings(BaseSettings):
         "reconcile this often while a cluster is progressing (creating, rolling, draining)"))
     event_debounce_s: float = Field(0.2, ge=0, description=(
         "wait this long after a pod event before reconciling, to batch bursts"))
+    index_audit_interval_s: float = Field(300.0, gt=0, description=(
+        "check each cluster's kopf indexes against a list from the API this often: kopf "
+        "keeps an object deleted while its watch was down and had to list again, and the "
+        "audit hides it (cache.py)"))
     max_parallel_writes: int = Field(16, ge=1, description=(
         "pod creations in flight at once (a 32+32 cluster is made in a few round trips, "
         "not 64 in a row)"))

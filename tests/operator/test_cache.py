@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from .manifests import replaced
 
 NS = "serving"
 SETTINGS = OperatorSettings(gateway_pod_labels={"app": "gateway"})
+AUDIT_S = SETTINGS.index_audit_interval_s
 Key = tuple[str, str | None, str | None]
 
 
@@ -41,7 +43,9 @@ class Watch:
     def indexes(self) -> dict[str, Any]:
         return {kind: ix.index for kind, ix in self.indexers.items()}
 
-    def deliver(self) -> None:
+    def deliver(self, purge: bool = True) -> None:
+        """Index what the API holds; ``purge=False`` keeps what it no longer holds, as
+        kopf does when a broken watch lists again."""
         for kind, (group, _, plural) in cache.INDEXED.items():
             seen: set[Key] = set()
             for (g, p, _ns), objs in self.kube.objects.items():
@@ -55,9 +59,12 @@ class Watch:
                     key: Key = (meta.get("namespace"), meta["name"], meta["uid"])
                     self.indexers[kind].replace(key, handlers.index_children(body=obj))
                     seen.add(key)
-            for key in self.known[kind] - seen:
-                self.indexers[kind].discard(key)
-            self.known[kind] = seen
+            if purge:
+                for key in self.known[kind] - seen:
+                    self.indexers[kind].discard(key)
+                self.known[kind] = seen
+            else:
+                self.known[kind] |= seen
 
 
 def _spec() -> dict[str, Any]:
@@ -89,10 +96,11 @@ def _ready_everything(kube: RecordingKube) -> None:
         ds["status"] = {"desiredNumberScheduled": 1, "numberReady": 1}
 
 
-def _indexed(kube: RecordingKube, watch: Watch, remember: bool = True) -> Reconciler:
+def _indexed(kube: RecordingKube, watch: Watch, remember: bool = True,
+             clock: Callable[[], float] = lambda: 0.0) -> Reconciler:
     """A reconciler reading through kopf's indexes, as the operator wires it
     (``OperatorState.create``); ``remember=False`` leaves out the memory of its writes."""
-    reader = IndexedReader(watch.indexes, kube)
+    reader = IndexedReader(watch.indexes, kube, SETTINGS.index_audit_interval_s, clock)
     kube.on_written = reader.written if remember else None
     return Reconciler(kube, None, SETTINGS, reader=reader)
 
@@ -232,11 +240,12 @@ def test_a_pass_does_not_see_a_pod_it_just_deleted() -> None:
 
 
 def test_a_write_is_read_back_until_the_index_shows_it_or_later() -> None:
-    now = [0.0]
+    now = [1000.0]
     obj = {"metadata": {"name": "p", "namespace": "ns", "uid": "u1", "resourceVersion": "10",
                         "labels": {c.LABEL_CLUSTER: "x"}}}
     ix = OperatorIndexer()
-    reader = IndexedReader({"Pod": ix.index}, RecordingKube(), clock=lambda: now[0])
+    reader = IndexedReader({"Pod": ix.index}, RecordingKube(), AUDIT_S,
+                           clock=lambda: now[0])
 
     def get() -> Any:
         return asyncio.run(reader.get("Pod", "ns", "p"))
@@ -269,9 +278,10 @@ def test_a_write_is_read_back_until_the_index_shows_it_or_later() -> None:
 
 
 def test_a_delete_hides_that_incarnation_until_the_index_drops_it() -> None:
-    now = [0.0]
+    now = [1000.0]
     ix = OperatorIndexer()
-    reader = IndexedReader({"Pod": ix.index}, RecordingKube(), clock=lambda: now[0])
+    reader = IndexedReader({"Pod": ix.index}, RecordingKube(), AUDIT_S,
+                           clock=lambda: now[0])
 
     def put(uid: str) -> None:
         ix.replace(("ns", "p", uid), cache.entries({"metadata": {
@@ -298,7 +308,7 @@ def test_kinds_and_selectors_the_index_does_not_hold_go_to_the_api() -> None:
     kube = RecordingKube()
     kube.put("coordination.k8s.io", "leases", {"metadata": {
         "name": "lead", "namespace": NS, "labels": {c.LABEL_CLUSTER: "llama"}}})
-    reader = IndexedReader({"Pod": OperatorIndexer().index}, kube)
+    reader = IndexedReader({"Pod": OperatorIndexer().index}, kube, AUDIT_S)
 
     async def reads() -> tuple[Any, list[Any]]:
         return (await reader.get("Lease", NS, "lead"),
@@ -345,6 +355,101 @@ def test_a_spec_change_patches_from_the_index() -> None:
     assert 50061 in {p["port"] for p in svc["spec"]["ports"]}
 
 
+def test_an_audit_hides_a_deletion_the_watch_missed() -> None:
+    """A pod deleted while kopf's watch was down: kopf lists again but keeps the pod in its
+    index. Until the audit, the reconciler believes it; at the audit it reads the pod as
+    deleted and makes it again, and the pod's new incarnation is read beside the ghost."""
+    from mooncake_operator.metrics import INDEX_GHOSTS
+
+    kube = RecordingKube()
+    _put_cluster(kube, _no_store())
+    watch = Watch(kube)
+    now = [0.0]
+    rec = _indexed(kube, watch, clock=lambda: now[0])
+    _once(rec, kube)
+    _ready_everything(kube)
+    watch.deliver()
+    assert _pods(_once(rec, kube)) == (2, 2)
+    pods = kube.all("", "pods", NS)
+    gone = sorted(n for n in pods if f"-{c.ROLE_PREFILL}-" in n)[0]
+    old_uid = pods.pop(gone)["metadata"]["uid"]
+    watch.deliver(purge=False)  # kopf's list after the broken watch: the pod stays
+    ghosts = INDEX_GHOSTS.labels("Pod")._value.get()
+    now[0] = AUDIT_S - 1
+    creates = kube.writes[("create", "Pod")]
+    assert _pods(_once(rec, kube)) == (2, 2)  # believed, until the audit
+    assert kube.writes[("create", "Pod")] == creates
+    now[0] = AUDIT_S
+    reads = copy.copy(kube.reads)
+    out = _once(rec, kube)
+    assert kube.writes[("create", "Pod")] == creates + 1  # made again
+    assert gone in pods and pods[gone]["metadata"]["uid"] != old_uid
+    assert _pods(out) == (1, 2)
+    assert INDEX_GHOSTS.labels("Pod")._value.get() == ghosts + 1
+    # the audit listed the pods and each child kind once from the API
+    assert (kube.reads - reads)[("list", "Pod")] == 1
+    _ready_everything(kube)
+    watch.deliver(purge=False)  # the new incarnation, beside the ghost
+    now[0] = AUDIT_S + 1
+    out = _once(rec, kube)
+    assert _pods(out) == (2, 2)
+    assert kube.writes[("create", "Pod")] == creates + 1
+    assert INDEX_GHOSTS.labels("Pod")._value.get() == ghosts + 1  # counted once
+
+
+class SelectorKube(RecordingKube):
+    """Records the label selector of every list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.selectors: list[tuple[str, str | None]] = []
+
+    async def list(self, kind: str, namespace: str, selector: str | None = None
+                   ) -> list[dict[str, Any]]:
+        self.selectors.append((kind, selector))
+        return await super().list(kind, namespace, selector)
+
+
+def test_audits_run_per_list_once_an_interval_and_only_judge_what_they_listed(
+        caplog: pytest.LogCaptureFixture) -> None:
+    kube = SelectorKube()
+    _settle(kube)
+    watch = Watch(kube)
+    watch.deliver()
+    now = [1000.0]
+    reader = IndexedReader(watch.indexes, kube, AUDIT_S, clock=lambda: now[0])
+    prefill = f"{c.LABEL_CLUSTER}=llama,{c.LABEL_ROLE}={c.ROLE_PREFILL}"
+    whole = f"{c.LABEL_CLUSTER}=llama"
+
+    def names(selector: str) -> list[str]:
+        return [o["metadata"]["name"] for o in asyncio.run(reader.list("Pod", NS, selector))]
+
+    kube.selectors.clear()
+    everyone = names(whole)
+    before = names(prefill)
+    assert before and not kube.selectors  # first sight: no audit yet
+    pods = kube.all("", "pods", NS)
+    gone = sorted(n for n in pods if f"-{c.ROLE_PREFILL}-" in n)[-1]
+    del pods[gone]  # a deletion the watch missed (never delivered)
+    now[0] += AUDIT_S
+    with caplog.at_level("WARNING", logger="mooncake_operator.cache"):
+        left = names(prefill)  # due: audited with its own selector
+    assert kube.selectors == [("Pod", prefill)]
+    assert left == [n for n in before if n != gone]
+    assert any(f"Pod {NS}/{gone}" in r.getMessage() for r in caplog.records)
+    # the decode pods were not in that audit's list and are not judged by it
+    assert set(names(whole)) == set(everyone) - {gone}
+    assert kube.selectors == [("Pod", prefill), ("Pod", whole)]  # its own first audit
+    now[0] += 1
+    names(prefill)
+    names(whole)
+    assert len(kube.selectors) == 2  # not again before the interval passes
+    now[0] += AUDIT_S
+    names(prefill)
+    names(whole)
+    assert kube.selectors[2:] == [("Pod", prefill), ("Pod", whole)]
+
+
 def test_the_index_keys_an_object_by_name_and_by_cluster() -> None:
     obj = {"metadata": {"name": "p-0", "namespace": "ns", "labels": {c.LABEL_CLUSTER: "x"}}}
     got = cache.entries(obj)
@@ -379,7 +484,7 @@ def test_selectors_the_index_cannot_serve_go_to_the_api() -> None:
     _settle(kube)
     watch = Watch(kube)
     watch.deliver()
-    reader = IndexedReader(watch.indexes, kube)
+    reader = IndexedReader(watch.indexes, kube, AUDIT_S)
 
     async def reads() -> tuple[int, int, int, int]:
         sel = f"{c.LABEL_CLUSTER}=llama,{c.LABEL_ROLE}={c.ROLE_PREFILL}"
