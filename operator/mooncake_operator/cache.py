@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from mooncake_contract import conventions as c
 
+from .kube import resource
 from .metrics import INDEX_GHOSTS
 
 log = logging.getLogger(__name__)
@@ -55,15 +56,10 @@ BY_CLUSTER = "cluster"
 #: event takes to arrive; only a watch that breaks and lists again takes longer
 WRITE_MEMORY_S = 30.0
 
+#: the kinds the reconciler makes besides engine pods (builders.children)
+CHILD_KINDS = ("Service", "Deployment", "DaemonSet", "ConfigMap", "NetworkPolicy")
 #: kind -> (API group, version, plural) of every kind the operator creates and indexes
-INDEXED: dict[str, tuple[str, str, str]] = {
-    "Pod": ("", "v1", "pods"),
-    "Service": ("", "v1", "services"),
-    "ConfigMap": ("", "v1", "configmaps"),
-    "Deployment": ("apps", "v1", "deployments"),
-    "DaemonSet": ("apps", "v1", "daemonsets"),
-    "NetworkPolicy": ("networking.k8s.io", "v1", "networkpolicies"),
-}
+INDEXED: dict[str, tuple[str, str, str]] = {k: resource(k) for k in ("Pod", *CHILD_KINDS)}
 
 
 class Reader(Protocol):
@@ -118,6 +114,10 @@ class _Write:
     uid: str | None
     at: float
 
+    def expired(self, now: float) -> bool:
+        """Kept past :data:`WRITE_MEMORY_S`: the index is read as it is."""
+        return now - self.at > WRITE_MEMORY_S
+
 
 def _version(obj: JsonDict | None) -> str:
     return str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
@@ -166,7 +166,7 @@ class IndexedReader:
             return
         now = self.clock()
         # forget what no pass read back in time (a deleted cluster's children, old pods)
-        for key in [k for k, w in writes.items() if now - w.at > WRITE_MEMORY_S]:
+        for key in [k for k, w in writes.items() if w.expired(now)]:
             del writes[key]
         writes[(namespace, name)] = _Write(obj, uid, now)
 
@@ -182,7 +182,7 @@ class IndexedReader:
         w = writes.get((namespace, name))
         if w is None:
             return indexed
-        if _caught_up(indexed, w) or self.clock() - w.at > WRITE_MEMORY_S:
+        if _caught_up(indexed, w) or w.expired(self.clock()):
             del writes[(namespace, name)]
             return indexed
         return w.obj
@@ -213,7 +213,6 @@ class IndexedReader:
             if obj is not None and _labelled(obj, terms):
                 out.append(obj)
         return out
-
 
     async def _audit(self, kind: str, namespace: str, selector: str | None,
                      terms: dict[str, str], bucket: Collection[JsonDict]) -> None:

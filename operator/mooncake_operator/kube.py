@@ -70,6 +70,13 @@ def path(kind: str, namespace: str, name: str | None = None, sub: str | None = N
     return out
 
 
+def resource(kind: str) -> tuple[str, str, str]:
+    """(API group, version, plural) of ``kind``, as kopf's handlers name a resource."""
+    prefix, plural = KINDS[kind]
+    parts = prefix.strip("/").split("/")  # api/v1, apis/<group>/<version>
+    return ("" if parts[0] == "api" else parts[1]), parts[-1], plural
+
+
 def api_client_from_env() -> Any:
     """In-cluster service account first, then ``$KUBECONFIG`` / ``~/.kube/config``."""
     from kubernetes import client, config

@@ -25,7 +25,7 @@ from mooncake_contract import conventions as c
 from pydantic import ValidationError
 
 from . import builders, engines, names, observe, placement, rollout, status
-from .cache import Reader
+from .cache import CHILD_KINDS, Reader
 from .crashes import CrashHistory
 from .gatewayclient import GatewayClient
 from .kube import Kube
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 JsonDict = dict[str, Any]
 #: emit(type "Normal"|"Warning", reason, message): a Kubernetes Event on the cluster
 Emit = Callable[[str, str, str], None]
-CHILD_KINDS = ("Service", "Deployment", "DaemonSet", "ConfigMap", "NetworkPolicy")
 #: Degraded reason: a real engine release or combination the builders do not make pods for
 UNSUPPORTED_ENGINE = "UnsupportedEngine"
 
