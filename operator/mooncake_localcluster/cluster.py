@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
-from mooncake_localcluster import components, manifests, procs
+from mooncake_localcluster import components, manifests, podnet, procs
 from mooncake_localcluster.certs import PkiPaths, ensure_pki
 from mooncake_localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
 from mooncake_localcluster.settings import NETWORK_SLOTS, LocalClusterSettings
@@ -469,6 +469,8 @@ def _start(
         for name in PROCESS_ORDER:
             for d in (paths.cert_dir(name),):
                 d.mkdir(parents=True, exist_ok=True)
+            if name == "kwok":
+                podnet.release_pod_addresses(kube_client(paths, server), log)
             argv = _argv(name, binaries[name], settings, paths, ports)
             procs.start(name, argv, paths.logs / f"{name}.log", paths.pids)
             if name in ("etcd", "kube-apiserver"):
@@ -566,6 +568,9 @@ def restart(
     ready. For fault drills (``benchmarks/chaos.py``): an API-server or etcd restart."""
     if name not in PROCESS_ORDER:
         raise KeyError(f"{name!r} is not one of {', '.join(PROCESS_ORDER)}")
+    if name == "kwok":
+        raise KeyError("kwok keeps pod addresses in memory only: restarted alone, it would"
+                       " hand running pods' addresses to new pods; use down and up")
     paths = state_paths(settings)
     info = load_info(paths)
     if info is None:

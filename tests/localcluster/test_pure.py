@@ -10,7 +10,7 @@ import pytest
 import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from mooncake_localcluster import certs, components, manifests, podspec
+from mooncake_localcluster import certs, components, manifests, podnet, podspec
 from mooncake_localcluster.settings import LocalClusterSettings
 
 
@@ -336,3 +336,28 @@ def test_rss_kib_reads_a_live_process_and_zero_for_a_gone_one() -> None:
     gone = subprocess.Popen(["true"])
     gone.wait()
     assert rss_kib(gone.pid) == 0
+
+
+def test_a_cold_start_returns_a_running_pods_address_and_makes_it_pending() -> None:
+    pod = {"status": {
+        "phase": "Running", "podIP": "127.1.3.1", "podIPs": [{"ip": "127.1.3.1"}],
+        "hostIP": "127.0.0.2", "containerStatuses": [{"name": "c", "restartCount": 2}],
+        "conditions": [{"type": "PodScheduled", "status": "True"},
+                       {"type": "Ready", "status": "True"},
+                       {"type": "ContainersReady", "status": "True"}]}}
+    patch = podnet.reset_status(pod)
+    assert patch is not None
+    status = patch["status"]
+    assert status["podIP"] is None and status["podIPs"] is None
+    # Pending and no address is what kwok's pod-ready Stage selects on.
+    assert status["phase"] == "Pending"
+    assert status["conditions"] == [{"type": "PodScheduled", "status": "True"}]
+    assert status["containerStatuses"] is None
+
+
+def test_a_cold_start_leaves_a_finished_pods_phase_and_skips_pods_without_address() -> None:
+    done = {"status": {"phase": "Succeeded", "podIP": "127.1.3.4"}}
+    patch = podnet.reset_status(done)
+    assert patch == {"status": {"podIP": None, "podIPs": None}}
+    assert podnet.reset_status({"status": {"phase": "Pending"}}) is None
+    assert podnet.reset_status({}) is None
