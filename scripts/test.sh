@@ -44,7 +44,7 @@ ruff check .
 mypy operator/mooncake_conductor operator/mooncake_contract operator/mooncake_sim \
   operator/mooncake_operator operator/mooncake_gateway operator/mooncake_localcluster \
   operator/mooncake_cli operator/mooncake_testbed operator/mooncake_conformance \
-  operator/mooncake_monitoring \
+  operator/mooncake_monitoring operator/mooncake_kube \
   worker/mooncake_worker
 lint-imports
 

@@ -3,7 +3,7 @@
 The operator writes one ConfigMap per ``MooncakeCluster`` ("the gateway's view of this
 cluster"), labelled ``mooncake.io/gateway-model: "true"``, whose ``model.yaml`` key is a
 :class:`~mooncake_gateway.settings.ModelSettings` document. The gateway lists and watches
-them (:class:`ConfigMapWatch`, a thin thread around the ``kubernetes`` client) and
+them (:class:`ConfigMapWatch`, a list-watch of the project's one client) and
 resolves the set it sees with :func:`resolve`, a pure function:
 
 - a document that is not YAML, not a mapping, or not valid settings is *invalid*: its
@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from mooncake_kube.client import KubeClient
+from mooncake_kube.listwatch import ListWatch, object_key
 from pydantic import ValidationError
 
-from .discovery import JOIN_WAIT_S, ListWatch, core_v1_api, object_key
+from .discovery import JOIN_WAIT_S, kube_client
 from .settings import KubernetesModels, ModelSettings
 
 #: the source name of models from the gateway's own settings in conflict reports
@@ -62,20 +64,18 @@ class Catalog:
     conflicts: list[Conflict] = field(default_factory=list)
 
 
-def configmap_document(cm: Any, key: str) -> ModelDocument:
-    """A ``V1ConfigMap`` (or anything shaped like one) as a :class:`ModelDocument`."""
-    meta = cm.metadata
-    created = meta.creation_timestamp
-    if isinstance(created, dt.datetime):
-        stamp = created.timestamp()
-    else:
-        stamp = 0.0  # unknown: counts as oldest, the name decides among such
-        if isinstance(created, str):  # RFC 3339, as a raw API object has it
-            with contextlib.suppress(ValueError):
-                stamp = dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
-    data = cm.data or {}
-    return ModelDocument(source=object_key(cm), namespace=str(meta.namespace), created=stamp,
-                         text=data.get(key), version=str(meta.resource_version or ""))
+def configmap_document(cm: dict[str, Any], key: str) -> ModelDocument:
+    """A ConfigMap, as the API answers it, as a :class:`ModelDocument`."""
+    meta = cm.get("metadata") or {}
+    created = meta.get("creationTimestamp")
+    stamp = 0.0  # unknown: counts as oldest, the name decides among such
+    if isinstance(created, str):  # RFC 3339
+        with contextlib.suppress(ValueError):
+            stamp = dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+    data = cm.get("data") or {}
+    return ModelDocument(source=object_key(cm), namespace=str(meta.get("namespace", "")),
+                         created=stamp, text=data.get(key),
+                         version=str(meta.get("resourceVersion") or ""))
 
 
 def parse_document(doc: ModelDocument, key: str) -> ModelSettings:
@@ -125,21 +125,18 @@ class ConfigMapWatch:
     hands every change, as the full list of documents, to ``on_change`` on the event
     loop."""
 
-    def __init__(self, cfg: KubernetesModels, api: Any | None = None,
-                 watch_factory: Callable[[], Any] | None = None) -> None:
-        """``api``: a ``CoreV1Api`` (default: in-cluster config, else the kube config);
-        ``watch_factory``: makes a ``kubernetes.watch.Watch`` (tests pass fakes)."""
+    def __init__(self, cfg: KubernetesModels, kube: KubeClient | None = None) -> None:
+        """``kube``: the client (default: in-cluster config, else the kube config)."""
         self.cfg = cfg
-        self._api = api
-        self._watch_factory = watch_factory
+        self._kube = kube
         self._watch: ListWatch | None = None
         self._stopped = False
 
     async def start(self, on_change: Callable[[list[ModelDocument]], None]) -> None:
         loop = asyncio.get_running_loop()
-        if self._api is None:
+        if self._kube is None:
             try:
-                self._api = core_v1_api()
+                self._kube = kube_client()
             except Exception as exc:  # no in-cluster config and no usable kube config
                 raise RuntimeError(f"no Kubernetes API for kubernetes_models: {exc}") from exc
         key = self.cfg.key
@@ -152,13 +149,10 @@ class ConfigMapWatch:
             docs = [configmap_document(o, key) for o in objects.values()]
             loop.call_soon_threadsafe(deliver, docs)
 
-        args: tuple[Any, ...]
-        if self.cfg.namespace is None:
-            call, args = self._api.list_config_map_for_all_namespaces, ()
-        else:
-            call, args = self._api.list_namespaced_config_map, (self.cfg.namespace,)
-        self._watch = ListWatch(call, args, self.cfg.label_selector, self.cfg.watch_timeout_s,
-                                report, "configmaps", self._watch_factory)
+        ns = self.cfg.namespace
+        path = "/api/v1/configmaps" if ns is None else f"/api/v1/namespaces/{ns}/configmaps"
+        self._watch = ListWatch(self._kube, path, self.cfg.label_selector,
+                                self.cfg.watch_timeout_s, report, "configmaps")
         self._watch.start()
 
     async def stop(self) -> None:

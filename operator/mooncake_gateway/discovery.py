@@ -3,9 +3,9 @@
 An :class:`EndpointSource` pushes complete endpoint lists per role to a callback
 whenever they change; the gateway applies them (new instances join, missing ones
 leave routing). Tests use :class:`StaticSource` (or call the callback directly); the
-operator deploys the gateway with :class:`KubernetesPodSource`, which watches pods with
-the ``kubernetes`` client (in a thread) and builds endpoints from each ready pod's IP
-and its port annotations.
+operator deploys the gateway with :class:`KubernetesPodSource`, which watches pods
+through the project's one Kubernetes client (:mod:`mooncake_kube`, in a thread) and
+builds endpoints from each ready pod's IP and its port annotations.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
@@ -21,14 +20,15 @@ from typing import Any
 
 import yaml
 from mooncake_contract.topology import parse_labels
+from mooncake_kube.client import KubeClient, api_client_from_env
+from mooncake_kube.listwatch import ListWatch
 
 from .settings import Endpoint, KubernetesSource, ModelSettings, Role
 
 log = logging.getLogger(__name__)
 
 OnEndpoints = Callable[[Role, list[Endpoint]], None]
-#: seconds between watch restarts after an API error
-WATCH_BACKOFF_S = 2.0
+JsonDict = dict[str, Any]
 #: seconds to wait for a stopped watch thread (a daemon: it ends on its own)
 JOIN_WAIT_S = 0.1
 
@@ -93,33 +93,24 @@ class FileSource(EndpointSource):
                 await self._task
 
 
-def core_v1_api() -> Any:
-    """A ``CoreV1Api`` from the in-cluster configuration, else the kube config
+def kube_client() -> KubeClient:
+    """The client from the in-cluster configuration, else the kube config
     (``KUBECONFIG`` or ``~/.kube/config``)."""
-    import kubernetes
-
-    k8s: Any = kubernetes
-    try:
-        k8s.config.load_incluster_config()
-    except k8s.config.ConfigException:
-        k8s.config.load_kube_config()
-    return k8s.client.CoreV1Api()
+    return KubeClient(api_client_from_env())
 
 
-def running_pod_host(pod: Any) -> str | None:
+def running_pod_host(pod: JsonDict) -> str | None:
     """The URL host of a running pod that is not being deleted (a bracketed IPv6
-    address), ``None`` for any other pod. ``pod`` is a V1Pod."""
-    status, meta = pod.status, pod.metadata
-    if status is None or meta is None or not status.pod_ip or status.phase != "Running":
+    address), ``None`` for any other pod."""
+    status, meta = pod.get("status") or {}, pod.get("metadata") or {}
+    ip = status.get("podIP")
+    if not ip or status.get("phase") != "Running" or meta.get("deletionTimestamp"):
         return None
-    if meta.deletion_timestamp is not None:
-        return None
-    ip = status.pod_ip
-    return f"[{ip}]" if ":" in ip else ip
+    return f"[{ip}]" if ":" in ip else str(ip)
 
 
-def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
-    """Endpoint of a running, ready pod (``None`` otherwise). ``pod`` is a V1Pod.
+def pod_endpoint(pod: JsonDict, cfg: KubernetesSource) -> Endpoint | None:
+    """Endpoint of a running, ready pod (``None`` otherwise).
 
     The pod's revision label becomes :attr:`Endpoint.revision` (empty without one), its
     drain annotation (``"true"``) :attr:`Endpoint.draining` and its topology annotation
@@ -127,12 +118,14 @@ def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
     host = running_pod_host(pod)
     if host is None:
         return None
-    status, meta = pod.status, pod.metadata
-    ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
+    status, meta = pod.get("status") or {}, pod.get("metadata") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                for c in status.get("conditions") or [])
     if not ready:
         return None
-    ann: dict[str, str] = dict(meta.annotations or {})
-    labels: dict[str, str] = dict(getattr(meta, "labels", None) or {})
+    ann: dict[str, str] = dict(meta.get("annotations") or {})
+    labels: dict[str, str] = dict(meta.get("labels") or {})
+    name = str(meta.get("name", ""))
 
     def port(key: str, default: int | None) -> int | None:
         raw = ann.get(key)
@@ -141,13 +134,13 @@ def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
         try:
             return int(raw)
         except ValueError:
-            log.warning("pod %s: annotation %s=%r is not a port", meta.name, key, raw)
+            log.warning("pod %s: annotation %s=%r is not a port", name, key, raw)
             return default
 
     http = port(cfg.http_port_annotation, cfg.http_port)
     kv = port(cfg.kv_events_port_annotation, cfg.kv_events_port)
     replay = port(cfg.kv_replay_port_annotation, cfg.kv_replay_port)
-    pod_name = f"{meta.namespace}/{meta.name}"
+    pod_name = f"{meta.get('namespace', '')}/{name}"
     return Endpoint(
         url=f"http://{host}:{http}",
         kv_events=f"tcp://{host}:{kv}" if kv else None,
@@ -157,7 +150,7 @@ def pod_endpoint(pod: Any, cfg: KubernetesSource) -> Endpoint | None:
         pod=pod_name,
         revision=labels.get(cfg.revision_label, ""),
         draining=ann.get(cfg.drain_annotation, "").strip().lower() == "true",
-        topology=_topology(ann.get(cfg.topology_annotation), meta.name),
+        topology=_topology(ann.get(cfg.topology_annotation), name),
     )
 
 
@@ -172,120 +165,36 @@ def _topology(value: str | None, pod: str) -> dict[str, str]:
     return labels
 
 
-def object_key(obj: Any) -> str:
-    """``namespace/name`` of a Kubernetes object."""
-    return f"{obj.metadata.namespace}/{obj.metadata.name}"
-
-
-class ListWatch:
-    """Objects of one kind matching a label selector, listed and then watched from the
-    list's version in a thread; ``report`` gets the whole set (``namespace/name`` →
-    object) after the list and after every event. An API error (server restart, expired
-    version, rotated token) lists again after :data:`WATCH_BACKOFF_S`; a watch the
-    server ends (``timeout_s``) lists again at once."""
-
-    def __init__(self, list_call: Callable[..., Any], args: tuple[Any, ...], selector: str,
-                 timeout_s: int, report: Callable[[dict[str, Any]], None], what: str,
-                 watch_factory: Callable[[], Any] | None = None) -> None:
-        self.list_call = list_call
-        self.args = args
-        self.selector = selector
-        self.timeout_s = timeout_s
-        self.report = report
-        self.what = what
-        self._watch_factory = watch_factory
-        self._stop = threading.Event()
-        self._watch: Any = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"k8s-watch-{self.what}",
-                                        daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Ask the thread to end (a blocked watch is woken by closing its socket)."""
-        self._stop.set()
-        w = self._watch
-        if w is not None:
-            with contextlib.suppress(Exception):
-                w.stop()
-
-    @property
-    def stopped(self) -> bool:
-        return self._stop.is_set()
-
-    def join(self, timeout_s: float) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        make_watch = self._watch_factory
-        if make_watch is None:
-            import kubernetes.watch
-
-            make_watch = kubernetes.watch.Watch
-        while not self._stop.is_set():
-            try:
-                listing = self.list_call(*self.args, label_selector=self.selector)
-                objects = {object_key(o): o for o in listing.items}
-                self.report(dict(objects))
-                w = self._watch = make_watch()
-                for ev in w.stream(self.list_call, *self.args, label_selector=self.selector,
-                                   resource_version=listing.metadata.resource_version,
-                                   timeout_seconds=self.timeout_s):
-                    if self._stop.is_set():
-                        break
-                    obj = ev["object"]
-                    if ev["type"] == "DELETED":
-                        objects.pop(object_key(obj), None)
-                    elif ev["type"] in ("ADDED", "MODIFIED"):
-                        objects[object_key(obj)] = obj
-                    else:  # BOOKMARK and the like
-                        continue
-                    self.report(dict(objects))
-            except Exception as exc:  # the API server restarts, tokens rotate: retry
-                if self._stop.is_set():
-                    break
-                log.warning("%s watch (%s) failed: %s", self.what, self.selector, exc)
-                self._stop.wait(WATCH_BACKOFF_S)
-            finally:
-                self._watch = None
-
-
 class KubernetesPodSource(EndpointSource):
     """Watches the model's prefill and decode pods (list, then watch from its version)."""
 
-    def __init__(self, cfg: KubernetesSource, api: Any | None = None,
-                 watch_factory: Callable[[], Any] | None = None) -> None:
-        """``api``: a ``CoreV1Api`` (default: from the in-cluster or kube config);
-        ``watch_factory``: makes a ``kubernetes.watch.Watch`` (tests pass fakes)."""
+    def __init__(self, cfg: KubernetesSource, kube: KubeClient | None = None) -> None:
+        """``kube``: the client (default: from the in-cluster or kube config)."""
         self.cfg = cfg
-        self._api = api
-        self._watch_factory = watch_factory
+        self._kube = kube
         self._watches: list[ListWatch] = []
         self._stopped = False
 
     async def start(self, on_change: OnEndpoints) -> None:
         loop = asyncio.get_running_loop()
-        if self._api is None:
-            self._api = core_v1_api()
+        if self._kube is None:
+            self._kube = kube_client()
+        kube = self._kube
 
         def deliver(role: Role, eps: list[Endpoint]) -> None:
             if not self._stopped:  # nothing reaches a model that is gone
                 on_change(role, eps)
 
-        def reporter(role: Role) -> Callable[[dict[str, Any]], None]:
-            def report(pods: dict[str, Any]) -> None:
+        def reporter(role: Role) -> Callable[[dict[str, JsonDict]], None]:
+            def report(pods: dict[str, JsonDict]) -> None:
                 eps = [e for p in pods.values() if (e := pod_endpoint(p, self.cfg)) is not None]
                 loop.call_soon_threadsafe(deliver, role, sorted(eps, key=lambda e: e.url))
             return report
 
         for role, selector in ((Role.PREFILL, self.cfg.prefill_selector),
                                (Role.DECODE, self.cfg.decode_selector)):
-            watch = ListWatch(self._api.list_namespaced_pod, (self.cfg.namespace,), selector,
-                              self.cfg.watch_timeout_s, reporter(role), f"pods-{role.value}",
-                              self._watch_factory)
+            watch = ListWatch(kube, f"/api/v1/namespaces/{self.cfg.namespace}/pods", selector,
+                              self.cfg.watch_timeout_s, reporter(role), f"pods-{role.value}")
             self._watches.append(watch)
             watch.start()
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import Any
+
+from mooncake_kube.client import KubeClient
 
 from .catalog import Catalog, ConfigMapWatch, Conflict, ModelDocument, resolve
 from .enginecalls import EngineCalls
@@ -26,11 +26,9 @@ Member = tuple[ModelRuntime, Instance]
 
 class Fleet:
     def __init__(self, settings: GatewaySettings, metrics: GatewayMetrics, calls: EngineCalls,
-                 kube_api: Any | None = None,
-                 watch_factory: Callable[[], Any] | None = None) -> None:
-        """``kube_api`` / ``watch_factory``: the ``CoreV1Api`` and ``Watch`` maker the
-        ConfigMap watch uses (default: from the in-cluster or kube config; tests pass
-        fakes)."""
+                 kube: KubeClient | None = None) -> None:
+        """``kube``: the client the ConfigMap watch uses (default: from the in-cluster or
+        kube config)."""
         self.settings = settings
         self.metrics = metrics
         self.calls = calls
@@ -40,8 +38,7 @@ class Fleet:
         }
         self.catalog_watch: ConfigMapWatch | None = None
         if settings.kubernetes_models is not None:
-            self.catalog_watch = ConfigMapWatch(settings.kubernetes_models, kube_api,
-                                                watch_factory)
+            self.catalog_watch = ConfigMapWatch(settings.kubernetes_models, kube)
         self.catalog = Catalog()
         self.documents: list[ModelDocument] | None = None  # the latest seen
         self._documents_dirty = False

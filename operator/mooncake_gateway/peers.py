@@ -24,9 +24,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from mooncake_conductor.peerload import LoadReport
+from mooncake_kube.client import KubeClient
+from mooncake_kube.listwatch import ListWatch
 
 from .auth import KeyRing
-from .discovery import ListWatch, core_v1_api, running_pod_host
+from .discovery import kube_client, running_pod_host
 from .runtime import ModelRuntime
 from .settings import PeerSettings
 
@@ -36,13 +38,13 @@ log = logging.getLogger(__name__)
 JOIN_WAIT_S = 2.0
 
 
-def peer_urls(pods: Mapping[str, Any], cfg: PeerSettings) -> dict[str, str]:
-    """``namespace/name`` -> base URL of every running pod in ``pods`` (V1Pods) with an
-    IP, other than ``cfg.pod_name`` and pods being deleted."""
+def peer_urls(pods: Mapping[str, dict[str, Any]], cfg: PeerSettings) -> dict[str, str]:
+    """``namespace/name`` -> base URL of every running pod in ``pods`` with an IP, other
+    than ``cfg.pod_name`` and pods being deleted."""
     out: dict[str, str] = {}
     for key, pod in pods.items():
         host = running_pod_host(pod)
-        if host is not None and pod.metadata.name != cfg.pod_name:
+        if host is not None and (pod.get("metadata") or {}).get("name") != cfg.pod_name:
             out[key] = f"http://{host}:{cfg.port}"
     return out
 
@@ -51,13 +53,11 @@ class PeerSync:
     """Asks the peers for their load and hands each report to the model it is about."""
 
     def __init__(self, cfg: PeerSettings, runtimes: Callable[[], Mapping[str, ModelRuntime]],
-                 keys: KeyRing, api: Any | None = None,
-                 watch_factory: Callable[[], Any] | None = None) -> None:
+                 keys: KeyRing, kube: KubeClient | None = None) -> None:
         self.cfg = cfg
         self._runtimes = runtimes
         self._keys = keys
-        self._api = api
-        self._watch_factory = watch_factory
+        self._kube = kube
         #: peer name -> base URL
         self.peers: dict[str, str] = {u: u for u in cfg.urls}
         self._watch: ListWatch | None = None
@@ -79,16 +79,16 @@ class PeerSync:
             timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s))
         if self.cfg.pod_selector is not None:
             loop = asyncio.get_running_loop()
-            api = self._api if self._api is not None else await asyncio.to_thread(core_v1_api)
-            self._api = api
+            if self._kube is None:
+                self._kube = await asyncio.to_thread(kube_client)
 
-            def report(pods: dict[str, Any]) -> None:
+            def report(pods: dict[str, dict[str, Any]]) -> None:
                 urls = peer_urls(pods, self.cfg)
                 loop.call_soon_threadsafe(self._set_peers, urls)
 
-            self._watch = ListWatch(api.list_namespaced_pod, (self.cfg.namespace,),
+            self._watch = ListWatch(self._kube, f"/api/v1/namespaces/{self.cfg.namespace}/pods",
                                     self.cfg.pod_selector, self.cfg.watch_timeout_s, report,
-                                    "gateway-peers", self._watch_factory)
+                                    "gateway-peers")
             self._watch.start()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="peer-sync")
 

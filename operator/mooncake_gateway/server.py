@@ -17,10 +17,10 @@ import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from aiohttp import web
 from mooncake_conductor.warmup import warm_up
+from mooncake_kube.client import KubeClient
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .admin import AdminApi
@@ -46,22 +46,19 @@ PRINCIPAL = web.RequestKey("principal", Principal)
 
 
 class Gateway:
-    def __init__(self, settings: GatewaySettings, kube_api: Any | None = None,
-                 watch_factory: Callable[[], Any] | None = None) -> None:
-        """``kube_api`` / ``watch_factory``: the ``CoreV1Api`` and ``Watch`` maker the
-        ConfigMap watch and the peer discovery use (default: from the in-cluster or kube
-        config; tests pass fakes)."""
+    def __init__(self, settings: GatewaySettings, kube: KubeClient | None = None) -> None:
+        """``kube``: the client the ConfigMap watch and the peer discovery use (default:
+        from the in-cluster or kube config)."""
         self.settings = settings
         self.metrics = GatewayMetrics()
         self.calls = EngineCalls(settings)
-        self.fleet = Fleet(settings, self.metrics, self.calls, kube_api, watch_factory)
+        self.fleet = Fleet(settings, self.metrics, self.calls, kube)
         self.keys = KeyRing(settings.auth)
         self.limits = KeyLimiter(settings.auth)
         self.bodies = BodyBudget(settings.max_buffered_bytes)
         self.dispatch = Dispatcher(settings, self.metrics, self.fleet, self.calls, self.limits)
         self.admin = AdminApi(settings, self.fleet)
-        self.peer_sync = PeerSync(settings.peers, lambda: self.fleet.models, self.keys,
-                                  kube_api, watch_factory)
+        self.peer_sync = PeerSync(settings.peers, lambda: self.fleet.models, self.keys, kube)
         self._started = False
         self.app = self._build_app()
 

@@ -1,28 +1,34 @@
-"""A minimal JSON client for the local apiserver (client-cert auth), incl. watch streams."""
+"""The embedded cluster's API client: the project's one client, with client-cert auth.
+
+The pod runner, the service proxy and ``local-cluster`` itself speak to the API server
+as its components do, with the admin client certificate. Requests go through
+:class:`mooncake_kube.client.KubeClient` (pooled TLS connections, one error type);
+this module keeps the path-style calls these components make.
+"""
 
 from __future__ import annotations
 
-import json
-import ssl
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mooncake_kube.client import (
+    JSON,
+    MERGE_PATCH,
+    REQUEST_TIMEOUT_S,
+    STRATEGIC_PATCH,
+    KubeClient,
+    KubeError,
+    api_client_with_cert,
+)
+
 JsonDict = dict[str, Any]
-DEFAULT_TIMEOUT_S = 30.0
-MERGE_PATCH = "application/merge-patch+json"
-STRATEGIC_PATCH = "application/strategic-merge-patch+json"
+DEFAULT_TIMEOUT_S = REQUEST_TIMEOUT_S
+#: an API error (``status``, ``body``): the one client's error type
+ApiError = KubeError
 
-
-class ApiError(RuntimeError):
-    def __init__(self, status: int, body: str) -> None:
-        super().__init__(f"HTTP {status}: {body[:500]}")
-        self.status = status
-        self.body = body
+__all__ = ["DEFAULT_TIMEOUT_S", "MERGE_PATCH", "STRATEGIC_PATCH", "ApiError", "KubeHttp"]
 
 
 @dataclass
@@ -31,47 +37,25 @@ class KubeHttp:
     ca_file: Path
     cert_file: Path
     key_file: Path
+    client: KubeClient = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        ctx = ssl.create_default_context(cafile=str(self.ca_file))
-        ctx.load_cert_chain(str(self.cert_file), str(self.key_file))
-        self._ctx = ctx
-
-    def _open(
-        self,
-        method: str,
-        path: str,
-        body: JsonDict | None = None,
-        content_type: str = "application/json",
-        timeout: float = DEFAULT_TIMEOUT_S,
-    ) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.server + path, data=data, method=method)
-        req.add_header("Accept", "application/json")
-        if data is not None:
-            req.add_header("Content-Type", content_type)
-        try:
-            return urllib.request.urlopen(req, context=self._ctx, timeout=timeout)
-        except urllib.error.HTTPError as err:
-            raise ApiError(err.code, err.read().decode(errors="replace")) from None
+        self.client = KubeClient(
+            api_client_with_cert(self.server, self.ca_file, self.cert_file, self.key_file))
 
     def request(
         self,
         method: str,
         path: str,
         body: JsonDict | None = None,
-        content_type: str = "application/json",
+        content_type: str = JSON,
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> JsonDict:
-        with self._open(method, path, body, content_type, timeout) as resp:
-            raw = resp.read()
-        parsed: JsonDict = json.loads(raw) if raw else {}
-        return parsed
+        out: JsonDict = self.client.call(method, path, body, content_type, timeout_s=timeout)
+        return out or {}
 
     def get_text(self, path: str, timeout: float = DEFAULT_TIMEOUT_S) -> str:
-        with self._open("GET", path, timeout=timeout) as resp:
-            text: str = resp.read().decode()
-        return text
+        return self.client.text(path, timeout)
 
     def get(self, path: str) -> JsonDict:
         return self.request("GET", path)
@@ -87,10 +71,8 @@ class KubeHttp:
 
     def watch(self, path: str, params: dict[str, str], timeout_s: int) -> Iterator[JsonDict]:
         """Yield watch events (``{"type": ..., "object": ...}``) until the server closes."""
-        query = dict(params, watch="true", timeoutSeconds=str(timeout_s))
-        url = f"{path}?{urllib.parse.urlencode(query)}"
-        with self._open("GET", url, timeout=timeout_s + DEFAULT_TIMEOUT_S) as resp:
-            for line in resp:
-                if line.strip():
-                    event: JsonDict = json.loads(line)
-                    yield event
+        stream = self.client.watch(path, params, timeout_s)
+        try:
+            yield from stream
+        finally:
+            stream.close()

@@ -64,21 +64,22 @@ def install_crd(timeout_s: float = CRD_READY_TIMEOUT_S) -> None:
     import json
     import time
 
-    from . import crd
-    from .kube import Kube, KubeError, api_client_from_env
+    from mooncake_kube.client import KubeClient, KubeError, api_client_from_env
 
-    kube = Kube(api_client_from_env(), "mooncake-operator")
+    from . import crd
+
+    kube = KubeClient(api_client_from_env())
     path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{crd.CRD_NAME}"
-    kube._call("PATCH", path, json.dumps(crd.crd()), "application/apply-patch+yaml",
+    kube.call("PATCH", path, json.dumps(crd.crd()), "application/apply-patch+yaml",
                {"fieldManager": "mooncake-operator", "force": "true"})
     deadline = time.monotonic() + timeout_s
     while True:
-        conds = (kube._call("GET", path).get("status") or {}).get("conditions") or []
+        conds = (kube.call("GET", path).get("status") or {}).get("conditions") or []
         established = any(c.get("type") == "Established" and c.get("status") == "True"
                           for c in conds)
         if established:
             try:
-                served = kube._call("GET", f"/apis/{crd.GROUP}/{crd.VERSION}")
+                served = kube.call("GET", f"/apis/{crd.GROUP}/{crd.VERSION}")
             except KubeError:
                 served = None
             if served and any(r.get("name") == crd.PLURAL

@@ -1,26 +1,31 @@
-"""A small async JSON client over the ``kubernetes`` package's ApiClient.
+"""The operator's reads and writes of Kubernetes objects, by kind.
 
 Every write goes through here, so the operator can count them (metrics, and the test that a
 reconcile with nothing to change writes nothing) and treat 404/409 the same way everywhere.
-Calls run in a thread (the ``kubernetes`` client blocks); bodies are plain dicts in and out.
+Requests go through the project's one client (:mod:`mooncake_kube.client`); bodies are
+plain dicts in and out.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import urllib.parse
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
+
+from mooncake_kube.client import (
+    MERGE_PATCH,
+    STRATEGIC_PATCH,
+    KubeClient,
+    KubeError,
+    api_client_from_env,
+)
 
 from . import crd
 from .metrics import READS, WRITES
 
 JsonDict = dict[str, Any]
-MERGE_PATCH = "application/merge-patch+json"
-STRATEGIC_PATCH = "application/strategic-merge-patch+json"
-REQUEST_TIMEOUT_S = 30.0
+__all__ = ["MERGE_PATCH", "STRATEGIC_PATCH", "Kube", "KubeError", "NotLeader",
+           "api_client_from_env", "path", "resource"]
 
 #: API path prefix and plural of each kind the operator touches.
 KINDS: dict[str, tuple[str, str]] = {
@@ -39,23 +44,6 @@ KINDS: dict[str, tuple[str, str]] = {
 
 class NotLeader(Exception):
     """A write refused by this replica itself: another replica leads (``leader.py``)."""
-
-
-class KubeError(Exception):
-    """An API error: its HTTP status, the API's message and the request (``VERB path``)."""
-
-    def __init__(self, status: int, message: str, request: str = "") -> None:
-        super().__init__(f"{status}: {message}" + (f" ({request})" if request else ""))
-        self.status = status
-        self.message = message
-        self.request = request
-
-
-def _status_error(status: int, data: bytes | None) -> Exception:
-    err = Exception(f"HTTP {status}")
-    err.status = status  # type: ignore[attr-defined]
-    err.body = (data or b"").decode(errors="replace")  # type: ignore[attr-defined]
-    return err
 
 
 def path(kind: str, namespace: str, name: str | None = None, sub: str | None = None) -> str:
@@ -77,22 +65,11 @@ def resource(kind: str) -> tuple[str, str, str]:
     return ("" if parts[0] == "api" else parts[1]), parts[-1], plural
 
 
-def api_client_from_env() -> Any:
-    """In-cluster service account first, then ``$KUBECONFIG`` / ``~/.kube/config``."""
-    from kubernetes import client, config
-
-    try:
-        config.load_incluster_config()  # type: ignore[no-untyped-call]
-        return client.ApiClient()
-    except config.ConfigException:
-        return config.new_client_from_config()  # type: ignore[no-untyped-call]
-
-
 class Kube:
     """Async get/list/create/patch/delete of plain-dict objects, counting reads and writes."""
 
     def __init__(self, api_client: Any, field_manager: str) -> None:
-        self.api = api_client
+        self.client = KubeClient(api_client)
         self.field_manager = field_manager
         self.writes: Counter[tuple[str, str]] = Counter()
         self.reads: Counter[tuple[str, str]] = Counter()
@@ -104,49 +81,10 @@ class Kube:
         self.on_written: Callable[[str, str, str, JsonDict | None, str | None], None] | None
         self.on_written = None
 
-    def _call(self, method: str, url: str, body: Any = None,
-              content_type: str = "application/json",
-              query: dict[str, str] | None = None) -> Any:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
-        try:
-            data = self._send(method, url, body, headers, query)
-        except Exception as exc:
-            status = getattr(exc, "status", None)
-            if status is None:
-                raise
-            raw = getattr(exc, "body", "") or ""
-            try:
-                message = json.loads(raw).get("message", raw)
-            except (ValueError, AttributeError):
-                message = str(raw)
-            raise KubeError(int(status), str(message), f"{method} {url}") from None
-        return json.loads(data) if data else None
-
-    def _send(self, method: str, url: str, body: Any, headers: dict[str, str],
-              query: dict[str, str] | None) -> bytes:
-        """One request through the ``kubernetes`` client (its auth, TLS and pooling)."""
-        api = self.api
-        if hasattr(api, "param_serialize"):  # kubernetes >= 35 (openapi-generator 7)
-            m, full, hdrs, payload, post = api.param_serialize(
-                method, url, query_params=list((query or {}).items()), header_params=headers,
-                body=body, auth_settings=["BearerToken"])
-            resp = api.call_api(m, full, header_params=hdrs, body=payload, post_params=post,
-                                _request_timeout=REQUEST_TIMEOUT_S)
-            resp.read()
-            if not 200 <= int(resp.status) < 300:
-                raise _status_error(int(resp.status), resp.data)
-            return bytes(resp.data or b"")
-        if query:
-            url += "?" + urllib.parse.urlencode(query)
-        resp = api.call_api(url, method, header_params=headers, body=body,
-                            auth_settings=["BearerToken"], _preload_content=False,
-                            _return_http_data_only=True, _request_timeout=REQUEST_TIMEOUT_S)
-        return bytes(resp.data or b"")
-
     async def request(self, method: str, url: str, body: Any = None,
                       content_type: str = "application/json",
                       query: dict[str, str] | None = None) -> Any:
-        return await asyncio.to_thread(self._call, method, url, body, content_type, query)
+        return await self.client.request(method, url, body, content_type, query)
 
     def _count(self, verb: str, kind: str) -> None:
         if kind != "Lease" and self.may_write is not None and not self.may_write():

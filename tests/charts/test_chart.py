@@ -175,7 +175,7 @@ def test_gateway_container_namespaced() -> None:
     assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     app = Gateway(GatewaySettings(kubernetes_models=KubernetesModels(namespace="x")),
-                  kube_api=object()).app
+                  kube=object()).app  # type: ignore[arg-type]
     routes = {r.canonical for r in app.router.resources()}
     assert {"/health", "/ready", "/metrics"} <= routes
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
-import threading
-from types import SimpleNamespace
 from typing import Any
 
 import kopf
@@ -23,6 +21,7 @@ from mooncake_operator import crd, handlers, permissions
 from mooncake_operator.reconcile import Reconciler
 from mooncake_operator.settings import OperatorSettings
 
+from ..fake_kube import fake_kube
 from ..operator.manifests import example, replaced
 from .chartutil import ALL_ON, find, render
 from .fake_api import RecordingKube
@@ -185,65 +184,34 @@ def reconciler_needs() -> set[Triple]:
     return kube.used
 
 
-class _Watch:
-    """A ``kubernetes.watch.Watch`` that records what it streams and ends when stopped."""
-
-    def __init__(self, used: set[Triple], names: dict[str, tuple[str, str]]) -> None:
-        self.used, self.names = used, names
-        self._stop = threading.Event()
-
-    def stream(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        self.used.add((*self.names[fn.__name__], "watch"))
-        self._stop.wait(5)
-        return iter(())
-
-    def stop(self) -> None:
-        self._stop.set()
-
-
 def gateway_needs() -> set[Triple]:
-    """The gateway's watches, namespaced and cluster-wide, with a recording CoreV1Api."""
+    """The gateway's watches, namespaced and cluster-wide, read off the requests a fake
+    API server receives."""
     used: set[Triple] = set()
-    names = {"list_namespaced_config_map": ("", "configmaps"),
-             "list_config_map_for_all_namespaces": ("", "configmaps"),
-             "list_namespaced_pod": ("", "pods")}
-    seen = threading.Event()
+    with fake_kube() as k:
+        async def run() -> None:
+            sources: list[Any] = [
+                ConfigMapWatch(KubernetesModels(namespace=NS), k.client()),
+                ConfigMapWatch(KubernetesModels(namespace=None), k.client()),
+                KubernetesPodSource(KubernetesSource(
+                    namespace=NS, prefill_selector=f"{c.LABEL_ROLE}=prefill",
+                    decode_selector=f"{c.LABEL_ROLE}=decode"), k.client()),
+            ]
+            for s in sources:
+                await s.start(lambda *a: None)
+            for _ in range(500):
+                if k.watchers() >= 4:
+                    break
+                await asyncio.sleep(0.01)
+            for s in sources:
+                await s.stop()
 
-    def lister(method: str) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            used.add((*names[method], "list"))
-            seen.set()
-            return SimpleNamespace(items=[], metadata=SimpleNamespace(resource_version="1"))
-        call.__name__ = method
-        return call
-
-    api = SimpleNamespace(**{m: lister(m) for m in names})
-    watches: list[_Watch] = []
-
-    def factory() -> _Watch:
-        w = _Watch(used, names)
-        watches.append(w)
-        return w
-
-    async def run() -> None:
-        sources: list[Any] = [
-            ConfigMapWatch(KubernetesModels(namespace=NS), api, factory),
-            ConfigMapWatch(KubernetesModels(namespace=None), api, factory),
-            KubernetesPodSource(KubernetesSource(
-                namespace=NS, prefill_selector=f"{c.LABEL_ROLE}=prefill",
-                decode_selector=f"{c.LABEL_ROLE}=decode"), api, factory),
-        ]
-        for s in sources:
-            await s.start(lambda *a: None)
-        for _ in range(200):
-            if len(watches) >= 4:
-                break
-            await asyncio.sleep(0.01)
-        for s in sources:
-            await s.stop()
-
-    asyncio.run(run())
-    assert seen.is_set()
+        asyncio.run(run())
+        requests = list(k.requests)
+    for request in requests:
+        path, _, query = request.partition("?")
+        verb = "watch" if "watch=true" in query else "list"
+        used.add(("", path.rsplit("/", 1)[-1], verb))
     return used
 
 

@@ -14,7 +14,6 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
-import kubernetes
 import yaml
 from aiohttp import web
 from mooncake_contract import conventions as c
@@ -22,16 +21,10 @@ from mooncake_gateway.server import Gateway
 from mooncake_gateway.settings import GatewaySettings
 from prometheus_client.parser import text_string_to_metric_families
 
-from .fake_kube import FakeKube, fake_kube
+from ..fake_kube import FakeKube, fake_kube
 from .scripted import HOST, MODEL, QUIET, ScriptedEngine, engines, model, until
 
 NS = "ns1"
-
-
-def _api(kube: FakeKube) -> Any:
-    conf = kubernetes.client.Configuration()
-    conf.host = f"http://{HOST}:{kube.port}"
-    return kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(conf))
 
 
 @asynccontextmanager
@@ -40,7 +33,7 @@ async def catalog_gateway(kube: FakeKube, models: list[dict[str, Any]],
     cfg = GatewaySettings.model_validate({
         **QUIET, "host": HOST, "port": 0, "models": models,
         "kubernetes_models": {"namespace": None}, **settings})
-    gw = Gateway(cfg, kube_api=_api(kube))
+    gw = Gateway(cfg, kube=kube.client())
     runner = web.AppRunner(gw.app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, HOST, 0)

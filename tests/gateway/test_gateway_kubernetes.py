@@ -24,8 +24,8 @@ import pytest
 import yaml
 from mooncake_contract import conventions as c
 
+from ..fake_kube import FakeKube, fake_kube
 from .conftest import FAST
-from .fake_kube import FakeKube, fake_kube
 from .gateway_fixtures import (
     MODEL,
     GatewayProc,

@@ -1,6 +1,6 @@
 """Pure and in-process parts of Kubernetes models, registration, pairing, the registry
-and hot-prefix tokens: model documents and conflicts, the ConfigMap watch over fake
-``kubernetes`` objects, pod revision and drain, registration (health check and KV
+and hot-prefix tokens: model documents and conflicts, the ConfigMap watch against a
+fake API server, pod revision and drain, registration (health check and KV
 replay), revision pairing, ``unique_blocks`` and the hot-prefix token keeper."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import random
-import threading
+import urllib.parse
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,6 @@ import pytest
 import yaml
 import zmq
 import zmq.asyncio
-from kubernetes import client as k8s
 from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.replication import HotPrefixTracker, ReplicationConfig
 from mooncake_contract import conventions as c
@@ -46,6 +44,7 @@ from mooncake_gateway.settings import (
     Role,
 )
 
+from ..fake_kube import fake_kube
 from .gateway_fixtures import HOST, free_port
 
 KEY = c.GATEWAY_MODEL_KEY
@@ -93,122 +92,81 @@ def test_documents_resolve_to_models_errors_and_conflicts() -> None:
 
 def test_a_configmap_object_becomes_a_document() -> None:
     created = dt.datetime(2025, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
-    cm = k8s.V1ConfigMap(
-        metadata=k8s.V1ObjectMeta(name="c1", namespace="ns", creation_timestamp=created,
-                                  resource_version="41"),
-        data={KEY: "name: m\n"})
+    cm = {"metadata": {"name": "c1", "namespace": "ns", "resourceVersion": "41",
+                       "creationTimestamp": "2025-01-02T03:04:05Z"},
+          "data": {KEY: "name: m\n"}}
     doc = configmap_document(cm, KEY)
     assert (doc.source, doc.namespace, doc.created, doc.text, doc.version) == (
         "ns/c1", "ns", created.timestamp(), "name: m\n", "41")
-    bare = k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(name="c2", namespace="ns"))
+    bare = {"metadata": {"name": "c2", "namespace": "ns"}}
     assert configmap_document(bare, KEY).text is None
+    assert configmap_document(bare, KEY).created == 0.0  # unknown age: counts as oldest
 
 
-class _QueueWatch:
-    """A ``kubernetes.watch.Watch`` stand-in: yields the events put in ``queue`` until
-    :meth:`stop` (or a ``None``)."""
-
-    def __init__(self, queue: list[dict[str, Any] | None], cond: threading.Condition,
-                 seen: list[tuple[Any, tuple[Any, ...], dict[str, Any]]]) -> None:
-        self.queue, self.cond, self.seen = queue, cond, seen
-        self.stopped = False
-
-    def stream(self, func: Any, *args: Any, **kw: Any) -> Any:
-        self.seen.append((func, args, kw))
-        while not self.stopped:
-            with self.cond:
-                while not self.queue and not self.stopped:
-                    self.cond.wait(0.05)
-                if self.stopped:
-                    return
-                ev = self.queue.pop(0)
-            if ev is None:
-                return
-            yield ev
-
-    def stop(self) -> None:
-        self.stopped = True
+def _cm(name: str, ns: str, text: str) -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": ns,
+                         "labels": {c.LABEL_GATEWAY_MODEL: "true"}}, "data": {KEY: text}}
 
 
-def _cm(name: str, ns: str, text: str) -> Any:
-    return k8s.V1ConfigMap(metadata=k8s.V1ObjectMeta(
-        name=name, namespace=ns, resource_version="1",
-        creation_timestamp=dt.datetime(2025, 1, 1, tzinfo=dt.UTC)), data={KEY: text})
+async def _watch_until(watch: ConfigMapWatch, seen: list[Any], count: int,
+                       steps: Callable[[], None] = lambda: None) -> None:
+    """Start ``watch``; once it reports, run ``steps``; stop after ``count`` reports."""
+    await watch.start(lambda docs: seen.append({d.source: d.text for d in docs}))
+    ran = False
+    for _ in range(500):
+        if seen and not ran:
+            await asyncio.to_thread(steps)
+            ran = True
+        if len(seen) >= count:
+            break
+        await asyncio.sleep(0.01)
+    await watch.stop()
 
 
 @pytest.mark.parametrize("namespace", [None, "ns"])
 def test_the_configmap_watch_reports_every_change(namespace: str | None) -> None:
-    listed = SimpleNamespace(items=[_cm("a", "ns", "name: a")],
-                             metadata=SimpleNamespace(resource_version="7"))
-    calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+    with fake_kube() as k:
+        k.put("configmaps", _cm("a", "ns", "name: a"))
+        k.put("configmaps", {"metadata": {"name": "other", "namespace": "ns"}})  # unlabelled
+        watch = ConfigMapWatch(KubernetesModels(namespace=namespace), k.client())
+        seen: list[dict[str, str | None]] = []
 
-    def lister(name: str) -> Any:
-        def call(*args: Any, **kw: Any) -> Any:
-            calls.append((name, args, kw))
-            return listed
-        return call
+        def steps() -> None:
+            k.put("configmaps", _cm("b", "ns", "name: b"))
+            k.put("configmaps", _cm("a", "ns", "name: a2"))
+            k.delete("configmaps", "ns", "b")
 
-    api = SimpleNamespace(list_config_map_for_all_namespaces=lister("all"),
-                          list_namespaced_config_map=lister("ns"))
-    queue: list[dict[str, Any] | None] = [
-        {"type": "ADDED", "object": _cm("b", "ns", "name: b")},
-        {"type": "MODIFIED", "object": _cm("a", "ns", "name: a2")},
-        {"type": "BOOKMARK", "object": _cm("z", "ns", "")},
-        {"type": "DELETED", "object": _cm("b", "ns", "")},
-    ]
-    cond = threading.Condition()
-    streams: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
-    watch = ConfigMapWatch(KubernetesModels(namespace=namespace), api,
-                           lambda: _QueueWatch(queue, cond, streams))
-    seen: list[dict[str, str | None]] = []
-
-    async def run() -> None:
-        await watch.start(lambda docs: seen.append({d.source: d.text for d in docs}))
-        for _ in range(200):
-            if len(seen) >= 4:
-                break
-            await asyncio.sleep(0.01)
-        await watch.stop()
-
-    asyncio.run(run())
+        asyncio.run(_watch_until(watch, seen, 4, steps))
+        requests = list(k.requests)
     assert seen[:4] == [{"ns/a": "name: a"}, {"ns/a": "name: a", "ns/b": "name: b"},
                         {"ns/a": "name: a2", "ns/b": "name: b"}, {"ns/a": "name: a2"}]
-    kind, args, kw = calls[0]
-    assert kind == ("all" if namespace is None else "ns")
-    assert args == (() if namespace is None else ("ns",))
-    assert kw == {"label_selector": f"{c.LABEL_GATEWAY_MODEL}=true"}
-    assert streams[0][2]["resource_version"] == "7"
+    (list_path, listed), (watch_path, watched) = (_split(r) for r in requests[:2])
+    path = "/api/v1/configmaps" if namespace is None else "/api/v1/namespaces/ns/configmaps"
+    assert list_path == watch_path == path
+    assert listed == {"labelSelector": [f"{c.LABEL_GATEWAY_MODEL}=true"]}
+    assert watched["watch"] == ["true"] and watched["labelSelector"] == listed["labelSelector"]
+    assert watched["resourceVersion"] == ["3"]  # from the list's version, not the start
+
+
+def _split(request: str) -> tuple[str, dict[str, list[str]]]:
+    parts = urllib.parse.urlsplit(request)
+    return parts.path, urllib.parse.parse_qs(parts.query)
 
 
 def test_the_watch_lists_again_after_an_api_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mooncake_gateway import discovery
+    from mooncake_kube import listwatch
 
-    monkeypatch.setattr(discovery, "WATCH_BACKOFF_S", 0.01)
-    lists = [0]
-
-    def call(*_a: Any, **_k: Any) -> Any:
-        lists[0] += 1
-        if lists[0] == 1:
-            raise RuntimeError("API server restarting")
-        return SimpleNamespace(items=[_cm("a", "ns", f"name: v{lists[0]}")],
-                               metadata=SimpleNamespace(resource_version="1"))
-
-    api = SimpleNamespace(list_config_map_for_all_namespaces=call)
-    cond = threading.Condition()
-    queue: list[dict[str, Any] | None] = [None]  # each watch ends at once: list again
-    watch = ConfigMapWatch(KubernetesModels(), api, lambda: _QueueWatch(queue, cond, []))
-    seen: list[str | None] = []
-
-    async def run() -> None:
-        await watch.start(lambda docs: seen.append(docs[0].text))
-        for _ in range(200):
-            if len(seen) >= 2:
-                break
-            await asyncio.sleep(0.01)
-        await watch.stop()
-
-    asyncio.run(run())
-    assert seen[:2] == ["name: v2", "name: v3"]  # the failed list, then relists
+    monkeypatch.setattr(listwatch, "BACKOFF_S", 0.01)
+    with fake_kube() as k:
+        k.put("configmaps", _cm("a", "ns", "name: v1"))
+        k.fail_next = 1  # the first list meets an API server restarting
+        watch = ConfigMapWatch(KubernetesModels(), k.client())
+        seen: list[dict[str, str | None]] = []
+        asyncio.run(_watch_until(watch, seen, 2,
+                                 lambda: k.put("configmaps", _cm("a", "ns", "name: v2"))))
+        lists = [r for r in k.requests if "watch=" not in r]
+    assert [d["ns/a"] for d in seen[:2]] == ["name: v1", "name: v2"]
+    assert len(lists) == 2  # the failed list, then the one that served
 
 
 def test_module_constants_are_the_conventions() -> None:
@@ -218,12 +176,12 @@ def test_module_constants_are_the_conventions() -> None:
 
 
 # -- pods -------------------------------------------------------------------------------------
-def _pod(labels: dict[str, str] | None = None, ann: dict[str, str] | None = None) -> Any:
-    return SimpleNamespace(
-        metadata=SimpleNamespace(name="p-0", namespace="ns", annotations=ann or {},
-                                 labels=labels, deletion_timestamp=None),
-        status=SimpleNamespace(pod_ip="10.0.0.7", phase="Running",
-                               conditions=[SimpleNamespace(type="Ready", status="True")]))
+def _pod(labels: dict[str, str] | None = None,
+         ann: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"metadata": {"name": "p-0", "namespace": "ns", "annotations": ann or {},
+                         "labels": labels},
+            "status": {"podIP": "10.0.0.7", "phase": "Running",
+                       "conditions": [{"type": "Ready", "status": "True"}]}}
 
 
 def test_pod_revision_drain_and_name() -> None:

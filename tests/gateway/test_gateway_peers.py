@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from aiohttp import web
@@ -150,15 +149,17 @@ def test_a_peer_that_stops_answering_stops_counting_and_bad_reports_are_ignored(
     asyncio.run(main())
 
 
-def _pod(name: str, ip: str | None, phase: str = "Running", deleting: bool = False) -> Any:
-    meta = SimpleNamespace(name=name, namespace="ops",
-                           deletion_timestamp="2026-01-01T00:00:00Z" if deleting else None)
-    return SimpleNamespace(metadata=meta, status=SimpleNamespace(phase=phase, pod_ip=ip))
+def _pod(name: str, ip: str | None, phase: str = "Running",
+         deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "namespace": "ops"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "status": {"phase": phase, "podIP": ip}}
 
 
 def test_peers_in_kubernetes_are_the_other_running_pods_of_the_selector() -> None:
     cfg = PeerSettings(pod_selector="app=op", namespace="ops", port=8080, pod_name="op-a")
-    pods = {f"ops/{p.metadata.name}": p for p in (
+    pods = {f"ops/{p['metadata']['name']}": p for p in (
         _pod("op-a", "10.0.0.1"),  # this pod
         _pod("op-b", "10.0.0.2"),
         _pod("op-c", "fd00::3"),

@@ -363,7 +363,7 @@ def test_a_catalog_gateway_is_ready_once_its_configmaps_are_listed() -> None:
     """Serving models from ConfigMaps: not ready while the API server cannot be listed,
     ready after the first list even with a model that cannot serve yet (that model is
     named in ``missing`` and answers 503 itself)."""
-    from .fake_kube import fake_kube
+    from ..fake_kube import fake_kube
     from .test_gateway_control_rules_catalog import catalog_gateway, configmap
 
     async def ready(url: str) -> tuple[int, Any]:

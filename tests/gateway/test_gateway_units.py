@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from types import SimpleNamespace
 from typing import Any
 
 from mooncake_conductor.blockkeys import block_keys, mix64, namespace_seed
@@ -76,13 +75,11 @@ def test_chat_tokens_equal_the_workers_and_are_cached() -> None:
 
 
 def _pod(ip: str | None = "10.0.0.7", phase: str = "Running", ready: str = "True",
-         ann: dict[str, str] | None = None) -> Any:
-    return SimpleNamespace(
-        metadata=SimpleNamespace(name="p-0", namespace="ns", annotations=ann or {},
-                                 deletion_timestamp=None),
-        status=SimpleNamespace(pod_ip=ip, phase=phase,
-                               conditions=[SimpleNamespace(type="Ready", status=ready)]),
-    )
+         ann: dict[str, str] | None = None, name: str = "p-0") -> dict[str, Any]:
+    return {"metadata": {"name": name, "namespace": "ns", "annotations": ann or {},
+                         "labels": {"r": "p"}},
+            "status": {"podIP": ip, "phase": phase,
+                       "conditions": [{"type": "Ready", "status": ready}]}}
 
 
 def test_pod_endpoints_from_ip_and_annotations() -> None:
@@ -106,53 +103,36 @@ def test_settings_apply_gateway_defaults_to_the_conductor_policy() -> None:
     assert params["tie_tolerance"] == 0.1
 
 
-class _FakeWatch:
-    """Yields the scripted events, then blocks until stopped (like a long watch)."""
-
-    def __init__(self, events: list[dict[str, Any]], done: Any) -> None:
-        self.events = events
-        self.done = done
-
-    def stream(self, _func: Any, _ns: str, **_kw: Any) -> Any:
-        yield from self.events
-        self.done.wait(5)
-
-    def stop(self) -> None:
-        self.done.set()
-
-
 def test_kubernetes_source_lists_then_follows_the_watch() -> None:
-    import threading
-
     from mooncake_gateway.discovery import KubernetesPodSource
     from mooncake_gateway.settings import Role
 
-    def pod(name: str, ip: str) -> Any:
-        p = _pod(ip=ip)
-        p.metadata.name = name
-        return p
+    from ..fake_kube import fake_kube
 
-    listing = SimpleNamespace(items=[pod("a", "10.0.0.1")],
-                              metadata=SimpleNamespace(resource_version="7"))
-    api = SimpleNamespace(list_namespaced_pod=lambda *_a, **_k: listing)
-    done = threading.Event()
-    events = [{"type": "ADDED", "object": pod("b", "10.0.0.2")},
-              {"type": "DELETED", "object": pod("a", "10.0.0.1")}]
-    cfg = KubernetesSource(prefill_selector="r=p", decode_selector="r=d")
-    src = KubernetesPodSource(cfg, api, lambda: _FakeWatch(list(events), done))
+    cfg = KubernetesSource(prefill_selector="r=p", decode_selector="r=p", namespace="ns")
     seen: dict[Role, list[list[str]]] = {Role.PREFILL: [], Role.DECODE: []}
+    with fake_kube() as k:
+        k.put("pods", _pod("10.0.0.1", name="a"))
+        k.put("pods", {**_pod("10.0.0.9", name="z"), "metadata": {"name": "z",
+                                                                  "namespace": "ns"}})
+        src = KubernetesPodSource(cfg, k.client())
 
-    async def run() -> None:
-        await src.start(lambda role, eps: seen[role].append([e.url for e in eps]))
-        for _ in range(100):
-            if len(seen[Role.PREFILL]) >= 3 and len(seen[Role.DECODE]) >= 3:
-                break
-            await asyncio.sleep(0.02)
-        done.set()
-        await src.stop()
+        async def run() -> None:
+            await src.start(lambda role, eps: seen[role].append([e.url for e in eps]))
+            for _ in range(100):
+                if seen[Role.PREFILL] and seen[Role.DECODE]:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.to_thread(k.put, "pods", _pod("10.0.0.2", name="b"))
+            await asyncio.to_thread(k.delete, "pods", "ns", "a")
+            for _ in range(100):
+                if len(seen[Role.PREFILL]) >= 3 and len(seen[Role.DECODE]) >= 3:
+                    break
+                await asyncio.sleep(0.02)
+            await src.stop()
 
-    asyncio.run(run())
-    for role in Role:
+        asyncio.run(run())
+    for role in Role:  # z is not selected
         assert seen[role][:3] == [["http://10.0.0.1:8000"],
                                   ["http://10.0.0.1:8000", "http://10.0.0.2:8000"],
                                   ["http://10.0.0.2:8000"]]

@@ -20,10 +20,12 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import kubernetes
 import yaml
 from aiohttp import web
+from mooncake_kube.client import KubeClient
 
-from .gateway_fixtures import HOST
+HOST = "127.0.0.1"
 
 KINDS = {"pods": "Pod", "configmaps": "ConfigMap"}
 WATCH_DEFAULT_S = 300
@@ -45,6 +47,8 @@ class FakeKube:
         self.rv = 1
         self.port = 0
         self.requests: list[str] = []
+        #: how many of the next requests to answer 500 (an API server restarting)
+        self.fail_next = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Condition | None = None
         self._runner: web.AppRunner | None = None
@@ -70,6 +74,12 @@ class FakeKube:
         with open(path, "w") as f:
             yaml.safe_dump(cfg, f)
         return path
+
+    def client(self) -> KubeClient:
+        """The project's client, pointed at this server."""
+        conf = kubernetes.client.Configuration()
+        conf.host = f"http://{HOST}:{self.port}"
+        return KubeClient(kubernetes.client.ApiClient(conf))
 
     def watchers(self) -> int:
         """Watch requests seen so far."""
@@ -114,6 +124,9 @@ class FakeKube:
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         self.requests.append(str(request.rel_url))
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return web.json_response({"kind": "Status", "message": "restarting"}, status=500)
         kind = request.match_info["kind"]
         if kind not in KINDS:
             raise web.HTTPNotFound()
