@@ -1,10 +1,12 @@
-"""Keep a set of objects current: list, then watch from the list's version, in a thread.
+"""Keep up with a collection: list, then watch from the list's version, in a thread.
 
-What an informer does, for the few sets the gateway follows (its engines' pods, its
-peers, its model ConfigMaps): ``report`` gets the whole set (``namespace/name`` → object
-dict) after every list and every event. An API error (a server restart, an expired
-version, a rotated token) lists again after ``backoff_s``; a watch the server ends
-(``timeout_s``) lists again at once.
+:func:`follow` is the loop an informer runs: LIST, hand the items over as one ``SYNC``
+event, then WATCH from the list's resourceVersion, with bookmarks, and watch again from
+the last version seen when the server ends a watch. Any error (a ``410 Gone``, an API
+server restart, a rotated token, a broken connection) lists again after ``retry_s``.
+The embedded cluster's pod runner and service proxy take its events one by one;
+:class:`ListWatch` (the gateway's pods, peers and model ConfigMaps) folds them into the
+whole set and reports it after every change.
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from .client import KubeClient, Stream
+from .client import KubeClient, KubeError, Stream
 
 log = logging.getLogger(__name__)
 
 JsonDict = dict[str, Any]
-#: seconds between lists after an API error
-BACKOFF_S = 2.0
+Emit = Callable[[str, JsonDict], None]
+#: the event :func:`follow` emits after each LIST: ``{"items": [...]}``
+SYNC = "SYNC"
+#: seconds the server keeps one watch open
+WATCH_TIMEOUT_S = 300
+#: seconds between lists after an error
+RETRY_S = 1.0
 
 
 def object_key(obj: JsonDict) -> str:
@@ -30,9 +37,61 @@ def object_key(obj: JsonDict) -> str:
     return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
 
 
+def follow(client: KubeClient, path: str, emit: Emit, stopping: threading.Event,
+           params: dict[str, str] | None = None,
+           on_sync: Callable[[], None] | None = None,
+           timeout_s: int = WATCH_TIMEOUT_S, retry_s: float | None = None,
+           on_stream: Callable[[Stream | None], None] | None = None) -> None:
+    """Run until ``stopping`` is set: ``emit(SYNC, {"items": ...})`` after each LIST
+    (then ``on_sync()``), ``emit(type, object)`` per ADDED, MODIFIED or DELETED event.
+    ``path`` is a collection (``/api/v1/pods``); ``params`` its selectors. ``on_stream``
+    is told of each open watch (and of None when it ends), so that another thread can
+    close it."""
+    base = dict(params or {})
+    pause = RETRY_S if retry_s is None else retry_s
+    while not stopping.is_set():
+        try:
+            listing = client.call("GET", path, query=base or None)
+            version = str((listing.get("metadata") or {}).get("resourceVersion", ""))
+            emit(SYNC, {"items": listing.get("items") or []})
+            if on_sync is not None:
+                on_sync()
+            while not stopping.is_set():
+                query = dict(base, resourceVersion=version, allowWatchBookmarks="true")
+                stream = client.watch(path, query, timeout_s)
+                if on_stream is not None:
+                    on_stream(stream)
+                try:
+                    if stopping.is_set():  # stopped while the watch opened
+                        return
+                    for event in stream:
+                        if stopping.is_set():
+                            return
+                        kind = str(event.get("type", ""))
+                        obj = event.get("object") or {}
+                        if kind == "ERROR":  # 410 Gone and the like: list again
+                            raise KubeError(int(obj.get("code", 500)),
+                                            str(obj.get("message")), f"WATCH {path}")
+                        meta = obj.get("metadata") or {}
+                        version = str(meta.get("resourceVersion", version))
+                        if kind != "BOOKMARK":
+                            emit(kind, obj)
+                finally:
+                    if on_stream is not None:
+                        on_stream(None)
+                    with contextlib.suppress(Exception):
+                        stream.close()
+        except Exception as err:  # the API server restarts, tokens rotate: list again
+            if stopping.is_set():
+                return
+            log.warning("watch of %s (%s) restarted: %s: %s", path, base or "all",
+                        type(err).__name__, err)
+            stopping.wait(pause)
+
+
 class ListWatch:
-    """The objects at ``path`` (a collection: ``/api/v1/namespaces/ns/pods``, or
-    ``/api/v1/pods`` for every namespace) that match ``selector``."""
+    """The objects at ``path`` that match ``selector``, in a thread; ``report`` gets the
+    whole set (``namespace/name`` → object) after each LIST and each event."""
 
     def __init__(self, client: KubeClient, path: str, selector: str, timeout_s: int,
                  report: Callable[[dict[str, JsonDict]], None], what: str,
@@ -43,10 +102,11 @@ class ListWatch:
         self.timeout_s = timeout_s
         self.report = report
         self.what = what
-        self.backoff_s = BACKOFF_S if backoff_s is None else backoff_s
+        self.backoff_s = backoff_s
         self._stop = threading.Event()
         self._stream: Stream | None = None
         self._thread: threading.Thread | None = None
+        self._objects: dict[str, JsonDict] = {}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"k8s-watch-{self.what}",
@@ -69,38 +129,19 @@ class ListWatch:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
+    def _emit(self, kind: str, obj: JsonDict) -> None:
+        if kind == SYNC:
+            self._objects = {object_key(o): o for o in obj["items"]}
+        elif kind == "DELETED":
+            self._objects.pop(object_key(obj), None)
+        else:
+            self._objects[object_key(obj)] = obj
+        self.report(dict(self._objects))
+
+    def _set_stream(self, stream: Stream | None) -> None:
+        self._stream = stream
+
     def _run(self) -> None:
-        query = {"labelSelector": self.selector} if self.selector else {}
-        while not self._stop.is_set():
-            try:
-                listing = self.client.call("GET", self.path, query=query or None)
-                objects = {object_key(o): o for o in listing.get("items") or []}
-                self.report(dict(objects))
-                version = (listing.get("metadata") or {}).get("resourceVersion", "")
-                self._stream = self.client.watch(
-                    self.path, dict(query, resourceVersion=version), self.timeout_s)
-                if self._stop.is_set():
-                    break
-                for event in self._stream:
-                    if self._stop.is_set():
-                        break
-                    kind, obj = event.get("type"), event.get("object") or {}
-                    if kind == "ERROR":  # 410 Gone and the like: list again
-                        raise RuntimeError(obj.get("message") or "watch error")
-                    if kind == "DELETED":
-                        objects.pop(object_key(obj), None)
-                    elif kind in ("ADDED", "MODIFIED"):
-                        objects[object_key(obj)] = obj
-                    else:  # BOOKMARK
-                        continue
-                    self.report(dict(objects))
-            except Exception as exc:  # the API server restarts, tokens rotate: retry
-                if self._stop.is_set():
-                    break
-                log.warning("%s watch (%s) failed: %s", self.what, self.selector, exc)
-                self._stop.wait(self.backoff_s)
-            finally:
-                stream, self._stream = self._stream, None
-                if stream is not None:
-                    with contextlib.suppress(Exception):
-                        stream.close()
+        params = {"labelSelector": self.selector} if self.selector else None
+        follow(self.client, self.path, self._emit, self._stop, params,
+               timeout_s=self.timeout_s, retry_s=self.backoff_s, on_stream=self._set_stream)

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mooncake_kube.listwatch import SYNC, Emit, follow
+
 from mooncake_localcluster import (
     bindpin,
     images,
@@ -52,7 +54,6 @@ from mooncake_localcluster import (
     services,
     tokens,
     volumes,
-    watching,
 )
 from mooncake_localcluster.cluster import (
     KUBERNETES_SERVICE_PORT,
@@ -254,13 +255,13 @@ class PodRunner:
                         "that listen on every interface are reachable from outside the host")
 
     # ----- watching -----------------------------------------------------------------
-    def _emitter(self, resource: str) -> watching.Emit:
+    def _emitter(self, resource: str) -> Emit:
         return lambda kind, obj: self.events.put((resource, kind, obj))
 
     def _watch(self, resource: str) -> None:
         on_sync = self.services_synced.set if resource == SERVICES else None
-        watching.list_watch(
-            self.client,
+        follow(
+            self.client.client,
             f"/api/v1/{resource}",
             self._emitter(resource),
             self.stopping,
@@ -272,8 +273,8 @@ class PodRunner:
         while not self.services_synced.wait(RETRY_DELAY_S):
             if self.stopping.is_set():
                 return
-        watching.list_watch(
-            self.client,
+        follow(
+            self.client.client,
             "/api/v1/pods",
             self._emitter(PODS),
             self.stopping,
@@ -290,7 +291,7 @@ class PodRunner:
             self._handle_source(resource, kind, obj)
 
     def _handle_pod(self, kind: str, obj: JsonDict) -> None:
-        if kind == watching.SYNC:
+        if kind == SYNC:
             seen = set()
             for pod in obj["items"]:
                 seen.add(pod["metadata"]["uid"])
@@ -311,7 +312,7 @@ class PodRunner:
         return str(meta.get("namespace", "")), str(meta.get("name", ""))
 
     def _handle_service(self, kind: str, obj: JsonDict) -> None:
-        if kind == watching.SYNC:
+        if kind == SYNC:
             self.services = {self._key(s): s for s in obj["items"]}
         elif kind == "DELETED":
             self.services.pop(self._key(obj), None)
@@ -322,7 +323,7 @@ class PodRunner:
         """A ConfigMap/Secret changed: rewrite the volumes of running pods that use it."""
         if kind == "DELETED":
             return  # like the kubelet, the files keep their last content
-        items = obj["items"] if kind == watching.SYNC else [obj]
+        items = obj["items"] if kind == SYNC else [obj]
         for item in items:
             namespace, name = self._key(item)
             for uid in list(self.volume_users.get((resource, namespace, name), ())):

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_localcluster import services, watching
+from mooncake_kube.listwatch import SYNC, Emit, follow
+
+from mooncake_localcluster import services
 from mooncake_localcluster.cluster import kube_client, open_state
 from mooncake_localcluster.kubehttp import KubeHttp
 from mooncake_localcluster.settings import LocalClusterSettings
@@ -133,7 +135,7 @@ class ServiceProxy:
             meta = o.get("metadata") or {}
             return str(meta.get("namespace", "")), str(meta.get("name", ""))
 
-        if kind == watching.SYNC:
+        if kind == SYNC:
             self.services = {key(s): s for s in obj["items"]}
         elif kind == "DELETED":
             self.services.pop(key(obj), None)
@@ -142,7 +144,7 @@ class ServiceProxy:
         self.changed.set()
 
     def _on_pod(self, kind: str, obj: JsonDict) -> None:
-        if kind == watching.SYNC:
+        if kind == SYNC:
             self.pods = {}
             for pod in obj["items"]:
                 self._put_pod(pod)
@@ -232,7 +234,7 @@ class ServiceProxy:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
 
-        def emitter(resource: str) -> watching.Emit:
+        def emitter(resource: str) -> Emit:
             def emit(kind: str, obj: JsonDict) -> None:
                 loop.call_soon_threadsafe(self.on_event, resource, kind, obj)
 
@@ -240,8 +242,9 @@ class ServiceProxy:
 
         for resource in (SERVICES, PODS):
             threading.Thread(
-                target=watching.list_watch,
-                args=(self.client, f"/api/v1/{resource}", emitter(resource), self.stopping),
+                target=follow,
+                args=(self.client.client, f"/api/v1/{resource}", emitter(resource),
+                      self.stopping),
                 name=f"{resource}-watch",
                 daemon=True,
             ).start()

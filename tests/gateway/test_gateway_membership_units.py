@@ -156,7 +156,7 @@ def _split(request: str) -> tuple[str, dict[str, list[str]]]:
 def test_the_watch_lists_again_after_an_api_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from mooncake_kube import listwatch
 
-    monkeypatch.setattr(listwatch, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(listwatch, "RETRY_S", 0.01)
     with fake_kube() as k:
         k.put("configmaps", _cm("a", "ns", "name: v1"))
         k.fail_next = 1  # the first list meets an API server restarting

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from mooncake_kube.client import KubeClient, KubeError, KubeUnreachable, _lines
-from mooncake_kube.listwatch import ListWatch, object_key
+from mooncake_kube.listwatch import SYNC, ListWatch, follow, object_key
 
 from ..fake_kube import FakeKube, fake_kube
 
@@ -130,3 +130,37 @@ def test_the_list_watch_lists_again_after_an_error() -> None:
         lists = [r for r in k.requests if "watch=" not in r]
     assert seen[0] == {"ns/p1": k.objects["pods"][("ns", "p1")]}
     assert len(lists) == 2  # the refused list, then one that served
+
+
+def test_follow_watches_again_from_the_last_version_when_a_watch_ends() -> None:
+    """A watch the server ends (its timeout) resumes from the last version seen: no
+    second LIST, nothing emitted twice."""
+    with fake_kube() as k:
+        k.put("pods", _pod("p1"))
+        events: list[tuple[str, str]] = []
+        stopping = threading.Event()
+
+        def emit(kind: str, obj: dict[str, Any]) -> None:
+            names = [object_key(o) for o in obj["items"]] if kind == SYNC else [object_key(obj)]
+            events.extend((kind, n) for n in names)
+
+        thread = threading.Thread(target=follow, args=(
+            k.client(), "/api/v1/namespaces/ns/pods", emit, stopping),
+            kwargs={"timeout_s": 1}, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while k.watchers() < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        k.put("pods", _pod("p2"))
+        while k.watchers() < 3 and time.monotonic() < deadline:  # two watches ended
+            time.sleep(0.05)
+        k.put("pods", _pod("p3"))
+        while len(events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stopping.set()
+        lists = [r for r in k.requests if "watch=" not in r]
+        versions = [r.split("resourceVersion=")[1].split("&")[0]
+                    for r in k.requests if "watch=" in r]
+    assert events == [(SYNC, "ns/p1"), ("ADDED", "ns/p2"), ("ADDED", "ns/p3")]
+    assert len(lists) == 1
+    assert versions[0] == "2" and set(versions[1:]) == {"3"}  # resumed after p2's version
