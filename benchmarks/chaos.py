@@ -959,7 +959,9 @@ def shortfalls(doc: JsonDict) -> list[str]:
             + ", ".join(f"`{k}` ×{v}" for k, v in crashed.items()) + ") because it was "
             "given the deleted pod's IP while that pod's process, still terminating, held "
             "its KV-event port (`Address already in use`). A real CNI does not hand out the "
-            "IP of a pod that still exists. Those crashes are within the operator's 10-min "
+            "IP of a pod that still exists; since 2026-12-06 the pod runner removes a pod "
+            "only once its processes have stopped, as a kubelet does, so a run from then on "
+            "should not show this. Those crashes are within the operator's 10-min "
             "crash-loop window, so later rows list `EngineCrashLooping` among the reasons "
             "the cluster was not Ready while a fault made something else not ready.")
     hang = by.get("prefill-hang") or {}

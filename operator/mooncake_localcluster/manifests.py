@@ -329,6 +329,9 @@ spec:
     matchExpressions:
     - key: '.metadata.deletionTimestamp'
       operator: 'Exists'
+    - key: '{runnable}'
+      operator: 'In'
+      values: ['false']
   next:
     delete: true
 """
@@ -338,7 +341,9 @@ _POD_ID_ARGS = '( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.
 
 
 def kwok_stages(settings: LocalClusterSettings) -> str:
-    """kwok's Stage config: fake-run other pods; only assign IPs to pods we run ourselves."""
+    """kwok's Stage config: fake-run other pods, and delete them when asked; only assign
+    IPs to the pods we run ourselves (the pod runner removes those once their processes
+    have stopped, as a kubelet does)."""
     runnable = runnable_jq(settings).replace("'", "''")
     fake_ready = _POD_READY_STAGE.format(
         name="pod-ready",
@@ -368,6 +373,6 @@ def kwok_stages(settings: LocalClusterSettings) -> str:
         fake_ready,
         runner_start,
         _POD_COMPLETE_STAGE.format(runnable=runnable),
-        _POD_DELETE_STAGE,
+        _POD_DELETE_STAGE.format(runnable=runnable),
     ]
     return "---\n".join(docs)

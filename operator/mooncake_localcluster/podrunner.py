@@ -75,6 +75,8 @@ BACKOFF_MAX_S = 30.0
 RETRY_DELAY_S = 1.0
 NO_COMMAND_EXIT = 127
 STOP_WORKERS = 8
+#: tries of a terminated pod's final delete while the API server does not answer
+FINAL_DELETE_TRIES = 30
 # Variables a parent cluster (or the user who ran `up`) may have set for the runner
 # itself: never inherited. A pod process talks to the API server with its own token only.
 INHERITED_PREFIXES = ("KUBERNETES_SERVICE_", "KUBERNETES_PORT", "KUBECONFIG")
@@ -240,6 +242,8 @@ class PodRunner:
         self.services_synced = threading.Event()
         # (resource, namespace, name) -> uids of running pods with such a volume.
         self.volume_users: dict[tuple[str, str, str], set[str]] = {}
+        # uids of terminating pods whose containers are stopping, or whose final delete is sent
+        self.finalizing: set[str] = set()
         self.prober = ThreadPoolExecutor(settings.probe_workers, thread_name_prefix="probe")
         self.stopper = ThreadPoolExecutor(STOP_WORKERS, thread_name_prefix="stop")
         self.last_tick = 0.0
@@ -299,9 +303,11 @@ class PodRunner:
             for uid in list(self.pods):
                 if uid not in seen:
                     self._stop_pod(uid, "pod gone")
+            self.finalizing &= seen
             return
         uid = (obj.get("metadata") or {}).get("uid", "")
         if kind == "DELETED":
+            self.finalizing.discard(uid)
             self._stop_pod(uid, "pod deleted")
         else:
             self._on_pod(obj)
@@ -348,7 +354,7 @@ class PodRunner:
         if not self._runnable(pod):
             return
         if meta.get("deletionTimestamp"):
-            self._stop_pod(uid, "pod terminating")
+            self._terminate(pod)
             return
         running = self.pods.get(uid)
         if running is not None:
@@ -747,10 +753,45 @@ class PodRunner:
             self._stop_container(cp, self.settings.stop_timeout_s)
         log.info("stopped pod %s/%s (%s)", running.namespace, running.name, why)
 
-    def _stop_pod(self, uid: str, why: str) -> None:
+    def _terminate(self, pod: JsonDict) -> None:
+        """A pod marked for deletion, as a kubelet ends it: stop its containers, then
+        remove it (the final, zero-grace delete). Only then is its address free for
+        another pod: kwok recycles an IP when the pod object goes."""
+        uid = str(pod["metadata"]["uid"])
+        if uid in self.finalizing:
+            return
+        self.finalizing.add(uid)
+        running = self._forget_pod(uid)
+        self.stopper.submit(self._stop_then_remove, running, pod)
+
+    def _stop_then_remove(self, running: RunningPod | None, pod: JsonDict) -> None:
+        if running is not None:
+            self._stop_containers(running, "pod terminating")
+        meta = pod["metadata"]
+        path = f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}"
+        final = {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0,
+                 "preconditions": {"uid": meta["uid"]}}
+        for _ in range(FINAL_DELETE_TRIES):
+            if self.stopping.is_set():
+                return
+            try:
+                self.client.request("DELETE", path, final)
+                return
+            except ApiError as err:
+                if err.status in (404, 409):  # gone already, or another pod by that name
+                    return
+                log.warning("final delete of pod %s/%s: %s", meta["namespace"],
+                            meta["name"], err)
+            except OSError as err:
+                log.warning("final delete of pod %s/%s: %s", meta["namespace"],
+                            meta["name"], err)
+            self.stopping.wait(RETRY_DELAY_S)
+
+    def _forget_pod(self, uid: str) -> RunningPod | None:
+        """Stop tracking a pod (its volumes' users too); its containers still run."""
         running = self.pods.pop(uid, None)
         if running is None:
-            return
+            return None
         for volume in running.volumes:
             for resource, name in volume_refs(volume):
                 users = self.volume_users.get((resource, running.namespace, name))
@@ -758,6 +799,12 @@ class PodRunner:
                     users.discard(uid)
                     if not users:
                         del self.volume_users[(resource, running.namespace, name)]
+        return running
+
+    def _stop_pod(self, uid: str, why: str) -> None:
+        running = self._forget_pod(uid)
+        if running is None:
+            return
         # In the background: one container that ignores SIGTERM must not stall the loop.
         self.stopper.submit(self._stop_containers, running, why)
 

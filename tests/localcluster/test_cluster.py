@@ -284,6 +284,37 @@ def test_runnable_pod_serves_on_pod_ip_and_stops(k8s_cluster: LocalK8s, namespac
     assert _http_get(f"http://{ip}:8080/name") is None
 
 
+SLOW_EXIT = (
+    "import signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2), sys.exit(0)))\n"
+    "while True:\n"
+    "    time.sleep(1)\n"
+)
+
+
+def test_a_deleted_pod_is_gone_only_once_its_process_has_stopped(
+        k8s_cluster: LocalK8s, namespace: str) -> None:
+    """As a kubelet: the pod object goes (and kwok frees its IP for the next pod) after
+    its containers have stopped, not while a process that takes 2 s to exit still runs
+    on that address."""
+    http = k8s_cluster.http()
+    http.post(f"/api/v1/namespaces/{namespace}/pods",
+              _runnable_pod("slow", ["python", "-c", SLOW_EXIT]))
+    path = f"/api/v1/namespaces/{namespace}/pods/slow"
+    obj = wait_for("slow pod running", lambda: (
+        (o := http.get(path))["status"].get("containerStatuses", [{}])[0].get("started")
+        and o))
+    pid_dir = k8s_cluster.state_dir / "pod-pids"
+    records = wait_for("its process", lambda: [
+        r for r in procs.records(pid_dir) if r.name.startswith(obj["metadata"]["uid"])])
+    http.delete(path)
+    deadline = time.monotonic() + 30
+    while _exists(http, path):
+        assert time.monotonic() < deadline, "the pod was never removed"
+        time.sleep(0.05)
+    assert not any(procs.alive(r) for r in records), "gone from the API, still running"
+
+
 def test_exit_code_is_reported(k8s_cluster: LocalK8s, namespace: str) -> None:
     http = k8s_cluster.http()
     pod = _runnable_pod(

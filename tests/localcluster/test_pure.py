@@ -98,6 +98,8 @@ def test_kwok_stages_parse_and_split_runnable_pods() -> None:
     exprs = {d["metadata"]["name"]: d["spec"]["selector"]["matchExpressions"] for d in docs}
     assert {"key": runnable, "operator": "In", "values": ["false"]} in exprs["pod-ready"]
     assert {"key": runnable, "operator": "In", "values": ["true"]} in exprs["pod-ip-for-runner"]
+    # kwok deletes only the pods it fakes; the runner removes its own once stopped
+    assert {"key": runnable, "operator": "In", "values": ["false"]} in exprs["pod-delete"]
     # Ready nodes keep heartbeating (else the node lifecycle controller marks them and their
     # pods NotReady after its grace period), well within that period
     beat = next(d for d in docs if d["metadata"]["name"] == "node-heartbeat")
