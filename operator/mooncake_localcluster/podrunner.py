@@ -75,8 +75,10 @@ BACKOFF_MAX_S = 30.0
 RETRY_DELAY_S = 1.0
 NO_COMMAND_EXIT = 127
 STOP_WORKERS = 8
-#: tries of a terminated pod's final delete while the API server does not answer
+#: tries of a terminated pod's final delete while the API server does not answer, before
+#: the runner's loop is asked to start over (``RETRY_FINAL_DELETE``)
 FINAL_DELETE_TRIES = 30
+RETRY_FINAL_DELETE = "RETRY_FINAL_DELETE"
 # Variables a parent cluster (or the user who ran `up`) may have set for the runner
 # itself: never inherited. A pod process talks to the API server with its own token only.
 INHERITED_PREFIXES = ("KUBERNETES_SERVICE_", "KUBERNETES_PORT", "KUBECONFIG")
@@ -309,6 +311,9 @@ class PodRunner:
         if kind == "DELETED":
             self.finalizing.discard(uid)
             self._stop_pod(uid, "pod deleted")
+        elif kind == RETRY_FINAL_DELETE:
+            self.finalizing.discard(uid)
+            self._on_pod(obj)
         else:
             self._on_pod(obj)
 
@@ -786,6 +791,7 @@ class PodRunner:
                 log.warning("final delete of pod %s/%s: %s", meta["namespace"],
                             meta["name"], err)
             self.stopping.wait(RETRY_DELAY_S)
+        self.events.put((PODS, RETRY_FINAL_DELETE, pod))  # the loop owns ``finalizing``
 
     def _forget_pod(self, uid: str) -> RunningPod | None:
         """Stop tracking a pod (its volumes' users too); its containers still run."""
