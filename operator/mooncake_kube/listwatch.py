@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 from .client import KubeClient, KubeError, Stream
 
@@ -31,10 +31,31 @@ WATCH_TIMEOUT_S = 300
 RETRY_S = 1.0
 
 
+Key = TypeVar("Key", bound=Hashable)
+
+
+def object_ref(obj: JsonDict) -> tuple[str, str]:
+    """(namespace, name) of an object."""
+    meta = obj.get("metadata") or {}
+    return str(meta.get("namespace", "")), str(meta.get("name", ""))
+
+
 def object_key(obj: JsonDict) -> str:
     """``namespace/name`` of an object."""
-    meta = obj.get("metadata") or {}
-    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+    return "/".join(object_ref(obj))
+
+
+def fold(objects: dict[Key, JsonDict], kind: str, obj: JsonDict,
+         key: Callable[[JsonDict], Key]) -> dict[Key, JsonDict]:
+    """The set after one event of :func:`follow`: a new one after a ``SYNC``, else
+    ``objects`` itself with ``obj`` put or (``DELETED``) taken out."""
+    if kind == SYNC:
+        return {key(o): o for o in obj["items"]}
+    if kind == "DELETED":
+        objects.pop(key(obj), None)
+    else:
+        objects[key(obj)] = obj
+    return objects
 
 
 def follow(client: KubeClient, path: str, emit: Emit, stopping: threading.Event,
@@ -130,12 +151,7 @@ class ListWatch:
             self._thread.join(timeout_s)
 
     def _emit(self, kind: str, obj: JsonDict) -> None:
-        if kind == SYNC:
-            self._objects = {object_key(o): o for o in obj["items"]}
-        elif kind == "DELETED":
-            self._objects.pop(object_key(obj), None)
-        else:
-            self._objects[object_key(obj)] = obj
+        self._objects = fold(self._objects, kind, obj, object_key)
         self.report(dict(self._objects))
 
     def _set_stream(self, stream: Stream | None) -> None:

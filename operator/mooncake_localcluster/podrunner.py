@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mooncake_kube.listwatch import SYNC, Emit, follow
+from mooncake_kube.listwatch import SYNC, Emit, fold, follow, object_ref
 
 from mooncake_localcluster import (
     bindpin,
@@ -317,18 +317,8 @@ class PodRunner:
         else:
             self._on_pod(obj)
 
-    @staticmethod
-    def _key(obj: JsonDict) -> tuple[str, str]:
-        meta = obj.get("metadata") or {}
-        return str(meta.get("namespace", "")), str(meta.get("name", ""))
-
     def _handle_service(self, kind: str, obj: JsonDict) -> None:
-        if kind == SYNC:
-            self.services = {self._key(s): s for s in obj["items"]}
-        elif kind == "DELETED":
-            self.services.pop(self._key(obj), None)
-        else:
-            self.services[self._key(obj)] = obj
+        self.services = fold(self.services, kind, obj, object_ref)
 
     def _handle_source(self, resource: str, kind: str, obj: JsonDict) -> None:
         """A ConfigMap/Secret changed: rewrite the volumes of running pods that use it."""
@@ -336,7 +326,7 @@ class PodRunner:
             return  # like the kubelet, the files keep their last content
         items = obj["items"] if kind == SYNC else [obj]
         for item in items:
-            namespace, name = self._key(item)
+            namespace, name = object_ref(item)
             for uid in list(self.volume_users.get((resource, namespace, name), ())):
                 running = self.pods.get(uid)
                 if running is None:
@@ -782,12 +772,10 @@ class PodRunner:
             try:
                 self.client.request("DELETE", path, final)
                 return
-            except ApiError as err:
-                if err.status in (404, 409):  # gone already, or another pod by that name
+            except (ApiError, OSError) as err:
+                # gone already, or another pod by that name now: nothing to remove
+                if isinstance(err, ApiError) and err.status in (404, 409):
                     return
-                log.warning("final delete of pod %s/%s: %s", meta["namespace"],
-                            meta["name"], err)
-            except OSError as err:
                 log.warning("final delete of pod %s/%s: %s", meta["namespace"],
                             meta["name"], err)
             self.stopping.wait(RETRY_DELAY_S)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mooncake_kube.listwatch import SYNC, Emit, follow
+from mooncake_kube.listwatch import SYNC, Emit, fold, follow, object_ref
 
 from mooncake_localcluster import services
 from mooncake_localcluster.cluster import kube_client, open_state
@@ -131,16 +131,7 @@ class ServiceProxy:
             self._on_pod(kind, obj)
 
     def _on_service(self, kind: str, obj: JsonDict) -> None:
-        def key(o: JsonDict) -> tuple[str, str]:
-            meta = o.get("metadata") or {}
-            return str(meta.get("namespace", "")), str(meta.get("name", ""))
-
-        if kind == SYNC:
-            self.services = {key(s): s for s in obj["items"]}
-        elif kind == "DELETED":
-            self.services.pop(key(obj), None)
-        else:
-            self.services[key(obj)] = obj
+        self.services = fold(self.services, kind, obj, object_ref)
         self.changed.set()
 
     def _on_pod(self, kind: str, obj: JsonDict) -> None:
