@@ -205,3 +205,22 @@ def test_pins_reject_anything_but_exact_versions(tmp_path: Path) -> None:
     bad.write_text("# ok\nnumpy==2.0\naiohttp>=3\n", encoding="utf-8")
     with pytest.raises(ValueError, match="not an exact pin"):
         pins.read(bad)
+
+
+def test_pin_check_excuses_only_what_other_versions_explain(capsys: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    path = pins.OPERATOR_FILE
+    requirers = {"kubernetes": set(), "python-dateutil": {"kubernetes"},
+                 "six": {"python-dateutil"}}
+    installed = {"kubernetes": "37.0.3", "python-dateutil": "2.9.0", "six": "1.17.0"}
+    # every version as pinned: strict, both ways
+    same = {"kubernetes": "37.0.3", "python-dateutil": "2.9.0", "tzdata": "2025.1"}
+    assert pins._excuse(path, installed, same, requirers, ["tzdata"], ["six"]) == (
+        ["tzdata"], ["six"])
+    # python-dateutil pinned at 4.0: its six and tzdata are not judged, and named
+    other = {**same, "python-dateutil": "4.0.0"}
+    assert pins._excuse(path, installed, other, requirers, ["tzdata"], ["six"]) == ([], [])
+    assert "python-dateutil" in capsys.readouterr().err
+    # a missing distribution something verified requires stays missing
+    requirers["six"].add("kubernetes")
+    assert pins._excuse(path, installed, other, requirers, [], ["six"]) == ([], ["six"])
