@@ -61,10 +61,12 @@ class Board:
     another board invalidates this one. Get one with :func:`board_of`."""
 
     __slots__ = ("_live_groups", "_live_mask", "_outside", "columns", "iids", "masked",
-                 "order", "states", "valid")
+                 "order", "source", "states", "valid")
 
     def __init__(self, states: Sequence[_Instance]) -> None:
         self.states: list[Any] = list(states)
+        #: the sequence last asked about with these states (:func:`board_of`)
+        self.source: Sequence[_Instance] = states
         self.valid = True
         self._live_mask: int | None = None
         self._live_groups: frozenset[int] | None = None
@@ -166,10 +168,20 @@ def _nothing() -> None:
 
 def board_of(states: Sequence[_Instance]) -> Board:
     """The board of ``states`` (a non-empty list of one kind), made on first use and
-    again whenever the list or a state's binding changed."""
+    again whenever the list or a state's binding changed.
+
+    The list last asked about, at the same length, is taken as unchanged without
+    comparing its elements (a pass over thousands of them on every decision): lists of
+    states change in place only by appending (the gateway's membership); one whose
+    element is replaced must be a new list."""
     board = states[0]._board
-    if board is None or not board.valid or board.states != states:  # identity, element-wise
-        board = Board(states)
+    if board is None or not board.valid:
+        return Board(states)
+    if board.source is states and len(states) == len(board.states):
+        return board
+    if board.states != states:  # identity, element-wise
+        return Board(states)
+    board.source = states
     return board
 
 

@@ -18,7 +18,7 @@ from .blockkeys import COMPILED_MIN_TOKENS, block_keys_array
 from .decode_kernel import DECODE_FIELDS, rank_decode
 from .kernels import lookup_values, walk_keys, walk_lengths, walk_lengths_sets
 from .keytable import KeyMaskTable
-from .scoring_kernel import COST_FIELDS, rank_fifo
+from .scoring_kernel import COST_FIELDS, nonzero_rows, rank_fifo
 
 #: every module of the core with compiled loops
 KERNEL_MODULES: tuple[ModuleType, ...] = (kernels, blockkeys_kernel, scoring_kernel,
@@ -52,5 +52,6 @@ def warm_up() -> None:
     rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, 1.0, 1.0, 1.0, True, 0.0, 0.0,
               np.ones(1, dtype=np.bool_), one_f, one_f, one_i, one_i, one_i, np.zeros(1),
               np.zeros(1, dtype=np.bool_), one_i.copy())
+    nonzero_rows(one_i)
     rank_decode(np.ones(len(DECODE_FIELDS)), 1, 1, 1.0, 0.0, 0.0, np.ones(1, dtype=np.bool_),
                 one_i, one_i, one_i, one_i, np.zeros(1), one_i.copy())

@@ -56,6 +56,17 @@ def test_a_changed_list_or_binding_gets_a_new_board() -> None:
     assert not other.valid  # rebinding took the states back
 
 
+def test_the_same_list_or_a_copy_of_it_keeps_its_board() -> None:
+    states = [PrefillState(iid=i) for i in range(4)]
+    board = board_of(states)
+    assert board_of(states) is board  # the list last asked about: no element compared
+    copy = list(states)
+    assert board_of(copy) is board  # another list with the same states, compared once
+    assert board_of(copy) is board and board_of(states) is board
+    copy.append(PrefillState(iid=9))  # the copy grows: its board is a new one
+    assert board_of(copy) is not board and not board.valid
+
+
 def test_live_mask_follows_up_and_down() -> None:
     states = [PrefillState(iid=i) for i in (0, 3, 70)]
     board = board_of(states)

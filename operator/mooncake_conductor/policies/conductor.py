@@ -111,7 +111,7 @@ from ..scoring import (
     slo_guard,
     tie_band,
 )
-from ..scoring_kernel import rank_fifo, rank_rows
+from ..scoring_kernel import nonzero_rows, rank_fifo, rank_rows
 from ..spread import ServiceSpread
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
 from ..topology import FetchSources, domain_orders
@@ -406,7 +406,7 @@ class ConductorPolicy(PrefillPolicy):
         least = order.least(now, max(cand.least_loaded, least_at_least, 2))
         agg, j1 = order.pool(now, least)
         picked = {row for _, row in least}
-        held = np.flatnonzero(local_view)  # instance ids holding the first block
+        held = nonzero_rows(local_view)  # instance ids holding the first block
         if len(held) > cand.holders:
             held = held[np.argpartition(-local_view[held], cand.holders - 1)[:cand.holders]]
         up = board["up"]
