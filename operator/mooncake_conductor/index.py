@@ -79,6 +79,8 @@ SHARED_MIN = 1 << 12
 VECTOR_MIN_KEYS = 1 << 18
 #: the vectorised mirror is dropped again below this share of VECTOR_MIN_KEYS
 VECTOR_DROP_SHARE = 0.25
+#: masks whose words the mirror keeps between walks (a pool's live mask, stored and pending)
+WORDS_MEMO = 4
 
 _LOW_WORD = (1 << WORD_BITS) - 1
 
@@ -117,6 +119,8 @@ class _Mirror:
     def __init__(self, holders: dict[int, int], pending: dict[int, int]) -> None:
         self.dirty_stored: set[int] = set()
         self.dirty_pending: set[int] = set()
+        #: the last few masks asked about, as words (a pool's live mask rarely changes)
+        self._words: dict[tuple[int, int], U64Array] = {}
         self._load(holders, pending, _words_for(list(holders.values())) > 1
                    or _words_for(list(pending.values())) > 1)
 
@@ -130,6 +134,16 @@ class _Mirror:
         self.dirty_pending.clear()
         self._put(self.stored, list(holders), list(holders.values()))
         self._put(self.pending, list(pending), list(pending.values()))
+
+    def words_of(self, mask: int, words: int) -> U64Array:
+        """``mask`` as ``words`` uint64 words (a fresh copy: the walk uses it up), the
+        conversion kept for the next decisions over the same pool."""
+        got = self._words.get((mask, words))
+        if got is None:
+            if len(self._words) >= WORDS_MEMO:
+                self._words.clear()
+            got = self._words[mask, words] = _words(mask, words)
+        return got.copy()
 
     def mask_of(self, table: KeyMaskTable, key: int) -> int:
         """The holder mask the mirror keeps for ``key`` in ``table`` (its set's)."""
@@ -581,7 +595,7 @@ class PrefixIndex:
         best, length = walk_lengths_sets(
             mirror.stored.kernel_view(), mirror.pending.kernel_view(), sets.rows,
             as_key_array(keys) if key_array is None else key_array,
-            _words(start, words), _words(start_p, words), out, out_p)
+            mirror.words_of(start, words), mirror.words_of(start_p, words), out, out_p)
         return out, out_p if with_view else out, best if length else None, length
 
     def sync(self) -> None:

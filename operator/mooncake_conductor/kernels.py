@@ -214,6 +214,7 @@ def walk_lengths(
 
 _lengths_sets: Callable[..., tuple[int, int, Any]] | None = None
 _settle_at: Any = None
+_settle_best: Any = None
 
 
 def _compile_lengths_sets() -> Callable[..., tuple[int, int, Any]]:
@@ -223,7 +224,7 @@ def _compile_lengths_sets() -> Callable[..., tuple[int, int, Any]]:
         _kernel, _views = _compile()
     from numba import njit
 
-    global _settle_at  # a module global, not a closure cell: see _compile
+    global _settle_at, _settle_best  # module globals, not closure cells: see _compile
     h1 = np.uint64(H1)
     one, zero = np.uint64(1), np.uint64(0)
 
@@ -238,6 +239,23 @@ def _compile_lengths_sets() -> Callable[..., tuple[int, int, Any]]:
             b += 1
 
     _settle_at = settle_at
+
+    @njit(cache=True, nogil=True, inline="always")
+    def settle_best(gone: Any, base: int, at: int, out: Any, best: int,
+                    best_len: int) -> tuple[int, int]:
+        """:func:`settle_at`, keeping ``(best, best_len)`` the lowest id settled at the
+        longest position so far (no pass over ``out`` afterwards)."""
+        b = 0
+        while gone != zero:
+            if gone & one:
+                out[base + b] = at
+                if at > best_len or (at == best_len and base + b < best):
+                    best, best_len = base + b, at
+            gone >>= one
+            b += 1
+        return best, best_len
+
+    _settle_best = settle_best
 
     @njit(cache=True, nogil=True)
     def lengths_sets(
@@ -265,6 +283,8 @@ def _compile_lengths_sets() -> Callable[..., tuple[int, int, Any]]:
         last1 = np.uint64(0xFFFFFFFFFFFFFFFF)  # no key read yet
         last2 = last1
         covered = False  # the pending walk's instances all hold the last stored set
+        best = 0  # the lowest id with the longest stored prefix, and its length
+        length = 0
         for i in range(n):
             if live == 0:
                 break
@@ -291,12 +311,15 @@ def _compile_lengths_sets() -> Callable[..., tuple[int, int, Any]]:
                 m1 = sets[s1, k]
                 new = acc[k] & m1
                 if new != acc[k]:
-                    _settle_at(acc[k] & ~new, 64 * k, i, out)
+                    if i:  # dropped at the first key: 0, as written above
+                        best, length = _settle_best(acc[k] & ~new, 64 * k, i, out, best,
+                                                   length)
                     acc[k] = new
                 if need2 and acc_p[k]:
                     new = acc_p[k] & (m1 | sets[s2, k])
                     if new != acc_p[k]:
-                        _settle_at(acc_p[k] & ~new, 64 * k, i, out_p)
+                        if i:
+                            _settle_at(acc_p[k] & ~new, 64 * k, i, out_p)
                         acc_p[k] = new
                 if acc[k] == zero and acc_p[k] == zero:
                     live -= 1
@@ -304,13 +327,10 @@ def _compile_lengths_sets() -> Callable[..., tuple[int, int, Any]]:
                 else:
                     j += 1
         for k in range(w):
-            _settle_at(acc[k], 64 * k, n, out)
-            _settle_at(acc_p[k], 64 * k, n, out_p)
-        best = 0
-        for b in range(out.shape[0]):
-            if out[b] > out[best]:
-                best = b
-        return best, out[best], sink
+            if n:
+                best, length = _settle_best(acc[k], 64 * k, n, out, best, length)
+                _settle_at(acc_p[k], 64 * k, n, out_p)
+        return best, length, sink
 
     return lengths_sets
 
