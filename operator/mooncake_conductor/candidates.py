@@ -17,16 +17,17 @@ full pass picks one of them unless the price of work, a fetch or a tie band chan
 order (measured in ``docs/results/fleet-decisions.md``: choices worse beyond the tie
 band no more often than between two full passes).
 
-How the least loaded are found: each pool keeps its rows in sorted lists, one per load
+How the least loaded are found: each pool keeps its rows in sorted orders, one per load
 key, updated whenever a row's load changes (:class:`~.state.Board` calls
-:meth:`LoadOrder.touch`: a binary search and one memmove, C speed for thousands of
-rows). A prefill row is either running (busy past the last query) or free: within each
-set one key orders the rows by wait exactly (``busy_until + queued work``; queued
-work), so the ``k`` that free first are the first ``k`` of the two lists merged. A
-decode row's step is the larger of two arms, each monotone in one key (memory: the
-context; compute: ``per_seq * batch + per_ctx * context``), read by the *threshold
-algorithm* (Fagin, Lotem and Naor, PODS 2001) until the ``k``-th best is no worse than
-any unread row can be. The pool's aggregates the prefill price needs (live, busy and
+:meth:`LoadOrder.touch`): flat arrays changed in compiled code, which moves only the
+entries between a row's old and new place (:mod:`.candidates_kernel`). A prefill row is
+either running (busy past the last query) or free: within each set one key orders the
+rows by wait exactly (``busy_until + queued work``; queued work), so the ``k`` that free
+first are the first ``k`` of the two orders merged. A decode row's step is the larger of
+two arms, each monotone in one key (memory: the context; compute: ``per_seq * batch +
+per_ctx * context``), read by the *threshold algorithm* (Fagin, Lotem and Naor, PODS
+2001) until the ``k``-th best is no worse than any unread row can be, in one compiled
+pass over the two orders. The pool's aggregates the prefill price needs (live, busy and
 waiting counts; the two earliest free times) are kept alongside. What is left that
 grows with the pool is compiled or numpy work over one array per pool (the walk's
 lengths by instance id), no Python per instance.
@@ -35,13 +36,15 @@ lengths by instance id), no Python per instance.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_right, insort
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
+
+from .candidates_kernel import decode_pick, order_update
 
 if TYPE_CHECKING:
     from .state import Board
@@ -70,33 +73,31 @@ class CandidatesConfig(BaseModel):
 
 
 class _Orders:
-    """Sorted lists of ``(key, row)``, at most one entry per row in each: a change
-    removes the row's entry and inserts the new one (a binary search and one memmove,
-    C speed for pools of thousands), so reading the first ``k`` visits ``k`` entries."""
+    """``count`` sorted orders of ``(key, row)``, at most one entry per row in each, as
+    arrays (:mod:`.candidates_kernel`): a change moves only the entries between a row's
+    old and new place, in compiled code, and reading the first ``k`` reads ``k``
+    entries."""
 
     def __init__(self, rows: int, count: int) -> None:
-        self.lists: list[list[tuple[float, int]]] = [[] for _ in range(count)]
-        self._at: list[list[tuple[float, int] | None]] = [[None] * rows for _ in range(count)]
+        self.keys: F64Array = np.zeros((count, rows))
+        self.rows: I64Array = np.zeros((count, rows), dtype=np.int64)
+        self.cur: F64Array = np.full((count, rows), np.nan)  # each row's key (NaN: out)
+        self.sizes: I64Array = np.zeros(count, dtype=np.int64)
 
-    def put(self, which: int, row: int, key: float) -> None:
-        at = self._at[which]
-        old = at[row]
-        if old is not None:
-            if old[0] == key:
-                return  # already there (a write that left this key as it was)
-            lst = self.lists[which]
-            del lst[bisect_left(lst, old)]
-        entry = (key, row)
-        insort(self.lists[which], entry)
-        at[row] = entry
+    def set(self, row: int, k0: float, k1: float = math.nan, k2: float = math.nan) -> None:
+        """Row ``row`` at key ``k0`` in order 0, ``k1`` in 1, ``k2`` in 2 (NaN: out)."""
+        order_update(self.keys, self.rows, self.cur, self.sizes, row, k0, k1, k2)
 
-    def drop(self, which: int, row: int) -> None:
-        entry = self._at[which][row]
-        if entry is not None:
-            lst = self.lists[which]
-            del lst[bisect_left(lst, entry)]
-            self._at[which][row] = None
+    def head(self, which: int, k: int) -> list[int]:
+        """The rows of the first ``k`` entries of order ``which``."""
+        rows: list[int] = self.rows[which, :min(k, self.sizes.item(which))].tolist()
+        return rows
 
+    def entries(self, which: int) -> list[tuple[float, int]]:
+        """Every entry of order ``which``, in order."""
+        size = self.sizes.item(which)
+        return list(zip(self.keys[which, :size].tolist(), self.rows[which, :size].tolist(),
+                        strict=True))
 
 
 class LoadOrder:
@@ -132,21 +133,16 @@ class LoadOrder:
             self.touch(row)
 
     def _place(self, row: int) -> None:
-        """Put the live row in the set its end puts it in."""
-        o = self._orders
-        a, q = float(self._busy[row]), float(self._qwork[row])
+        """Put the live row in the set its end puts it in (orders: run, free, end)."""
+        a, q = self._busy.item(row), self._qwork.item(row)
         if a > self._clock:
-            o.put(self._RUN, row, a + q)
-            o.put(self._END, row, a)
-            o.drop(self._FREE, row)
+            self._orders.set(row, a + q, math.nan, a)
         else:
-            o.put(self._FREE, row, q)
-            o.drop(self._RUN, row)
-            o.drop(self._END, row)
+            self._orders.set(row, math.nan, q, math.nan)
 
     def touch(self, row: int) -> None:
         """Row ``row``'s load (up, busy until, queued work or queue length) changed."""
-        up, a, qlen = bool(self._up[row]), float(self._busy[row]), int(self._qlen[row])
+        up, a, qlen = bool(self._up.item(row)), self._busy.item(row), self._qlen.item(row)
         seen = self._seen[row]
         if seen == (up, a, qlen):  # the aggregates stand; the queued work may have moved
             if up:
@@ -163,8 +159,7 @@ class LoadOrder:
                 del idle[bisect_right(idle, was_a) - 1]
         self._seen[row] = (up, a, qlen)
         if not up:
-            for which in (self._RUN, self._FREE, self._END):
-                self._orders.drop(which, row)
+            self._orders.set(row, math.nan, math.nan, math.nan)
             return
         self.live += 1
         self.waiting += qlen
@@ -179,9 +174,10 @@ class LoadOrder:
         if now <= self._clock:
             return
         self._clock = now
-        ends = self._orders.lists[self._END]
-        while ends and ends[0][0] <= now:
-            self._place(ends[0][1])
+        o = self._orders
+        sizes, keys, rows = o.sizes, o.keys, o.rows
+        while sizes.item(self._END) and keys.item(self._END, 0) <= now:
+            self._place(rows.item(self._END, 0))
 
     def busy(self, now: float) -> int:
         """Live rows running at ``now`` or with a queue."""
@@ -192,14 +188,12 @@ class LoadOrder:
         """The ``k`` live rows that free first: ``(wait in seconds, row)`` in order (ties
         by row). The first ``k`` of each set hold them (each set is in wait order)."""
         self._advance(now)
-        lists = self._orders.lists
-        rows = [row for _, row in lists[self._RUN][:k]] + [row for _, row in
-                                                           lists[self._FREE][:k]]
-        busy, qwork = self._busy, self._qwork
+        rows = self._orders.head(self._RUN, k) + self._orders.head(self._FREE, k)
+        busy, qwork = self._busy.item, self._qwork.item
         out = []
         for row in rows:
-            a = float(busy[row])
-            out.append(((a - now if a > now else 0.0) + float(qwork[row]), row))
+            a = busy(row)
+            out.append(((a - now if a > now else 0.0) + qwork(row), row))
         out.sort()
         return out[:k]
 
@@ -238,13 +232,18 @@ class DecodeOrder:
         self.ahead_n = np.zeros(n, dtype=np.int64)
         self.ahead_tokens = np.zeros(n, dtype=np.int64)
         self._orders = _Orders(n, 2)
+        self._const_array: F64Array = np.array(consts, dtype=np.float64)
+        # scratch of the compiled pick (:func:`.candidates_kernel.decode_pick`)
+        self._scratch = (np.zeros(n, dtype=np.bool_), np.empty(n), np.empty(n, dtype=np.int64),
+                         np.empty(n, dtype=np.bool_))
+        self._out: I64Array = np.empty(max(n, 1), dtype=np.int64)
         for row in range(n):
             self.touch(row)
 
     def load(self, row: int) -> tuple[int, int]:
         """The row's batch and context, the requests sent ahead counted."""
-        return (int(self._batch[row] + self.ahead_n[row]),
-                int(self._context[row] + self.ahead_tokens[row]))
+        return (self._batch.item(row) + self.ahead_n.item(row),
+                self._context.item(row) + self.ahead_tokens.item(row))
 
     def _keys(self, row: int) -> tuple[float, float]:
         batch, context = self.load(row)
@@ -252,14 +251,10 @@ class DecodeOrder:
 
     def touch(self, row: int) -> None:
         """Row ``row``'s batch, context or ``up`` changed."""
-        o = self._orders
-        if self._up[row]:
-            k1, k2 = self._keys(row)
-            o.put(0, row, k1)
-            o.put(1, row, k2)
+        if self._up.item(row):
+            self._orders.set(row, *self._keys(row))
         else:
-            o.drop(0, row)
-            o.drop(1, row)
+            self._orders.set(row, math.nan, math.nan)
 
     def ahead(self, row: int, requests: int, tokens: int) -> None:
         """``requests`` more (or fewer) requests of ``tokens`` prompt tokens in all were
@@ -278,45 +273,13 @@ class DecodeOrder:
         ``k`` rows with room step no slower than any row past both prefixes could (the
         threshold algorithm's stopping rule, Fagin, Lotem and Naor, PODS 2001: such a
         row's context and flops keys are at least the ``m``-th of each order)."""
-        lists = self._orders.lists
-        total = len(lists[0])
-        if not total:
+        o = self._orders
+        count = decode_pick(o.keys, o.rows, o.sizes, self._batch, self._context,
+                            self._reserved, self._capacity, self.ahead_n, self.ahead_tokens,
+                            self._const_array, k, tokens, need, self._scratch, self._out)
+        if not count:
             return None
-        weights, kvb, hbm, per_seq, per_ctx, peak, overhead = self._consts
-        batch, context, reserved, capacity = (self._batch, self._context, self._reserved,
-                                              self._capacity)
-        ahead_n, ahead_t = self.ahead_n, self.ahead_tokens
-        mem_base = weights + tokens * kvb
-        cmp_base = per_seq + tokens * per_ctx
-        scored: dict[int, tuple[float, bool]] = {}  # row -> (step, has room)
-        start, m = 0, k  # rows read from each order so far, and after this batch
-        while True:
-            for lst in lists:
-                for _, row in lst[start:m]:
-                    if row in scored:
-                        continue
-                    b = int(batch[row]) + int(ahead_n[row])
-                    c = int(context[row]) + int(ahead_t[row])
-                    mem = (mem_base + c * kvb) / hbm
-                    compute = (per_seq * b + per_ctx * c + cmp_base) / peak
-                    cap = int(capacity[row])
-                    scored[row] = (overhead + (mem if mem >= compute else compute),
-                                   cap <= 0 or c + int(reserved[row]) + need <= cap)
-            fits = sorted((st, row) for row, (st, ok) in scored.items() if ok)
-            if m >= total:
-                break
-            if len(fits) >= k:
-                f0, f1 = lists[0][m][0], lists[1][m][0]
-                mem = (mem_base + f0 * kvb) / hbm
-                compute = (f1 + cmp_base) / peak
-                if fits[k - 1][0] <= overhead + max(mem, compute):
-                    break
-            start, m = m, 2 * m
-        if fits:
-            chosen = [row for _, row in fits[:k]]
-        else:  # none has room: the fastest of all (the answer then)
-            chosen = [min(scored.items(), key=lambda item: (item[1][0], item[0]))[0]]
-        out: I64Array = np.array(sorted(chosen), dtype=np.int64)
+        out: I64Array = self._out[:count].copy()
         return out
 
 

@@ -13,8 +13,9 @@ from types import ModuleType
 
 import numpy as np
 
-from . import blockkeys_kernel, decode_kernel, kernels, scoring_kernel
+from . import blockkeys_kernel, candidates_kernel, decode_kernel, kernels, scoring_kernel
 from .blockkeys import COMPILED_MIN_TOKENS, block_keys_array
+from .candidates_kernel import decode_pick, order_update
 from .decode_kernel import DECODE_FIELDS, rank_decode
 from .kernels import lookup_values, walk_keys, walk_lengths, walk_lengths_sets
 from .keytable import KeyMaskTable
@@ -22,7 +23,7 @@ from .scoring_kernel import COST_FIELDS, nonzero_rows, rank_fifo
 
 #: every module of the core with compiled loops
 KERNEL_MODULES: tuple[ModuleType, ...] = (kernels, blockkeys_kernel, scoring_kernel,
-                                          decode_kernel)
+                                          decode_kernel, candidates_kernel)
 
 
 def warm_block_keys() -> None:
@@ -53,5 +54,12 @@ def warm_up() -> None:
               np.ones(1, dtype=np.bool_), one_f, one_f, one_i, one_i, one_i, np.zeros(1),
               np.zeros(1, dtype=np.bool_), one_i.copy())
     nonzero_rows(one_i)
+    order_keys, rows = np.zeros((2, 1)), np.zeros((2, 1), dtype=np.int64)
+    sizes = np.zeros(2, dtype=np.int64)
+    order_update(order_keys, rows, np.full((2, 1), np.nan), sizes, 0, 1.0, 1.0)
+    decode_pick(order_keys, rows, sizes, one_i, one_i, one_i, one_i, one_i, one_i,
+                np.ones(len(DECODE_FIELDS)), 1, 1, 1,
+                (np.zeros(1, dtype=np.bool_), np.zeros(1), one_i.copy(),
+                 np.zeros(1, dtype=np.bool_)), one_i.copy())
     rank_decode(np.ones(len(DECODE_FIELDS)), 1, 1, 1.0, 0.0, 0.0, np.ones(1, dtype=np.bool_),
                 one_i, one_i, one_i, one_i, np.zeros(1), one_i.copy())

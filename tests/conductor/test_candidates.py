@@ -4,11 +4,18 @@ the full ranking does."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
 import pytest
-from mooncake_conductor.candidates import CandidatesConfig, DecodeOrder, LoadOrder, order_of
+from mooncake_conductor.candidates import (
+    CandidatesConfig,
+    DecodeOrder,
+    LoadOrder,
+    _Orders,
+    order_of,
+)
 from mooncake_conductor.engine import Conductor, ConductorConfig
 from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.scoring_kernel import POOL_FIELDS, rank_fifo, rank_rows
@@ -341,3 +348,26 @@ def test_the_order_counts_exactly_the_requests_its_owner_sent_ahead() -> None:
         one.joined(_req(rid))
     assert fresh.ahead_n.tolist() == [0, 0, 0, 0]
     assert fresh.ahead_tokens.tolist() == [0, 0, 0, 0]
+
+
+def test_an_order_stays_sorted_whichever_way_its_rows_move() -> None:
+    r = random.Random(5)
+    for trial in range(60):
+        rows = r.randint(1, 40) if trial % 2 else r.randint(300, 700)
+        orders = _Orders(rows, 3)
+        keys: list[dict[int, float]] = [{}, {}, {}]
+        for _ in range(3 * rows):
+            row = r.randrange(rows)
+            new = []
+            for want in keys:  # out (NaN), or a key: few distinct ones give ties by row
+                if r.random() < 0.15:
+                    want.pop(row, None)
+                    new.append(math.nan)
+                else:
+                    want[row] = float(r.randint(0, 12 if trial % 4 < 2 else 10**6))
+                    new.append(want[row])
+            orders.set(row, *new)
+        for which, want in enumerate(keys):
+            assert orders.entries(which) == sorted((k, row) for row, k in want.items())
+            assert orders.head(which, 5) == [row for _, row in sorted(
+                (k, row) for row, k in want.items())][:5]

@@ -1,0 +1,199 @@
+"""The load orders of :mod:`.candidates` compiled (numba): sorted ``(key, row)`` arrays
+updated in place, and the decode candidates read from them.
+
+An order is one row of three arrays: ``keys`` and ``rows`` sorted by ``(key, row)``
+over its first ``sizes[w]`` places, and ``cur[w, row]``, the row's key there (NaN: not
+in it). A change finds the old and the new place by binary search and moves only the
+entries between them, so a pool of thousands costs a few microseconds per change, with
+no Python object per entry to chase through memory on the decision's path.
+
+numba is imported on first use only (:func:`.warmup.warm_up`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+F64Array = npt.NDArray[np.float64]
+I64Array = npt.NDArray[np.int64]
+
+_update: Callable[..., None] | None = None
+_pick: Callable[..., int] | None = None
+_locate: Any = None
+
+
+def _compile() -> tuple[Callable[..., None], Callable[..., int]]:
+    from numba import njit
+
+    global _locate  # a module global, not a closure cell: see kernels._compile
+
+    @njit(cache=True, nogil=True, inline="always")
+    def locate(keys: Any, rows: Any, size: int, key: float, row: int) -> int:
+        """The first place whose entry is not below ``(key, row)``."""
+        lo, hi = 0, size
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            k = keys[mid]
+            if k < key or (k == key and rows[mid] < row):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    _locate = locate
+
+    @njit(cache=True, nogil=True)
+    def update(keys: Any, rows: Any, cur: Any, sizes: Any, row: int, k0: float, k1: float,
+               k2: float) -> None:
+        """Row ``row`` at key ``k0`` in order 0, ``k1`` in order 1, ``k2`` in order 2 (as
+        many as there are orders; NaN: out of that order)."""
+        for w in range(keys.shape[0]):
+            key = k0 if w == 0 else k1 if w == 1 else k2
+            old = cur[w, row]
+            if old == key or (np.isnan(old) and np.isnan(key)):
+                continue
+            ks, rs = keys[w], rows[w]
+            size = sizes[w]
+            if np.isnan(key):  # leaves the order: the entries after it move up one
+                i = _locate(ks, rs, size, old, row)
+                for t in range(i, size - 1):
+                    ks[t] = ks[t + 1]
+                    rs[t] = rs[t + 1]
+                sizes[w] = size - 1
+            elif np.isnan(old):  # joins it: the entries from its place move down one
+                j = _locate(ks, rs, size, key, row)
+                for t in range(size, j, -1):
+                    ks[t] = ks[t - 1]
+                    rs[t] = rs[t - 1]
+                ks[j] = key
+                rs[j] = row
+                sizes[w] = size + 1
+            else:  # moves: only the entries between its old and new place shift
+                i = _locate(ks, rs, size, old, row)
+                j = _locate(ks, rs, size, key, row)
+                if j > i:
+                    for t in range(i, j - 1):
+                        ks[t] = ks[t + 1]
+                        rs[t] = rs[t + 1]
+                    j -= 1
+                else:
+                    for t in range(i, j, -1):
+                        ks[t] = ks[t - 1]
+                        rs[t] = rs[t - 1]
+                ks[j] = key
+                rs[j] = row
+            cur[w, row] = key
+
+    @njit(cache=True, nogil=True)
+    def pick(keys: Any, rows: Any, sizes: Any, batch: Any, context: Any, reserved: Any,
+             capacity: Any, ahead_n: Any, ahead_t: Any, consts: Any, k: int, tokens: int,
+             need: int, seen: Any, steps: Any, cand: Any, room: Any, out: Any) -> int:
+        """:meth:`.candidates.DecodeOrder.candidates` over orders 0 (context) and 1
+        (flops): the rows chosen, ascending, in ``out``; returns their count (0: no row
+        up). ``seen`` is scratch, all False on entry and on return; ``steps``, ``cand``
+        and ``room`` are scratch of the pool's size."""
+        weights, kvb, hbm = consts[0], consts[1], consts[2]
+        per_seq, per_ctx, peak, overhead = consts[3], consts[4], consts[5], consts[6]
+        total = sizes[0]
+        if total == 0:
+            return 0
+        mem_base = weights + tokens * kvb
+        cmp_base = per_seq + tokens * per_ctx
+        scored = 0
+        start, m = 0, k
+        while True:
+            stop = m if m < total else total
+            for w in range(2):
+                for t in range(start, stop):
+                    row = rows[w, t]
+                    if seen[row]:
+                        continue
+                    seen[row] = True
+                    b = batch[row] + ahead_n[row]
+                    c = context[row] + ahead_t[row]
+                    mem = (mem_base + c * kvb) / hbm
+                    compute = (per_seq * b + per_ctx * c + cmp_base) / peak
+                    cap = capacity[row]
+                    steps[scored] = overhead + (mem if mem >= compute else compute)
+                    cand[scored] = row
+                    room[scored] = cap <= 0 or c + reserved[row] + need <= cap
+                    scored += 1
+            if m >= total:
+                break
+            fits = 0
+            kth = np.inf  # the k-th smallest (step, row) of the rows with room
+            if scored >= k:
+                fit_steps = np.empty(scored)
+                for s in range(scored):
+                    if room[s]:
+                        fit_steps[fits] = steps[s]
+                        fits += 1
+                if fits >= k:
+                    kth = np.sort(fit_steps[:fits])[k - 1]
+            if fits >= k:
+                f0, f1 = keys[0, m], keys[1, m]
+                mem = (mem_base + f0 * kvb) / hbm
+                compute = (f1 + cmp_base) / peak
+                if kth <= overhead + (mem if mem >= compute else compute):
+                    break
+            start, m = m, 2 * m
+        for s in range(scored):
+            seen[cand[s]] = False
+        fits = 0
+        for s in range(scored):
+            if room[s]:
+                fits += 1
+        if fits:
+            order = np.empty(fits, dtype=np.int64)
+            f = 0
+            for s in range(scored):
+                if room[s]:
+                    order[f] = s
+                    f += 1
+            # (step, row) ascending: rows break ties, as the sort of tuples does
+            by = np.argsort(cand[order], kind="mergesort")
+            order = order[by]
+            order = order[np.argsort(steps[order], kind="mergesort")]
+            count = k if fits > k else fits
+            chosen = np.sort(cand[order[:count]])
+            for s in range(count):
+                out[s] = chosen[s]
+            return count
+        best = 0  # none has room: the fastest of all, the lowest row on ties
+        for s in range(1, scored):
+            if steps[s] < steps[best] or (steps[s] == steps[best] and cand[s] < cand[best]):
+                best = s
+        out[0] = cand[best]
+        return 1
+
+    return update, pick
+
+
+def order_update(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64Array, row: int,
+                 k0: float, k1: float = np.nan, k2: float = np.nan) -> None:
+    """Put ``row`` at key ``k0`` in order 0, ``k1`` in order 1 and ``k2`` in order 2 (NaN:
+    out of that order; orders past ``len(keys)`` are ignored)."""
+    global _update, _pick
+    if _update is None:
+        _update, _pick = _compile()
+    _update(keys, rows, cur, sizes, row, k0, k1, k2)
+
+
+def decode_pick(keys: F64Array, rows: I64Array, sizes: I64Array, batch: I64Array,
+                context: I64Array, reserved: I64Array, capacity: I64Array,
+                ahead_n: I64Array, ahead_t: I64Array, consts: F64Array, k: int, tokens: int,
+                need: int, scratch: tuple[npt.NDArray[np.bool_], F64Array, I64Array,
+                                          npt.NDArray[np.bool_]],
+                out: I64Array) -> int:
+    """The decode candidates (:meth:`.candidates.DecodeOrder.candidates`) into ``out``;
+    returns how many (0: no row up)."""
+    global _update, _pick
+    if _pick is None:
+        _update, _pick = _compile()
+    seen, steps, cand, room = scratch
+    return int(_pick(keys, rows, sizes, batch, context, reserved, capacity, ahead_n, ahead_t,
+                     consts, k, tokens, need, seen, steps, cand, room, out))
