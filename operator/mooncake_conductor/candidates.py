@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
-from .candidates_kernel import decode_pick, order_update
+from .candidates_kernel import decode_pick, order_update, prefill_least
 
 if TYPE_CHECKING:
     from .state import Board
@@ -108,11 +108,11 @@ class LoadOrder:
     ordered by ``busy_until + queued work`` and *free* (not running) ordered by queued
     work; each order is the rows' wait order within its set, so the ``k`` that free
     first are the first ``k`` of the two merged. A running row whose end has passed
-    moves to the free set at the next query (a third heap orders them by end)."""
+    moves to the free set at the next query (a third order sorts the running rows by
+    end)."""
 
     #: the board columns whose writes change the order or the aggregates
     WATCHED = frozenset({"up", "busy_until", "queued_work_s", "queue_len"})
-    _RUN, _FREE, _END = 0, 1, 2
 
     def __init__(self, board: Board) -> None:
         cols = board.columns
@@ -129,6 +129,9 @@ class LoadOrder:
         self.waiting = 0
         self._queued_rows = 0  # live rows with a queue
         self._idle_until: list[float] = []  # busy_until of live rows without a queue
+        # what the compiled least writes (2k long)
+        self._wait: F64Array = np.empty(0)
+        self._rows: I64Array = np.empty(0, dtype=np.int64)
         for row in range(n):
             self.touch(row)
 
@@ -169,16 +172,6 @@ class LoadOrder:
             insort(self._idle_until, a)
         self._place(row)
 
-    def _advance(self, now: float) -> None:
-        """Rows whose end has passed by ``now`` move to the free set."""
-        if now <= self._clock:
-            return
-        self._clock = now
-        o = self._orders
-        sizes, keys, rows = o.sizes, o.keys, o.rows
-        while sizes.item(self._END) and keys.item(self._END, 0) <= now:
-            self._place(rows.item(self._END, 0))
-
     def busy(self, now: float) -> int:
         """Live rows running at ``now`` or with a queue."""
         idle = self._idle_until
@@ -186,16 +179,17 @@ class LoadOrder:
 
     def least(self, now: float, k: int) -> list[tuple[float, int]]:
         """The ``k`` live rows that free first: ``(wait in seconds, row)`` in order (ties
-        by row). The first ``k`` of each set hold them (each set is in wait order)."""
-        self._advance(now)
-        rows = self._orders.head(self._RUN, k) + self._orders.head(self._FREE, k)
-        busy, qwork = self._busy.item, self._qwork.item
-        out = []
-        for row in rows:
-            a = busy(row)
-            out.append(((a - now if a > now else 0.0) + qwork(row), row))
-        out.sort()
-        return out[:k]
+        by row). The first ``k`` of each set hold them (each set is in wait order); rows
+        whose end has passed by ``now`` move to the free set first."""
+        advance = now > self._clock
+        if advance:
+            self._clock = now
+        if len(self._wait) < 2 * k:
+            self._wait, self._rows = np.empty(2 * k), np.empty(2 * k, dtype=np.int64)
+        o = self._orders
+        count = prefill_least(o.keys, o.rows, o.cur, o.sizes, self._busy, self._qwork, now,
+                              advance, k, self._wait, self._rows)
+        return list(zip(self._wait[:count].tolist(), self._rows[:count].tolist(), strict=True))
 
     def pool(self, now: float, first: list[tuple[float, int]]) -> tuple[F64Array, int]:
         """:data:`~.scoring_kernel.POOL_FIELDS` aggregates for

@@ -23,13 +23,15 @@ I64Array = npt.NDArray[np.int64]
 
 _update: Callable[..., None] | None = None
 _pick: Callable[..., int] | None = None
+_least: Callable[..., int] | None = None
 _locate: Any = None
+_update_row: Any = None
 
 
-def _compile() -> tuple[Callable[..., None], Callable[..., int]]:
+def _compile() -> tuple[Callable[..., None], Callable[..., int], Callable[..., int]]:
     from numba import njit
 
-    global _locate  # a module global, not a closure cell: see kernels._compile
+    global _locate, _update_row  # module globals, not closure cells: see kernels._compile
 
     @njit(cache=True, nogil=True, inline="always")
     def locate(keys: Any, rows: Any, size: int, key: float, row: int) -> int:
@@ -87,6 +89,40 @@ def _compile() -> tuple[Callable[..., None], Callable[..., int]]:
                 ks[j] = key
                 rs[j] = row
             cur[w, row] = key
+
+    _update_row = update
+
+    @njit(cache=True, nogil=True)
+    def least(keys: Any, rows: Any, cur: Any, sizes: Any, busy: Any, qwork: Any, now: float,
+              advance: bool, k: int, wait: Any, out: Any) -> int:
+        """:meth:`.candidates.LoadOrder.least` over orders 0 (running, by ``busy_until +
+        queued work``), 1 (free, by queued work) and 2 (running, by end): with
+        ``advance``, the running rows whose end has passed by ``now`` move to the free
+        order first; then the ``k`` rows that free first, ``(wait, row)`` ascending, in
+        ``wait`` and ``out``; returns how many."""
+        if advance:
+            while sizes[2] > 0 and keys[2, 0] <= now:
+                row = rows[2, 0]
+                _update_row(keys, rows, cur, sizes, row, np.nan, qwork[row], np.nan)
+        n = 0
+        for w in range(2):
+            stop = k if k < sizes[w] else sizes[w]
+            for t in range(stop):
+                row = rows[w, t]
+                a = busy[row]
+                wait[n] = (a - now if a > now else 0.0) + qwork[row]
+                out[n] = row
+                n += 1
+        for i in range(1, n):  # (wait, row) ascending: at most 2k entries
+            w_, r_ = wait[i], out[i]
+            j = i - 1
+            while j >= 0 and (wait[j] > w_ or (wait[j] == w_ and out[j] > r_)):
+                wait[j + 1] = wait[j]
+                out[j + 1] = out[j]
+                j -= 1
+            wait[j + 1] = w_
+            out[j + 1] = r_
+        return k if n > k else n
 
     @njit(cache=True, nogil=True)
     def pick(keys: Any, rows: Any, sizes: Any, batch: Any, context: Any, reserved: Any,
@@ -170,16 +206,16 @@ def _compile() -> tuple[Callable[..., None], Callable[..., int]]:
         out[0] = cand[best]
         return 1
 
-    return update, pick
+    return update, pick, least
 
 
 def order_update(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64Array, row: int,
                  k0: float, k1: float = np.nan, k2: float = np.nan) -> None:
     """Put ``row`` at key ``k0`` in order 0, ``k1`` in order 1 and ``k2`` in order 2 (NaN:
     out of that order; orders past ``len(keys)`` are ignored)."""
-    global _update, _pick
+    global _update, _pick, _least
     if _update is None:
-        _update, _pick = _compile()
+        _update, _pick, _least = _compile()
     _update(keys, rows, cur, sizes, row, k0, k1, k2)
 
 
@@ -191,9 +227,21 @@ def decode_pick(keys: F64Array, rows: I64Array, sizes: I64Array, batch: I64Array
                 out: I64Array) -> int:
     """The decode candidates (:meth:`.candidates.DecodeOrder.candidates`) into ``out``;
     returns how many (0: no row up)."""
-    global _update, _pick
+    global _update, _pick, _least
     if _pick is None:
-        _update, _pick = _compile()
+        _update, _pick, _least = _compile()
     seen, steps, cand, room = scratch
     return int(_pick(keys, rows, sizes, batch, context, reserved, capacity, ahead_n, ahead_t,
                      consts, k, tokens, need, seen, steps, cand, room, out))
+
+
+def prefill_least(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64Array,
+                  busy: F64Array, qwork: F64Array, now: float, advance: bool, k: int,
+                  wait: F64Array, out: I64Array) -> int:
+    """The ``k`` rows of a prefill load order that free first, into ``wait`` and ``out``
+    (``(wait, row)`` ascending; both at least ``2 * k`` long); with ``advance``, the rows
+    whose end has passed by ``now`` first move from running to free. Returns how many."""
+    global _update, _pick, _least
+    if _least is None:
+        _update, _pick, _least = _compile()
+    return int(_least(keys, rows, cur, sizes, busy, qwork, now, advance, k, wait, out))

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import blockkeys_kernel, candidates_kernel, decode_kernel, kernels, scoring_kernel
 from .blockkeys import COMPILED_MIN_TOKENS, block_keys_array
-from .candidates_kernel import decode_pick, order_update
+from .candidates_kernel import decode_pick, order_update, prefill_least
 from .decode_kernel import DECODE_FIELDS, rank_decode
 from .kernels import lookup_values, walk_keys, walk_lengths, walk_lengths_sets
 from .keytable import KeyMaskTable
@@ -57,6 +57,9 @@ def warm_up() -> None:
     order_keys, rows = np.zeros((2, 1)), np.zeros((2, 1), dtype=np.int64)
     sizes = np.zeros(2, dtype=np.int64)
     order_update(order_keys, rows, np.full((2, 1), np.nan), sizes, 0, 1.0, 1.0)
+    prefill_least(np.zeros((3, 1)), np.zeros((3, 1), dtype=np.int64), np.full((3, 1), np.nan),
+                  np.zeros(3, dtype=np.int64), one_f, one_f, 0.0, True, 1, np.zeros(2),
+                  np.zeros(2, dtype=np.int64))
     decode_pick(order_keys, rows, sizes, one_i, one_i, one_i, one_i, one_i, one_i,
                 np.ones(len(DECODE_FIELDS)), 1, 1, 1,
                 (np.zeros(1, dtype=np.bool_), np.zeros(1), one_i.copy(),
