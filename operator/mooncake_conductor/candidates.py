@@ -75,8 +75,8 @@ class CandidatesConfig(BaseModel):
 class _Orders:
     """``count`` sorted orders of ``(key, row)``, at most one entry per row in each, as
     arrays (:mod:`.candidates_kernel`): a change moves only the entries between a row's
-    old and new place, in compiled code, and reading the first ``k`` reads ``k``
-    entries."""
+    old and new place, in compiled code; order ``w`` is ``keys[w, :sizes[w]]`` with
+    ``rows[w, :sizes[w]]``."""
 
     def __init__(self, rows: int, count: int) -> None:
         self.keys: F64Array = np.zeros((count, rows))
@@ -87,17 +87,6 @@ class _Orders:
     def set(self, row: int, k0: float, k1: float = math.nan, k2: float = math.nan) -> None:
         """Row ``row`` at key ``k0`` in order 0, ``k1`` in 1, ``k2`` in 2 (NaN: out)."""
         order_update(self.keys, self.rows, self.cur, self.sizes, row, k0, k1, k2)
-
-    def head(self, which: int, k: int) -> list[int]:
-        """The rows of the first ``k`` entries of order ``which``."""
-        rows: list[int] = self.rows[which, :min(k, self.sizes.item(which))].tolist()
-        return rows
-
-    def entries(self, which: int) -> list[tuple[float, int]]:
-        """Every entry of order ``which``, in order."""
-        size = self.sizes.item(which)
-        return list(zip(self.keys[which, :size].tolist(), self.rows[which, :size].tolist(),
-                        strict=True))
 
 
 class LoadOrder:
@@ -218,7 +207,7 @@ class DecodeOrder:
         self._reserved = cols["reserved_tokens"]
         self._capacity = cols["capacity_tokens"]
         #: the cost model's decode constants (:data:`~.decode_kernel.DECODE_FIELDS` order)
-        self._consts = consts
+        self._consts: F64Array = np.array(consts, dtype=np.float64)
         self.per_seq, self.per_ctx = consts[3], consts[4]
         n = len(self._up)
         #: the selector whose requests sent ahead :meth:`ahead` counts (one per pool)
@@ -226,7 +215,6 @@ class DecodeOrder:
         self.ahead_n = np.zeros(n, dtype=np.int64)
         self.ahead_tokens = np.zeros(n, dtype=np.int64)
         self._orders = _Orders(n, 2)
-        self._const_array: F64Array = np.array(consts, dtype=np.float64)
         # scratch of the compiled pick (:func:`.candidates_kernel.decode_pick`)
         self._scratch = (np.zeros(n, dtype=np.bool_), np.empty(n), np.empty(n, dtype=np.int64),
                          np.empty(n, dtype=np.bool_))
@@ -270,7 +258,7 @@ class DecodeOrder:
         o = self._orders
         count = decode_pick(o.keys, o.rows, o.sizes, self._batch, self._context,
                             self._reserved, self._capacity, self.ahead_n, self.ahead_tokens,
-                            self._const_array, k, tokens, need, self._scratch, self._out)
+                            self._consts, k, tokens, need, self._scratch, self._out)
         if not count:
             return None
         out: I64Array = self._out[:count].copy()
