@@ -55,11 +55,18 @@ class HolderSets:
     def intern(self, masks: list[int]) -> U64Array:
         """The id of each mask's set, new sets made as needed (mask 0: id 0)."""
         get = self._id_of.get
-        ids = [get(m, -1) for m in masks]
+        # keys with the same holders mostly share one mask object (the index interns wide
+        # masks): each object's mask is hashed once, found by the object's identity
+        # (stable while ``masks`` holds it)
+        by_object: dict[int, int] = {}
+        ids = [by_object[k] if (k := id(m)) in by_object
+               else by_object.setdefault(k, get(m, -1)) for m in masks]
         if -1 in ids:
-            fresh = list(dict.fromkeys(m for m, i in zip(masks, ids, strict=True) if i < 0))
-            made = self._make(fresh)
-            ids = [i if i >= 0 else made[m] for m, i in zip(masks, ids, strict=True)]
+            fresh = {k: m for m in masks if by_object[k := id(m)] < 0}
+            made = self._make(list(dict.fromkeys(fresh.values())))
+            for k, m in fresh.items():
+                by_object[k] = made[m]
+            ids = [by_object[id(m)] for m in masks]
         return np.array(ids, dtype=np.uint64)
 
     def _make(self, masks: list[int]) -> dict[int, int]:

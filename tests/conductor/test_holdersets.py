@@ -32,6 +32,20 @@ def test_ids_are_interned_counted_freed_and_reused() -> None:
     assert len(set(many.tolist())) == 100 and sets.rows.shape[0] >= 102
 
 
+def test_equal_masks_get_one_id_whatever_their_objects() -> None:
+    """Interning finds a mask by its object first: equal masks held in separate objects
+    still get one set, new or known."""
+    sets = HolderSets()
+    low = int("3")  # made at run time: the masks below are separate objects
+    c1, c2 = (1 << 80) | low, (1 << 80) | low
+    assert c1 == c2 and c1 is not c2
+    ids = sets.intern([c1, c2, c1]).tolist()
+    assert ids[0] == ids[1] == ids[2] != 0 and len(sets) == 1
+    c3 = (1 << 80) | low
+    assert sets.intern([c3, 0, c2, 1 << 90]).tolist()[:3] == [ids[0], 0, ids[0]]
+    assert len(sets) == 2
+
+
 def test_a_mirror_of_set_ids_follows_the_dicts_under_churn() -> None:
     r = random.Random(23)
     ix = PrefixIndex(60, vector_min_keys=1)
