@@ -44,7 +44,13 @@ import numpy as np
 import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field
 
-from .candidates_kernel import decode_pick, order_update, prefill_least
+from .candidates_kernel import (
+    decode_pick,
+    decode_touch,
+    order_update,
+    prefill_candidates,
+)
+from .scoring_kernel import POOL_FIELDS
 
 if TYPE_CHECKING:
     from .state import Board
@@ -118,9 +124,15 @@ class LoadOrder:
         self.waiting = 0
         self._queued_rows = 0  # live rows with a queue
         self._idle_until: list[float] = []  # busy_until of live rows without a queue
-        # what the compiled least writes (2k long)
+        self._row_index = board.row_index
+        # what the compiled gather writes (:func:`.candidates_kernel.prefill_candidates`)
         self._wait: F64Array = np.empty(0)
         self._rows: I64Array = np.empty(0, dtype=np.int64)
+        self._hold_len: I64Array = np.empty(0, dtype=np.int64)
+        self._hold_ids: I64Array = np.empty(0, dtype=np.int64)
+        self._out: I64Array = np.empty(0, dtype=np.int64)
+        self._mark = np.zeros(n, dtype=np.bool_)
+        self._agg: F64Array = np.empty(POOL_FIELDS)
         for row in range(n):
             self.touch(row)
 
@@ -166,28 +178,33 @@ class LoadOrder:
         idle = self._idle_until
         return self._queued_rows + len(idle) - bisect_right(idle, now)
 
-    def least(self, now: float, k: int) -> list[tuple[float, int]]:
-        """The ``k`` live rows that free first: ``(wait in seconds, row)`` in order (ties
-        by row). The first ``k`` of each set hold them (each set is in wait order); rows
-        whose end has passed by ``now`` move to the free set first."""
+    def candidates(self, now: float, k: int, local: I64Array, holders: int,
+                   ) -> tuple[I64Array, I64Array, F64Array, int]:
+        """The rows worth pricing: the ``k`` live rows that free first, in order (ties by
+        row; the first ``k`` of each set hold them, each set being in wait order, once
+        the rows whose end has passed by ``now`` have moved to the free set), and the
+        ``holders`` instances with the longest prefix in ``local`` (by instance id; ties:
+        the lower id) that are up. Returns the first, the union of both ascending, the
+        :data:`~.scoring_kernel.POOL_FIELDS` aggregates for
+        :func:`~.scoring_kernel.rank_rows` and the row that frees first (-1: none); the
+        arrays are views, valid until the next call."""
         advance = now > self._clock
         if advance:
             self._clock = now
-        if len(self._wait) < 2 * k:
+        if len(self._wait) < 2 * k or len(self._hold_ids) != holders:
             self._wait, self._rows = np.empty(2 * k), np.empty(2 * k, dtype=np.int64)
+            self._hold_len = np.empty(holders, dtype=np.int64)
+            self._hold_ids = np.empty(holders, dtype=np.int64)
+            self._out = np.empty(2 * k + holders, dtype=np.int64)
+        agg = self._agg
+        agg[0], agg[1], agg[2] = self.live, self.busy(now), self.waiting
         o = self._orders
-        count = prefill_least(o.keys, o.rows, o.cur, o.sizes, self._busy, self._qwork, now,
-                              advance, k, self._wait, self._rows)
-        return list(zip(self._wait[:count].tolist(), self._rows[:count].tolist(), strict=True))
-
-    def pool(self, now: float, first: list[tuple[float, int]]) -> tuple[F64Array, int]:
-        """:data:`~.scoring_kernel.POOL_FIELDS` aggregates for
-        :func:`~.scoring_kernel.rank_rows`, and the row that frees first, given ``first``
-        (:meth:`least`, at least two rows when the pool has two)."""
-        pool: F64Array = np.array([self.live, self.busy(now), self.waiting,
-                                   first[0][0] if first else math.inf,
-                                   first[1][0] if len(first) > 1 else math.inf])
-        return pool, first[0][1] if first else -1
+        first, count = prefill_candidates(
+            o.keys, o.rows, o.cur, o.sizes, self._busy, self._qwork, now, advance, k,
+            self._wait, self._rows, local, self._row_index, self._up, holders,
+            self._hold_len, self._hold_ids, self._mark, self._out, agg)
+        least = self._rows[:first]
+        return least, self._out[:count], agg, int(least[0]) if first else -1
 
 
 class DecodeOrder:
@@ -222,28 +239,17 @@ class DecodeOrder:
         for row in range(n):
             self.touch(row)
 
-    def load(self, row: int) -> tuple[int, int]:
-        """The row's batch and context, the requests sent ahead counted."""
-        return (self._batch.item(row) + self.ahead_n.item(row),
-                self._context.item(row) + self.ahead_tokens.item(row))
-
-    def _keys(self, row: int) -> tuple[float, float]:
-        batch, context = self.load(row)
-        return float(context), self.per_seq * batch + self.per_ctx * context
-
     def touch(self, row: int) -> None:
         """Row ``row``'s batch, context or ``up`` changed."""
-        if self._up.item(row):
-            self._orders.set(row, *self._keys(row))
-        else:
-            self._orders.set(row, math.nan, math.nan)
+        self.ahead(row, 0, 0)
 
     def ahead(self, row: int, requests: int, tokens: int) -> None:
         """``requests`` more (or fewer) requests of ``tokens`` prompt tokens in all were
         sent to ``row`` ahead of their prefill."""
-        self.ahead_n[row] += requests
-        self.ahead_tokens[row] += tokens
-        self.touch(row)
+        o = self._orders
+        decode_touch(o.keys, o.rows, o.cur, o.sizes, self._up, self._batch, self._context,
+                     self.ahead_n, self.ahead_tokens, self.per_seq, self.per_ctx, row,
+                     requests, tokens)
 
     def candidates(self, k: int, tokens: int, need: int) -> I64Array | None:
         """The rows worth pricing for a request of ``tokens`` prompt tokens that needs

@@ -24,14 +24,18 @@ I64Array = npt.NDArray[np.int64]
 _update: Callable[..., None] | None = None
 _pick: Callable[..., int] | None = None
 _least: Callable[..., int] | None = None
+_gather: Callable[..., tuple[int, int]] | None = None
+_touch: Callable[..., None] | None = None
 _locate: Any = None
 _update_row: Any = None
+_least_rows: Any = None
 
 
 def _compile() -> tuple[Callable[..., None], Callable[..., int], Callable[..., int]]:
     from numba import njit
 
-    global _locate, _update_row  # module globals, not closure cells: see kernels._compile
+    global _locate, _update_row, _least_rows  # module globals, not closure cells: see
+    # kernels._compile
 
     @njit(cache=True, nogil=True, inline="always")
     def locate(keys: Any, rows: Any, size: int, key: float, row: int) -> int:
@@ -124,6 +128,8 @@ def _compile() -> tuple[Callable[..., None], Callable[..., int], Callable[..., i
             out[j + 1] = r_
         return k if n > k else n
 
+    _least_rows = least
+
     @njit(cache=True, nogil=True)
     def pick(keys: Any, rows: Any, sizes: Any, batch: Any, context: Any, reserved: Any,
              capacity: Any, ahead_n: Any, ahead_t: Any, consts: Any, k: int, tokens: int,
@@ -209,6 +215,84 @@ def _compile() -> tuple[Callable[..., None], Callable[..., int], Callable[..., i
     return update, pick, least
 
 
+def _compile_whole() -> tuple[Callable[..., tuple[int, int]], Callable[..., None]]:
+    """The calls that do a whole step of :mod:`.candidates` in one dispatch."""
+    from numba import njit
+
+    @njit(cache=True, nogil=True)
+    def gather(keys: Any, rows: Any, cur: Any, sizes: Any, busy: Any, qwork: Any, now: float,
+               advance: bool, k: int, wait: Any, least: Any, local: Any, row_index: Any,
+               up: Any, holders: int, hold_len: Any, hold_ids: Any, mark: Any, out: Any,
+               agg: Any) -> tuple[int, int]:
+        """:func:`prefill_candidates`: the ``k`` rows that free first (``wait`` and
+        ``least``), the ``holders`` ids with the longest ``local`` prefix (ties: the
+        lower id) mapped to rows by ``row_index`` and kept if ``up``, their union
+        ascending in ``out``, and ``agg[3:5]`` the two earliest waits; returns the
+        count of the first and of the union. ``mark`` is scratch, all False on entry
+        and on return."""
+        n_least = _least_rows(keys, rows, cur, sizes, busy, qwork, now, advance, k, wait,
+                              least)
+        held = 0  # hold_ids[:held] by (length descending, id ascending)
+        for iid in range(local.shape[0]):
+            v = local[iid]
+            if v == 0 or (held == holders and v <= hold_len[held - 1]):
+                continue
+            j = held if held < holders else holders - 1
+            while j > 0 and hold_len[j - 1] < v:
+                hold_len[j] = hold_len[j - 1]
+                hold_ids[j] = hold_ids[j - 1]
+                j -= 1
+            hold_len[j] = v
+            hold_ids[j] = iid
+            if held < holders:
+                held += 1
+        count = 0
+        for t in range(n_least):
+            row = least[t]
+            mark[row] = True
+            out[count] = row
+            count += 1
+        for t in range(held):
+            iid = hold_ids[t]
+            row = row_index[iid] if iid < row_index.shape[0] else -1
+            if row >= 0 and up[row] and not mark[row]:
+                mark[row] = True
+                out[count] = row
+                count += 1
+        for t in range(count):
+            mark[out[t]] = False
+        out[:count].sort()
+        agg[3] = wait[0] if n_least > 0 else np.inf
+        agg[4] = wait[1] if n_least > 1 else np.inf
+        return n_least, count
+
+    @njit(cache=True, nogil=True)
+    def touch(keys: Any, rows: Any, cur: Any, sizes: Any, up: Any, batch: Any, context: Any,
+              ahead_n: Any, ahead_t: Any, per_seq: float, per_ctx: float, row: int,
+              requests: int, tokens: int) -> None:
+        """:func:`decode_touch`."""
+        ahead_n[row] += requests
+        ahead_t[row] += tokens
+        if up[row]:
+            b = batch[row] + ahead_n[row]
+            c = context[row] + ahead_t[row]
+            _update_row(keys, rows, cur, sizes, row, float(c), per_seq * b + per_ctx * c,
+                        np.nan)
+        else:
+            _update_row(keys, rows, cur, sizes, row, np.nan, np.nan, np.nan)
+
+    return gather, touch
+
+
+def _compiled() -> tuple[Callable[..., tuple[int, int]], Callable[..., None]]:
+    global _update, _pick, _least, _gather, _touch
+    if _least is None:  # first: the calls below call its kernels
+        _update, _pick, _least = _compile()
+    if _gather is None or _touch is None:
+        _gather, _touch = _compile_whole()
+    return _gather, _touch
+
+
 def order_update(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64Array, row: int,
                  k0: float, k1: float = np.nan, k2: float = np.nan) -> None:
     """Put ``row`` at key ``k0`` in order 0, ``k1`` in order 1 and ``k2`` in order 2 (NaN:
@@ -235,13 +319,32 @@ def decode_pick(keys: F64Array, rows: I64Array, sizes: I64Array, batch: I64Array
                      consts, k, tokens, need, seen, steps, cand, room, out))
 
 
-def prefill_least(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64Array,
-                  busy: F64Array, qwork: F64Array, now: float, advance: bool, k: int,
-                  wait: F64Array, out: I64Array) -> int:
-    """The ``k`` rows of a prefill load order that free first, into ``wait`` and ``out``
-    (``(wait, row)`` ascending; both at least ``2 * k`` long); with ``advance``, the rows
-    whose end has passed by ``now`` first move from running to free. Returns how many."""
-    global _update, _pick, _least
-    if _least is None:
-        _update, _pick, _least = _compile()
-    return int(_least(keys, rows, cur, sizes, busy, qwork, now, advance, k, wait, out))
+def prefill_candidates(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64Array,
+                       busy: F64Array, qwork: F64Array, now: float, advance: bool, k: int,
+                       wait: F64Array, least: I64Array, local: I64Array, row_index: I64Array,
+                       up: npt.NDArray[np.bool_], holders: int, hold_len: I64Array,
+                       hold_ids: I64Array, mark: npt.NDArray[np.bool_], out: I64Array,
+                       agg: F64Array) -> tuple[int, int]:
+    """The prefill candidates in one compiled call: :func:`prefill_least` into ``wait``
+    and ``least``; the ``holders`` instance ids with the longest prefix in ``local``
+    (by id; ties: the lower id), mapped to rows by ``row_index`` (-1: none) and kept
+    where ``up``; the union of both, ascending, in ``out``; the two earliest waits in
+    ``agg[3]`` and ``agg[4]`` (infinity where none). ``hold_len`` and ``hold_ids`` are
+    ``holders`` long, ``mark`` all False and as long as ``up``, ``out`` at least ``2 *
+    k + holders``. Returns how many rows free first and how many candidates."""
+    n_least, count = _compiled()[0](keys, rows, cur, sizes, busy, qwork, now, advance, k,
+                                    wait, least, local, row_index, up, holders, hold_len,
+                                    hold_ids, mark, out, agg)
+    return int(n_least), int(count)
+
+
+def decode_touch(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64Array,
+                 up: npt.NDArray[np.bool_], batch: I64Array, context: I64Array,
+                 ahead_n: I64Array, ahead_t: I64Array, per_seq: float, per_ctx: float,
+                 row: int, requests: int, tokens: int) -> None:
+    """A decode order's row after a change (:meth:`.candidates.DecodeOrder.touch`), with
+    ``requests`` and ``tokens`` more sent ahead of it first (0, 0: none): keyed in order
+    0 by its context and in order 1 by ``per_seq * batch + per_ctx * context``, the
+    requests sent ahead counted; out of both when not ``up``. One dispatch."""
+    _compiled()[1](keys, rows, cur, sizes, up, batch, context, ahead_n, ahead_t, per_seq,
+                   per_ctx, row, requests, tokens)

@@ -22,7 +22,6 @@ _prefill_time: Any = None
 
 _stats: Callable[..., int] | None = None
 _rank: Callable[..., tuple[int, float]] | None = None
-_nonzero: Callable[..., int] | None = None
 
 #: order of the cost model's constants in the array :func:`rank_fifo` reads
 #: (:meth:`~mooncake_conductor.cost.CostModel.prefill_constants`)
@@ -271,29 +270,3 @@ def rank_rows(
                          qwork, iid, local, score, fetch, ties, topo is not None, t.place,
                          t.srcs, t.levels, t.bw, t.latency)
     return int(count), float(kappa)
-
-
-def _compile_nonzero() -> Callable[..., int]:
-    from numba import njit
-
-    @njit(cache=True, nogil=True)
-    def nonzero(values: Any, out: Any) -> int:
-        count = 0
-        for i in range(values.shape[0]):
-            if values[i]:
-                out[count] = i
-                count += 1
-        return count
-
-    return nonzero
-
-
-def nonzero_rows(values: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
-    """``np.flatnonzero(values)`` in one compiled pass: the instances holding a prefix,
-    for :func:`rank_rows`'s candidates (numpy's generic nonzero takes ~6x as long over
-    thousands of rows)."""
-    global _nonzero
-    if _nonzero is None:
-        _nonzero = _compile_nonzero()
-    out = np.empty(len(values), dtype=np.int64)
-    return out[:_nonzero(values, out)]

@@ -15,11 +15,11 @@ import numpy as np
 
 from . import blockkeys_kernel, candidates_kernel, decode_kernel, kernels, scoring_kernel
 from .blockkeys import COMPILED_MIN_TOKENS, block_keys_array
-from .candidates_kernel import decode_pick, order_update, prefill_least
+from .candidates_kernel import decode_pick, decode_touch, order_update, prefill_candidates
 from .decode_kernel import DECODE_FIELDS, rank_decode
 from .kernels import lookup_values, walk_keys, walk_lengths, walk_lengths_sets
 from .keytable import KeyMaskTable
-from .scoring_kernel import COST_FIELDS, nonzero_rows, rank_fifo
+from .scoring_kernel import COST_FIELDS, POOL_FIELDS, rank_fifo
 
 #: every module of the core with compiled loops
 KERNEL_MODULES: tuple[ModuleType, ...] = (kernels, blockkeys_kernel, scoring_kernel,
@@ -53,13 +53,17 @@ def warm_up() -> None:
     rank_fifo(np.ones(len(COST_FIELDS)), 0.0, 1, 1, 0, -1, 1.0, 1.0, 1.0, 1.0, True, 0.0, 0.0,
               np.ones(1, dtype=np.bool_), one_f, one_f, one_i, one_i, one_i, np.zeros(1),
               np.zeros(1, dtype=np.bool_), one_i.copy())
-    nonzero_rows(one_i)
     order_keys, rows = np.zeros((2, 1)), np.zeros((2, 1), dtype=np.int64)
     sizes = np.zeros(2, dtype=np.int64)
     order_update(order_keys, rows, np.full((2, 1), np.nan), sizes, 0, 1.0, 1.0)
-    prefill_least(np.zeros((3, 1)), np.zeros((3, 1), dtype=np.int64), np.full((3, 1), np.nan),
-                  np.zeros(3, dtype=np.int64), one_f, one_f, 0.0, True, 1, np.zeros(2),
-                  np.zeros(2, dtype=np.int64))
+    prefill_candidates(np.zeros((3, 1)), np.zeros((3, 1), dtype=np.int64),
+                       np.full((3, 1), np.nan), np.zeros(3, dtype=np.int64), one_f, one_f, 0.0,
+                       True, 1, np.zeros(2), np.zeros(2, dtype=np.int64), one_i, one_i,
+                       np.ones(1, dtype=np.bool_), 1, one_i.copy(), one_i.copy(),
+                       np.zeros(1, dtype=np.bool_), np.zeros(3, dtype=np.int64),
+                       np.zeros(POOL_FIELDS))
+    decode_touch(order_keys, rows, np.full((2, 1), np.nan), sizes, np.ones(1, dtype=np.bool_),
+                 one_i, one_i, one_i.copy(), one_i.copy(), 1.0, 1.0, 0, 1, 1)
     decode_pick(order_keys, rows, sizes, one_i, one_i, one_i, one_i, one_i, one_i,
                 np.ones(len(DECODE_FIELDS)), 1, 1, 1,
                 (np.zeros(1, dtype=np.bool_), np.zeros(1), one_i.copy(),

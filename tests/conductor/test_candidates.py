@@ -42,7 +42,9 @@ def _shuffle_loads(pool: list[PrefillState], r: random.Random, now: float) -> No
             p.up = r.random() < 0.7
 
 
-def test_load_order_finds_the_instances_that_free_first_and_the_pool_aggregates() -> None:
+def test_load_order_finds_the_candidates_and_the_pool_aggregates() -> None:
+    """The instances that free first, the holders of the longest prefixes and
+    the pool's aggregates, against a pass over every instance."""
     r = random.Random(3)
     for trial in range(60):
         n = r.choice([2, 5, 40, 200])
@@ -57,13 +59,21 @@ def test_load_order_finds_the_instances_that_free_first_and_the_pool_aggregates(
                 for p in pool:
                     p.busy_until = p.busy_until
             k = r.choice([1, 2, 8])
+            holders = r.choice([1, 3, 8])
+            local = np.zeros(max(64, n + 3), dtype=np.int64)  # ids past the pool hold too
+            for i in r.sample(range(len(local)), min(len(local), 12)):
+                local[i] = r.randint(0, 5)
             live = [p for p in pool if p.up]
             want = sorted((_wait(p, now), p.iid) for p in live)
-            got = order.least(now, k)
+            least, rows, agg, j1 = order.candidates(now, k, local, holders)
+            got = [(_wait(pool[row], now), row) for row in least.tolist()]
             assert [w for w, _ in got] == [w for w, _ in want[:k]]
-            # every row returned has the wait it claims (ties may be any of the tied)
-            assert all(w == _wait(pool[row], now) for w, row in got)
-            agg, j1 = order.pool(now, order.least(now, 2))
+            # the holders: the longest prefixes, ties to the lower id, then those up
+            top = sorted((-int(v), i) for i, v in enumerate(local.tolist()) if v)[:holders]
+            held = {i for _, i in top if i < n and pool[i].up}
+            assert rows.tolist() == sorted(set(least.tolist()) | held)
+            if k < 2:
+                continue
             full = np.empty(POOL_FIELDS)
             from mooncake_conductor import scoring_kernel as kernels
             if kernels._stats is None:
@@ -88,7 +98,9 @@ def test_take_down_masks_the_pool_and_a_rollouts_decision_takes_the_full_pass(
     assert board.masked == 1
     undo()
     assert board.masked == 0
-    assert [row for _, row in order.least(0.0, 3)] == [0, 1, 2] and order.live == 6
+    nothing = np.zeros(64, dtype=np.int64)
+    assert order.candidates(0.0, 3, nothing, 1)[0].tolist() == [0, 1, 2]
+    assert order.live == 6
     from mooncake_conductor.policies.conductor import ConductorPolicy
     real_rank, real_cands = ConductorPolicy._rank_candidates, DecodeOrder.candidates
     current: list[ClusterState] = []
@@ -146,11 +158,13 @@ def test_decode_order_finds_the_fastest_with_room() -> None:
                 d.reserved_tokens = r.choice([0, 3000, 45_000])
                 d.up = r.random() < 0.9
             for row in r.sample(range(n), max(1, n // 4)):
-                order.ahead(row, 1, r.randint(10, 3000))
+                order.ahead(row, r.randint(1, 3), r.randint(10, 30_000))
             tokens, need, k = r.randint(1, 8000), r.randint(1, 9000), r.choice([1, 2, 5])
 
-            def step(row: int, tokens: int = tokens, order: DecodeOrder = order) -> float:
-                b, c = order.load(row)
+            def step(row: int, tokens: int = tokens, pool: list[DecodeState] = pool,
+                     order: DecodeOrder = order) -> float:
+                b = pool[row].batch + int(order.ahead_n[row])
+                c = pool[row].context_tokens + int(order.ahead_tokens[row])
                 return COST.decode_step_time(b + 1, c + tokens)
 
             def room(row: int, need: int = need, pool: list[DecodeState] = pool,
@@ -217,7 +231,7 @@ def test_a_candidate_is_priced_as_the_full_ranking_prices_it() -> None:
         count, kappa = rank_fifo(*args, board["up"], board["busy_until"],
                                  board["queued_work_s"], board["queue_len"], board["iid"],
                                  local, full_score, full_fetch, full_ties)
-        agg, j1 = order.pool(now, order.least(now, 2))
+        _, _, agg, j1 = order.candidates(now, 2, local, 1)
         every = np.arange(n, dtype=np.int64)
         score, fetch = np.empty(n), np.empty(n, dtype=np.bool_)
         ties = np.empty(n, dtype=np.int64)

@@ -8,7 +8,7 @@ import random
 import numpy as np
 from mooncake_conductor.cost import CostModel, CostModelConfig, EfficiencySpec
 from mooncake_conductor.scoring import Option, pool_prices, score, slo_guard, tie_band
-from mooncake_conductor.scoring_kernel import nonzero_rows, rank_fifo
+from mooncake_conductor.scoring_kernel import rank_fifo
 
 from .helpers import COST
 
@@ -97,8 +97,3 @@ def test_kernels_close_over_no_dispatcher() -> None:
         assert not [c for c in cells if isinstance(c.cell_contents, Dispatcher)], fn
 
 
-def test_nonzero_rows_are_numpys_flatnonzero() -> None:
-    rng = np.random.default_rng(3)
-    for size in (0, 1, 64, 4096):
-        values = np.where(rng.random(size) < 0.05, rng.integers(1, 500, size), 0)
-        assert nonzero_rows(values.astype(np.int64)).tolist() == np.flatnonzero(values).tolist()

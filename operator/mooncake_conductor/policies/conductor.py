@@ -111,7 +111,7 @@ from ..scoring import (
     slo_guard,
     tie_band,
 )
-from ..scoring_kernel import nonzero_rows, rank_fifo, rank_rows
+from ..scoring_kernel import rank_fifo, rank_rows
 from ..spread import ServiceSpread
 from ..state import ClusterState, PrefillState, RequestInfo, board_of
 from ..topology import FetchSources, domain_orders
@@ -263,7 +263,7 @@ class ConductorPolicy(PrefillPolicy):
                     shut_rate, slo_s, open_s, prm.cpp.max_group + 1 if want_cpp else 0,
                     holders)
                 if want_cpp:  # CPP groups form from the instances that free first
-                    live = [cluster.prefill[row] for _, row in least]
+                    live = [cluster.prefill[row] for row in least.tolist()]
                     pool_size, idle = self._pool_counts(cluster.prefill, now)
             else:
                 count, kappa = self._rank(req, cluster.prefill, local_view, best_src,
@@ -394,27 +394,18 @@ class ConductorPolicy(PrefillPolicy):
         best_src: int | None, best_len: int, now: float, spread: float, shut_rate: float,
         slo_s: float, open_s: float, least_at_least: int,
         holders: FetchSources | None = None,
-    ) -> tuple[int, float, list[tuple[float, int]]]:
+    ) -> tuple[int, float, npt.NDArray[np.int64]]:
         """:meth:`_rank` over the candidates of a large pool (:mod:`..candidates`): the
         holders of the longest prefixes (stored or pending) and the instances that free
-        first (at least ``least_at_least`` of them, returned as ``(wait, row)`` in
-        order), with the pool's aggregates from its load order."""
+        first (at least ``least_at_least`` of them, their rows returned in that order),
+        with the pool's aggregates from its load order."""
         assert isinstance(self.params, ConductorParams)
         prm, cand = self.params, self.ctx.candidates
         board = board_of(pool)
         order: LoadOrder = order_of(board, LoadOrder)
-        least = order.least(now, max(cand.least_loaded, least_at_least, 2))
-        agg, j1 = order.pool(now, least)
-        picked = {row for _, row in least}
-        held = nonzero_rows(local_view)  # instance ids holding the first block
-        if len(held) > cand.holders:
-            held = held[np.argpartition(-local_view[held], cand.holders - 1)[:cand.holders]]
+        least, rows, agg, j1 = order.candidates(
+            now, max(cand.least_loaded, least_at_least, 2), local_view, cand.holders)
         up = board["up"]
-        for iid in held.tolist():
-            row = board.row_of(iid)
-            if row >= 0 and up[row]:
-                picked.add(row)
-        rows = np.array(sorted(picked), dtype=np.int64)
         m = len(pool)
         if len(self._score) != m:
             self._score, self._fetch = np.empty(m), np.empty(m, dtype=np.bool_)
