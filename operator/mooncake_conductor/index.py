@@ -316,8 +316,9 @@ class PrefixIndex:
         table = self._table(instance)
         bit = 1 << instance
         holders = self.holders
-        get, move = table.get, table.move_to_end
+        get, move, holder = table.get, table.move_to_end, holders.get
         share = self._shared.setdefault
+        alone = share(bit, bit) if bit >> WORD_BITS else bit  # a key only it holds
         for key in reversed(keys):
             held = get(key)
             if held is not None:
@@ -326,8 +327,12 @@ class PrefixIndex:
                     table[key] = tier
             else:
                 table[key] = tier
-                mask = holders.get(key, 0) | bit
-                holders[key] = share(mask, mask) if mask >> WORD_BITS else mask
+                was = holder(key)
+                if was is None:  # no new wide int to make and hash
+                    holders[key] = alone
+                else:
+                    mask = was | bit
+                    holders[key] = share(mask, mask) if mask >> WORD_BITS else mask
         if self._mirror is not None:
             self._mirror.dirty_stored.update(keys)
         evicted = self._evict_to(instance, self._capacity[instance])
@@ -358,13 +363,16 @@ class PrefixIndex:
         assert table is not None
         if len(table) <= capacity:
             return []
-        keep = ~(1 << instance)
+        bit = 1 << instance
+        keep = ~bit
         holders = self.holders
         share = self._shared.setdefault
+        alone = self._shared.get(bit, bit)  # the object keys only it holds share
         evicted: list[int] = []
         while len(table) > capacity:
             key, _ = table.popitem(last=False)
-            mask = holders[key] & keep
+            was = holders[key]
+            mask = 0 if was is alone else was & keep
             if mask:
                 holders[key] = share(mask, mask) if mask >> WORD_BITS else mask
             else:
@@ -379,12 +387,15 @@ class PrefixIndex:
         table = self._held(instance)
         if table is None:
             return
-        keep = ~(1 << instance)
+        bit = 1 << instance
+        keep = ~bit
         dirty = self._mirror.dirty_stored if self._mirror is not None else None
         share = self._shared.setdefault
+        alone = self._shared.get(bit, bit)  # the object keys only it holds share
         for key in keys:
             if table.pop(key, None) is not None:
-                mask = self.holders[key] & keep
+                was = self.holders[key]
+                mask = 0 if was is alone else was & keep
                 if mask:
                     self.holders[key] = share(mask, mask) if mask >> WORD_BITS else mask
                 else:
