@@ -219,6 +219,7 @@ class TBTLookaheadDecode(TBTSLODecode):
         self._count: dict[int, int] = {}
         self._tokens: dict[int, int] = {}
         self._ordered: Board | None = None  # the board whose order counts them too
+        self._counted: Board | None = None  # the board :meth:`_ahead`'s arrays are by row of
 
     def placed(self, req: RequestInfo, decode: int | None) -> None:
         if decode is None or req.rid in self._pending:
@@ -241,7 +242,14 @@ class TBTLookaheadDecode(TBTSLODecode):
         self._tell(iid, -1, -need)
 
     def _tell(self, iid: int, requests: int, tokens: int) -> None:
-        """Keep the large pool's order (if any) counting the requests sent ahead."""
+        """Keep the full pass's arrays and the large pool's order (if any) counting the
+        requests sent ahead."""
+        counted = self._counted
+        if counted is not None and counted.valid:
+            row = counted.row_of(iid)
+            if row >= 0:
+                self._ahead_n[row] += requests
+                self._ahead_tokens[row] += tokens
         board = self._ordered
         if board is None or not board.valid or board.order is None \
                 or board.order.owner is not self:
@@ -267,18 +275,16 @@ class TBTLookaheadDecode(TBTSLODecode):
                                             npt.NDArray[np.int64] | None]:
         if not self._count:
             return None, None
-        m = len(board.iids)
-        if len(self._ahead_n) != m:
+        if board is not self._counted or not board.valid:  # another pool list: count anew
+            m = len(board.iids)
             self._ahead_n = np.zeros(m, dtype=np.int64)
             self._ahead_tokens = np.zeros(m, dtype=np.int64)
-        else:
-            self._ahead_n[:] = 0
-            self._ahead_tokens[:] = 0
-        for iid, n in self._count.items():  # the instances with requests ahead only
-            row = board.row_of(iid)
-            if row >= 0:
-                self._ahead_n[row] = n
-                self._ahead_tokens[row] = self._tokens[iid]
+            for iid, n in self._count.items():  # the instances with requests ahead only
+                row = board.row_of(iid)
+                if row >= 0:
+                    self._ahead_n[row] = n
+                    self._ahead_tokens[row] = self._tokens[iid]
+            self._counted = board  # kept current by :meth:`_tell` from now on
         return self._ahead_n, self._ahead_tokens
 
 

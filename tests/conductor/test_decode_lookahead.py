@@ -239,3 +239,39 @@ def test_a_request_that_starts_on_its_decode_instance_leaves_the_count() -> None
     cond.decoding(r1, d1)
     assert cond.decode_selector.choose(req(2), c.decode).predicted_tbt_s == \
         COST.decode_step_time(1, N)
+
+
+def test_the_counts_by_row_follow_placements_and_pool_changes() -> None:
+    """What the full pass reads as sent ahead (by row of the pool's board) is kept as
+    requests are placed and join, and counted anew when the pool list changes: always
+    the recount of the requests still ahead."""
+    from mooncake_conductor.state import board_of
+
+    r = random.Random(5)
+    sel = lookahead()
+    states = idle(12)
+    pool = states[:8]
+    ahead: dict[int, tuple[int, int]] = {}  # rid -> (decode iid, prompt tokens)
+    for rid in range(1, 400):
+        kind = r.random()
+        if kind < 0.5:
+            q = req(rid, blocks=r.randint(1, 40))
+            iid = r.choice(pool).iid
+            sel.placed(q, iid)
+            ahead[rid] = (iid, q.input_tokens)
+        elif kind < 0.85 and ahead:
+            gone = r.choice(sorted(ahead))
+            sel.joined(req(gone))
+            del ahead[gone]
+        elif kind < 0.9:  # instances join or leave: another list, another board
+            pool = r.sample(states, r.randint(2, 12))
+        sel.choose(req(10_000 + rid), pool)  # reads (and after a change rebuilds) the counts
+        board = board_of(pool)
+        n, tokens = sel._ahead(board)
+        if not ahead:
+            assert n is None and tokens is None
+            continue
+        assert n is not None and tokens is not None
+        for row, st in enumerate(pool):
+            mine = [t for i, t in ahead.values() if i == st.iid]
+            assert (int(n[row]), int(tokens[row])) == (len(mine), sum(mine))
