@@ -99,11 +99,11 @@ def _compile() -> tuple[Callable[..., None], Callable[..., int], Callable[..., i
     @njit(cache=True, nogil=True)
     def least(keys: Any, rows: Any, cur: Any, sizes: Any, busy: Any, qwork: Any, now: float,
               advance: bool, k: int, wait: Any, out: Any) -> int:
-        """:meth:`.candidates.LoadOrder.least` over orders 0 (running, by ``busy_until +
-        queued work``), 1 (free, by queued work) and 2 (running, by end): with
-        ``advance``, the running rows whose end has passed by ``now`` move to the free
-        order first; then the ``k`` rows that free first, ``(wait, row)`` ascending, in
-        ``wait`` and ``out``; returns how many."""
+        """The rows that free first (:func:`prefill_candidates`) over orders 0
+        (running, by ``busy_until + queued work``), 1 (free, by queued work) and 2
+        (running, by end): with ``advance``, the running rows whose end has passed by
+        ``now`` move to the free order first; then the ``k`` rows that free first,
+        ``(wait, row)`` ascending, in ``wait`` and ``out``; returns how many."""
         if advance:
             while sizes[2] > 0 and keys[2, 0] <= now:
                 row = rows[2, 0]
@@ -325,13 +325,16 @@ def prefill_candidates(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64
                        up: npt.NDArray[np.bool_], holders: int, hold_len: I64Array,
                        hold_ids: I64Array, mark: npt.NDArray[np.bool_], out: I64Array,
                        agg: F64Array) -> tuple[int, int]:
-    """The prefill candidates in one compiled call: :func:`prefill_least` into ``wait``
-    and ``least``; the ``holders`` instance ids with the longest prefix in ``local``
-    (by id; ties: the lower id), mapped to rows by ``row_index`` (-1: none) and kept
-    where ``up``; the union of both, ascending, in ``out``; the two earliest waits in
-    ``agg[3]`` and ``agg[4]`` (infinity where none). ``hold_len`` and ``hold_ids`` are
-    ``holders`` long, ``mark`` all False and as long as ``up``, ``out`` at least ``2 *
-    k + holders``. Returns how many rows free first and how many candidates."""
+    """The prefill candidates in one compiled call: the ``k`` rows of a prefill load
+    order that free first, ``(wait, row)`` ascending, into ``wait`` and ``least`` (both
+    at least ``2 * k`` long; with ``advance``, the rows whose end has passed by ``now``
+    first move from running to free); the ``holders`` instance ids with the longest
+    prefix in ``local`` (by id; ties: the lower id), mapped to rows by ``row_index``
+    (-1: none) and kept where ``up``; the union of both, ascending, in ``out``; the two
+    earliest waits in ``agg[3]`` and ``agg[4]`` (infinity where none). ``hold_len`` and
+    ``hold_ids`` are ``holders`` long, ``mark`` all False and as long as ``up``, ``out``
+    at least ``2 * k + holders``. Returns how many rows free first and how many
+    candidates."""
     n_least, count = _compiled()[0](keys, rows, cur, sizes, busy, qwork, now, advance, k,
                                     wait, least, local, row_index, up, holders, hold_len,
                                     hold_ids, mark, out, agg)
