@@ -135,8 +135,6 @@ class TBTSLODecode(DecodeSelector):
         self.candidates = candidates or CandidatesConfig()
         self._step = np.empty(0)
         self._ties = np.empty(0, dtype=np.int64)
-        self._ahead_n = np.empty(0, dtype=np.int64)
-        self._ahead_tokens = np.empty(0, dtype=np.int64)
 
     def choose(self, req: RequestInfo, decode: list[DecodeState]) -> DecodeChoice:
         return self.choose_near(req, decode, 0)
@@ -219,7 +217,9 @@ class TBTLookaheadDecode(TBTSLODecode):
         self._count: dict[int, int] = {}
         self._tokens: dict[int, int] = {}
         self._ordered: Board | None = None  # the board whose order counts them too
-        self._counted: Board | None = None  # the board :meth:`_ahead`'s arrays are by row of
+        #: the board of the last full pass and, by its rows, the requests and prompt
+        #: tokens sent ahead (:meth:`_ahead`), kept current by :meth:`_tell`
+        self._by_row: tuple[Board, npt.NDArray[np.int64], npt.NDArray[np.int64]] | None = None
 
     def placed(self, req: RequestInfo, decode: int | None) -> None:
         if decode is None or req.rid in self._pending:
@@ -244,12 +244,12 @@ class TBTLookaheadDecode(TBTSLODecode):
     def _tell(self, iid: int, requests: int, tokens: int) -> None:
         """Keep the full pass's arrays and the large pool's order (if any) counting the
         requests sent ahead."""
-        counted = self._counted
-        if counted is not None and counted.valid:
-            row = counted.row_of(iid)
+        by_row = self._by_row
+        if by_row is not None and by_row[0].valid:
+            row = by_row[0].row_of(iid)
             if row >= 0:
-                self._ahead_n[row] += requests
-                self._ahead_tokens[row] += tokens
+                by_row[1][row] += requests
+                by_row[2][row] += tokens
         board = self._ordered
         if board is None or not board.valid or board.order is None \
                 or board.order.owner is not self:
@@ -275,17 +275,17 @@ class TBTLookaheadDecode(TBTSLODecode):
                                             npt.NDArray[np.int64] | None]:
         if not self._count:
             return None, None
-        if board is not self._counted or not board.valid:  # another pool list: count anew
-            m = len(board.iids)
-            self._ahead_n = np.zeros(m, dtype=np.int64)
-            self._ahead_tokens = np.zeros(m, dtype=np.int64)
+        by_row = self._by_row
+        if by_row is None or by_row[0] is not board or not board.valid:
+            m = len(board.iids)  # another pool list: count anew
+            by_row = board, np.zeros(m, dtype=np.int64), np.zeros(m, dtype=np.int64)
             for iid, n in self._count.items():  # the instances with requests ahead only
                 row = board.row_of(iid)
                 if row >= 0:
-                    self._ahead_n[row] = n
-                    self._ahead_tokens[row] = self._tokens[iid]
-            self._counted = board  # kept current by :meth:`_tell` from now on
-        return self._ahead_n, self._ahead_tokens
+                    by_row[1][row] = n
+                    by_row[2][row] = self._tokens[iid]
+            self._by_row = by_row
+        return by_row[1], by_row[2]
 
 
 class AIBrixDecode(DecodeSelector):

@@ -5,6 +5,7 @@ telling its selector what it placed and what finished prefilling."""
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 from mooncake_conductor.decode import TBTLookaheadDecode, create_decode_selector
 from mooncake_conductor.engine import Conductor, ConductorConfig
@@ -272,6 +273,10 @@ def test_the_counts_by_row_follow_placements_and_pool_changes() -> None:
             assert n is None and tokens is None
             continue
         assert n is not None and tokens is not None
+        # the compiled ranking's types; kept between decisions, not counted anew
+        assert n.dtype == np.int64 and tokens.dtype == np.int64
+        again = sel._ahead(board)
+        assert again[0] is n and again[1] is tokens
         for row, st in enumerate(pool):
             mine = [t for i, t in ahead.values() if i == st.iid]
             assert (int(n[row]), int(tokens[row])) == (len(mine), sum(mine))
