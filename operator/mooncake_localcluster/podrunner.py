@@ -6,8 +6,9 @@ only assigns the pod IP (see ``manifests.kwok_stages``); this runner then starts
 container's command+args (or the image entrypoint, from ``images/*/Dockerfile`` and
 ``settings.image_entrypoints``, + args) locally with the kubelet's Service variables,
 keeps downward-API, configMap, secret and projected volumes materialized (and refreshed)
-in a per-pod directory, reports container states, readiness and exit codes by patching the pod
-status, restarts per ``restartPolicy`` and stops the processes when the pod goes.
+in a per-pod directory, reports container states, readiness (with a kubelet's probe
+thresholds, ``readiness``) and exit codes by patching the pod status, restarts per
+``restartPolicy`` and stops the processes when the pod goes.
 
 Credentials like a kubelet's: a projected ``serviceAccountToken`` source gets a real token
 for the pod's ServiceAccount from the TokenRequest API (refreshed at 80% of its
@@ -62,6 +63,7 @@ from mooncake_localcluster.cluster import (
     open_state,
 )
 from mooncake_localcluster.kubehttp import STRATEGIC_PATCH, ApiError, KubeHttp
+from mooncake_localcluster.readiness import Readiness, probe_timeout_s
 from mooncake_localcluster.settings import LocalClusterSettings
 
 log = logging.getLogger("mooncake.localcluster.podrunner")
@@ -70,7 +72,6 @@ Known = dict[tuple[str, str], JsonDict] | None  # objects by (resource, name), a
 
 TICK_S = 0.25
 PROBE_INTERVAL_CAP_S = 1.0
-PROBE_TIMEOUT_S = 1.0
 BACKOFF_MAX_S = 30.0
 RETRY_DELAY_S = 1.0
 NO_COMMAND_EXIT = 127
@@ -120,6 +121,7 @@ class ContainerProc:
     last_terminated: JsonDict | None = None
     message: str = ""
     probe_future: Future[bool] | None = None
+    readiness: Readiness = field(default_factory=Readiness)
     in_mount_ns: bool = False
 
 
@@ -166,13 +168,13 @@ def probe_once(pod_ip: str, container: JsonDict, probe: JsonDict) -> bool:
         host = get.get("host") or pod_ip
         url = f"{scheme}://{host}:{port}{get.get('path', '/')}"
         try:
-            with _NO_PROXY_OPENER.open(url, timeout=PROBE_TIMEOUT_S) as resp:
+            with _NO_PROXY_OPENER.open(url, timeout=probe_timeout_s(probe)) as resp:
                 return 200 <= int(resp.status) < 400
         except (urllib.error.URLError, OSError, ValueError):
             return False
     if "tcpSocket" in probe and port is not None:
         try:
-            with socket.create_connection((pod_ip, port), timeout=PROBE_TIMEOUT_S):
+            with socket.create_connection((pod_ip, port), timeout=probe_timeout_s(probe)):
                 return True
         except OSError:
             return False
@@ -673,6 +675,7 @@ class PodRunner:
         cp.finished_at = None
         cp.exit_code = None
         cp.ready = False
+        cp.readiness.restart()
         cp.probe_future = None
         cp.last_probe = 0.0
         cp.in_mount_ns = False
@@ -814,7 +817,7 @@ class PodRunner:
             if not future.done():
                 return
             cp.probe_future = None
-            cp.ready = future.exception() is None and future.result()
+            cp.ready = cp.readiness.record(future.exception() is None and future.result(), probe)
         period = min(float(probe.get("periodSeconds", PROBE_INTERVAL_CAP_S)), PROBE_INTERVAL_CAP_S)
         if time.monotonic() - cp.last_probe >= period:
             cp.last_probe = time.monotonic()
@@ -945,6 +948,7 @@ class PodRunner:
             if cp.in_mount_ns and code == mountns.MOUNT_FAILED_EXIT:
                 cp.message = mount_error_message(running.directory / f"{cp.name}.log")
         cp.ready = False
+        cp.readiness.restart()
         cp.probe_future = None
         if cp.record is not None:
             # Like a container exit: whatever the main process left in its group goes too.
