@@ -451,7 +451,7 @@ def _start(
     )
     paths.kubeconfig.write_text(yaml.safe_dump(config, sort_keys=False))
     paths.kubeconfig.chmod(0o600)
-    paths.kwok_config.write_text(manifests.kwok_stages(settings))
+    paths.kwok_config.write_text(manifests.kwok_config(settings))
     paths.settings_json.write_text(settings.model_dump_json(indent=2))
     info = ClusterInfo(
         name=settings.name,

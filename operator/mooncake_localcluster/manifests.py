@@ -337,6 +337,29 @@ spec:
 """
 
 
+#: kwok's own options. kwok v0.8.0 makes each podCIDR's address pool on first use with a
+#: load-then-store (``PodController.ipPool``), so two Stage workers giving the first
+#: addresses at once (a cold start re-addresses every pod) can make two pools and hand
+#: one IP to two pods. One pod Stage worker removes the race; a Stage is one API patch.
+#: kwok applies no defaults to a configuration read from a file, so the other options
+#: are written out at kwok's defaults (``SetObjectDefaults_KwokConfiguration``).
+_KWOK_CONFIGURATION = """\
+apiVersion: config.kwok.x-k8s.io/v1alpha1
+kind: KwokConfiguration
+options:
+  cidr: 10.0.0.0/24
+  enableDebuggingHandlers: true
+  enableContentionProfiling: false
+  enableProfilingHandler: true
+  podPlayStageParallelism: 1
+  nodePlayStageParallelism: 4
+  nodeLeaseParallelism: 4
+  podsOnNodeSyncParallelism: 1
+  enablePodsOnNodeSyncListPager: true
+  enablePodsOnNodeSyncStreamWatch: false
+"""
+
+
 _POD_ID_ARGS = '( or .metadata.uid "" ) ( or .metadata.name "" ) ( or .metadata.namespace "" )'
 
 
@@ -376,3 +399,8 @@ def kwok_stages(settings: LocalClusterSettings) -> str:
         _POD_DELETE_STAGE.format(runnable=runnable),
     ]
     return "---\n".join(docs)
+
+
+def kwok_config(settings: LocalClusterSettings) -> str:
+    """kwok's ``--config`` file: its options, then the Stages (:func:`kwok_stages`)."""
+    return _KWOK_CONFIGURATION + "---\n" + kwok_stages(settings)

@@ -108,6 +108,18 @@ def test_kwok_stages_parse_and_split_runnable_pods() -> None:
     assert "lastHeartbeatTime: {{ $now" in beat["spec"]["next"]["statusTemplate"]
 
 
+def test_kwok_config_runs_one_pod_stage_worker_before_its_stages() -> None:
+    settings = LocalClusterSettings()
+    first, *stages = yaml.safe_load_all(manifests.kwok_config(settings))
+    assert first["kind"] == "KwokConfiguration"
+    # one worker gives pod addresses (kwok v0.8.0 can make two pools for one podCIDR)
+    assert first["options"]["podPlayStageParallelism"] == 1
+    # read from a file, kwok defaults nothing: its defaults are written out
+    assert first["options"]["cidr"] == "10.0.0.0/24"
+    assert first["options"]["nodePlayStageParallelism"] == 4
+    assert stages == list(yaml.safe_load_all(manifests.kwok_stages(settings)))
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
