@@ -13,7 +13,7 @@ numba is imported on first use only (:func:`.warmup.warm_up`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -21,17 +21,23 @@ import numpy.typing as npt
 F64Array = npt.NDArray[np.float64]
 I64Array = npt.NDArray[np.int64]
 
-_update: Callable[..., None] | None = None
-_pick: Callable[..., int] | None = None
-_least: Callable[..., int] | None = None
-_gather: Callable[..., tuple[int, int]] | None = None
-_touch: Callable[..., None] | None = None
+
+class _Kernels(NamedTuple):
+    """The compiled calls this module's functions dispatch to."""
+
+    update: Callable[..., None]
+    pick: Callable[..., int]
+    gather: Callable[..., tuple[int, int]]
+    touch: Callable[..., None]
+
+
+_loaded: _Kernels | None = None
 _locate: Any = None
 _update_row: Any = None
 _least_rows: Any = None
 
 
-def _compile() -> tuple[Callable[..., None], Callable[..., int], Callable[..., int]]:
+def _compile() -> tuple[Callable[..., None], Callable[..., int]]:
     from numba import njit
 
     global _locate, _update_row, _least_rows  # module globals, not closure cells: see
@@ -212,7 +218,7 @@ def _compile() -> tuple[Callable[..., None], Callable[..., int], Callable[..., i
         out[0] = cand[best]
         return 1
 
-    return update, pick, least
+    return update, pick
 
 
 def _compile_whole() -> tuple[Callable[..., tuple[int, int]], Callable[..., None]]:
@@ -284,23 +290,22 @@ def _compile_whole() -> tuple[Callable[..., tuple[int, int]], Callable[..., None
     return gather, touch
 
 
-def _compiled() -> tuple[Callable[..., tuple[int, int]], Callable[..., None]]:
-    global _update, _pick, _least, _gather, _touch
-    if _least is None:  # first: the calls below call its kernels
-        _update, _pick, _least = _compile()
-    if _gather is None or _touch is None:
-        _gather, _touch = _compile_whole()
-    return _gather, _touch
+def _kernels() -> _Kernels:
+    """Every compiled call of this module, compiled (or loaded from numba's cache) on first
+    use: the order kernels first, since the whole-step calls inline them."""
+    global _loaded
+    if _loaded is None:
+        update, pick = _compile()
+        gather, touch = _compile_whole()
+        _loaded = _Kernels(update, pick, gather, touch)
+    return _loaded
 
 
 def order_update(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64Array, row: int,
                  k0: float, k1: float = np.nan, k2: float = np.nan) -> None:
     """Put ``row`` at key ``k0`` in order 0, ``k1`` in order 1 and ``k2`` in order 2 (NaN:
     out of that order; orders past ``len(keys)`` are ignored)."""
-    global _update, _pick, _least
-    if _update is None:
-        _update, _pick, _least = _compile()
-    _update(keys, rows, cur, sizes, row, k0, k1, k2)
+    _kernels().update(keys, rows, cur, sizes, row, k0, k1, k2)
 
 
 def decode_pick(keys: F64Array, rows: I64Array, sizes: I64Array, batch: I64Array,
@@ -311,12 +316,10 @@ def decode_pick(keys: F64Array, rows: I64Array, sizes: I64Array, batch: I64Array
                 out: I64Array) -> int:
     """The decode candidates (:meth:`.candidates.DecodeOrder.candidates`) into ``out``;
     returns how many (0: no row up)."""
-    global _update, _pick, _least
-    if _pick is None:
-        _update, _pick, _least = _compile()
     seen, steps, cand, room = scratch
-    return int(_pick(keys, rows, sizes, batch, context, reserved, capacity, ahead_n, ahead_t,
-                     consts, k, tokens, need, seen, steps, cand, room, out))
+    return int(_kernels().pick(keys, rows, sizes, batch, context, reserved, capacity,
+                               ahead_n, ahead_t, consts, k, tokens, need, seen, steps, cand,
+                               room, out))
 
 
 def prefill_candidates(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64Array,
@@ -335,9 +338,9 @@ def prefill_candidates(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64
     ``hold_ids`` are ``holders`` long, ``mark`` all False and as long as ``up``, ``out``
     at least ``2 * k + holders``. Returns how many rows free first and how many
     candidates."""
-    n_least, count = _compiled()[0](keys, rows, cur, sizes, busy, qwork, now, advance, k,
-                                    wait, least, local, row_index, up, holders, hold_len,
-                                    hold_ids, mark, out, agg)
+    n_least, count = _kernels().gather(keys, rows, cur, sizes, busy, qwork, now, advance,
+                                       k, wait, least, local, row_index, up, holders,
+                                       hold_len, hold_ids, mark, out, agg)
     return int(n_least), int(count)
 
 
@@ -349,5 +352,5 @@ def decode_touch(keys: F64Array, rows: I64Array, cur: F64Array, sizes: I64Array,
     ``requests`` and ``tokens`` more sent ahead of it first (0, 0: none): keyed in order
     0 by its context and in order 1 by ``per_seq * batch + per_ctx * context``, the
     requests sent ahead counted; out of both when not ``up``. One dispatch."""
-    _compiled()[1](keys, rows, cur, sizes, up, batch, context, ahead_n, ahead_t, per_seq,
-                   per_ctx, row, requests, tokens)
+    _kernels().touch(keys, rows, cur, sizes, up, batch, context, ahead_n, ahead_t, per_seq,
+                     per_ctx, row, requests, tokens)
