@@ -40,13 +40,13 @@ class DecodeRunner:
         self.calls = calls
 
     async def run(self, request: web.Request | None, rt: ModelRuntime, req: RequestInfo,
-                      decision: Decision, data: dict[str, Any], p: Parsed,
-                      fields: dict[str, Any], record: dict[str, Any],
+                  decision: Decision, p: Parsed,
+                  fields: dict[str, Any], record: dict[str, Any],
                       headers: dict[str, str], arrived: float,
                       explain: bool, group: int | None,
                       attempts: int = DECODE_ATTEMPTS) -> Answer:
         """The decode half, with the handshake's ``fields`` spliced into the body."""
-        body = splice_json(p.raw, data, fields) if fields else p.raw
+        body = splice_json(p.raw, fields) if fields else p.raw
         path = "/v1/chat/completions" if p.chat else "/v1/completions"
         iid = decision.decode.decode
         tried: set[int] = set()

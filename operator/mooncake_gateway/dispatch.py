@@ -121,7 +121,8 @@ class Dispatcher:
                                "model_not_found")
             model = p.model
             self.limits.request(principal)
-            resp = await self._route(request, rt, data, p, arrived, explain, principal)
+            del data  # the parsed body (a long prompt's list of ints): p holds what is used
+            resp = await self._route(request, rt, p, arrived, explain, principal)
             outcome = "ok"
             return resp
         except LimitExceeded as exc:
@@ -144,9 +145,8 @@ class Dispatcher:
             if outcome is not None:
                 self.request_counter.inc(model, endpoint, outcome)
 
-    async def _route(self, request: web.Request | None, rt: ModelRuntime,
-                     data: dict[str, Any], p: Parsed, arrived: float,
-                     explain: bool, principal: Principal | None) -> Answer:
+    async def _route(self, request: web.Request | None, rt: ModelRuntime, p: Parsed,
+                     arrived: float, explain: bool, principal: Principal | None) -> Answer:
         cfg = rt.cfg
         tokens = await self._tokens(p)
         if len(tokens) == 0:
@@ -204,12 +204,12 @@ class Dispatcher:
                 transfer = Transfer.new(rt.prefill[pl.prefill].endpoint, cfg.bootstrap_port)
                 if hs.concurrent:
                     return await self._both_at_once(
-                        request, rt, req, decision, data, p, record, headers, arrived,
+                        request, rt, req, decision, p, record, headers, arrived,
                         explain, group, hs, transfer)
-                transfer = await self.prefills.tracked(rt, req, decision, data, p, record,
+                transfer = await self.prefills.tracked(rt, req, decision, p, record,
                                                        group, hs, transfer)
                 fields = hs.decode_fields(transfer)
-            return await self.decodes.run(request, rt, req, decision, data, p, fields, record,
+            return await self.decodes.run(request, rt, req, decision, p, fields, record,
                                       headers, arrived, explain, group)
         finally:
             rt.conductor.finished(req, decision)
@@ -278,17 +278,17 @@ class Dispatcher:
 
     # -- prefill and decode at once --------------------------------------------------------
     async def _both_at_once(self, request: web.Request | None, rt: ModelRuntime,
-                                   req: RequestInfo, decision: Decision, data: dict[str, Any],
-                                   p: Parsed, record: dict[str, Any], headers: dict[str, str],
-                                   arrived: float, explain: bool, group: int, hs: Handshake,
-                                   transfer: Transfer) -> Answer:
+                            req: RequestInfo, decision: Decision, p: Parsed,
+                            record: dict[str, Any], headers: dict[str, str], arrived: float,
+                            explain: bool, group: int, hs: Handshake,
+                            transfer: Transfer) -> Answer:
         """Both halves at once (the prefill engine waits for the decode engine to connect):
         one attempt each, since the decode engine is told which prefill engine to meet. A
         failed prefill cancels the decode and answers with the prefill's error."""
         prefill = asyncio.create_task(self.prefills.tracked(
-            rt, req, decision, data, p, record, group, hs, transfer, attempts=1))
+            rt, req, decision, p, record, group, hs, transfer, attempts=1))
         decode = asyncio.create_task(self.decodes.run(
-            request, rt, req, decision, data, p, hs.decode_fields(transfer), record, headers,
+            request, rt, req, decision, p, hs.decode_fields(transfer), record, headers,
             arrived, explain, group, attempts=1))
         try:
             done, _ = await asyncio.wait({prefill, decode},

@@ -124,14 +124,18 @@ class EngineCalls:
             return None
 
 
-def splice_json(raw: bytes, data: dict[str, Any], overrides: dict[str, Any]) -> bytes:
-    """The client's JSON object with ``overrides`` appended as later duplicate keys (JSON
-    parsers keep the last): a long token-id prompt is forwarded without re-encoding it."""
+def splice_json(raw: bytes, overrides: dict[str, Any]) -> bytes:
+    """The client's JSON object ``raw`` with ``overrides`` appended as later duplicate keys
+    (JSON parsers keep the last): a long token-id prompt is forwarded without re-encoding
+    it, and the gateway keeps no parsed copy of it (a list of ints, ~4x its JSON) while
+    the request runs. ``raw`` must be a JSON object, as a parsed request body is."""
     body = raw.rstrip()
-    if data and body.endswith(b"}"):
-        extra = json.dumps(overrides, separators=(",", ":")).encode()
-        return body[:-1] + b"," + extra[1:]
-    return json.dumps({**data, **overrides}).encode()
+    if not body.endswith(b"}"):
+        raise ValueError("the request body is not a JSON object")
+    head = body[:-1]  # the client's bytes up to its closing brace, kept as they are
+    extra = json.dumps(overrides, separators=(",", ":")).encode()
+    # the object's last character before its closing brace: its opening one when empty
+    return head + (b"" if head.rstrip().endswith(b"{") else b",") + extra[1:]
 
 
 def relayed_error(status: int, resp: Any) -> ApiError:

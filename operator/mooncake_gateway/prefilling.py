@@ -38,9 +38,8 @@ class PrefillRunner:
         self.calls = calls
 
     async def tracked(self, rt: ModelRuntime, req: RequestInfo, decision: Decision,
-                               data: dict[str, Any], p: Parsed, record: dict[str, Any],
-                               group: int, hs: Handshake, transfer: Transfer,
-                               attempts: int | None = None) -> Transfer:
+                      p: Parsed, record: dict[str, Any], group: int, hs: Handshake,
+                      transfer: Transfer, attempts: int | None = None) -> Transfer:
         """:meth:`run`, with the request counted in flight on its decode instance
         meanwhile (a draining decode pod is not retired under it), and the policy told
         when it ends."""
@@ -49,16 +48,15 @@ class PrefillRunner:
         chosen = rt.decode[dec]
         chosen.inflight += 1
         try:
-            return await self.run(rt, req, decision, data, p, record, group, hs,
-                                       transfer, attempts)
+            return await self.run(rt, req, decision, p, record, group, hs, transfer,
+                                  attempts)
         finally:
             chosen.inflight -= 1
             rt.conductor.prefilled(req, decision)
 
     async def run(self, rt: ModelRuntime, req: RequestInfo, decision: Decision,
-                       data: dict[str, Any], p: Parsed, record: dict[str, Any],
-                       group: int, hs: Handshake, transfer: Transfer,
-                       attempts: int | None = None) -> Transfer:
+                  p: Parsed, record: dict[str, Any], group: int, hs: Handshake,
+                  transfer: Transfer, attempts: int | None = None) -> Transfer:
         """Prefill on the chosen instance, then on the next best of ``group`` (the decode
         instance's) while attempts are left; the transfer as the instance that served it
         made it."""
@@ -97,7 +95,7 @@ class PrefillRunner:
                     record["prefill"] = inst.name
                     started = time.perf_counter()  # predicted from the move on
                 transfer = transfer.with_prefill(inst.endpoint)
-                body = splice_json(p.raw, data, {**overrides, **hs.prefill_fields(transfer)})
+                body = splice_json(p.raw, {**overrides, **hs.prefill_fields(transfer)})
                 status, resp = await unless_down(inst, self.calls.post_json(inst, path, body))
             except UpstreamError as exc:
                 last = f"{inst.name}: {exc}"

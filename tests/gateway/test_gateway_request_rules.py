@@ -211,19 +211,24 @@ def test_has_token_only_for_generated_text() -> None:
 # -- the JSON splice ------------------------------------------------------------------------
 def test_splice_appends_overrides_as_later_keys_without_reencoding() -> None:
     raw = b'{ "prompt" : [1,  2], "max_tokens": 9 }\n  '
-    data = json.loads(raw)
-    out = splice_json(raw, data, {"max_tokens": 1, "kv_transfer_params": {"a": None}})
+    out = splice_json(raw, {"max_tokens": 1, "kv_transfer_params": {"a": None}})
     assert out == b'{ "prompt" : [1,  2], "max_tokens": 9 ,"max_tokens":1,' \
                   b'"kv_transfer_params":{"a":null}}'
     assert json.loads(out) == {"prompt": [1, 2], "max_tokens": 1,
                                "kv_transfer_params": {"a": None}}
 
 
-def test_splice_of_an_empty_object_or_odd_body_reencodes() -> None:
-    assert json.loads(splice_json(b"{}", {}, {"a": 1})) == {"a": 1}
-    assert json.loads(splice_json(b"{ }", {}, {"a": 1})) == {"a": 1}
-    # a body not ending in a brace (whatever produced it) is encoded afresh from ``data``
-    assert json.loads(splice_json(b'{"x": 1}  junk', {"x": 1}, {"a": 2})) == {"x": 1, "a": 2}
+@pytest.mark.parametrize("raw", [b"{}", b"{ }", b' {\n}\n', b'{"x": {}}', b'{"x": "{"}',
+                                 b'{"x": ["}", {"y": {}}]}'])
+def test_splice_of_any_object_parses_with_the_overrides_last(raw: bytes) -> None:
+    assert json.loads(splice_json(raw, {"a": 1, "x": 2})) == {**json.loads(raw), "a": 1,
+                                                              "x": 2}
+
+
+def test_splice_refuses_a_body_that_is_not_an_object() -> None:
+    for raw in (b'{"x": 1}  junk', b"[1, 2]", b""):
+        with pytest.raises(ValueError, match="not a JSON object"):
+            splice_json(raw, {"a": 1})
 
 
 # -- the lean client's answer parser --------------------------------------------------------
