@@ -159,7 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 rows = sampler.since(begun) or sampler.rows[-1:]
                 passes.append({
                     "completed": res.get("completed"), "rejected": res.get("rejected"),
-                    "failed": res.get("failed"), "wall_s": sampler.now() - begun,
+                    "failed": res.get("failed"), "errors": res.get("errors") or {},
+                    "wall_s": sampler.now() - begun,
                     "peak_rss_bytes": max(r[1] for r in rows),
                     "end_rss_bytes": rows[-1][1], "index_blocks": rows[-1][2],
                     "inflight_max": max(r[3] for r in rows)})
@@ -203,12 +204,13 @@ def markdown(doc: dict[str, Any]) -> str:
         f"requests at {s['speed']:g}× the trace's rate, {s['passes']} passes, fresh prompts "
         "each pass. Method: `benchmarks/gateway_memory.py` (docstring).",
         "",
-        "| pass | completed | 429 | RSS peak | RSS at end | index blocks | in flight, most |",
-        "|---|---|---|---|---|---|---|",
-        f"| start | | | {r['start_rss_bytes'] / mb:,.0f} MB | | 0 | |",
+        "| pass | completed | 429 | failed | RSS peak | RSS at end | index blocks | "
+        "in flight, most |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| start | | | | {r['start_rss_bytes'] / mb:,.0f} MB | | 0 | |",
     ]
     for i, p in enumerate(r["passes"], 1):
-        lines.append(f"| {i} | {p['completed']} | {p['rejected']} | "
+        lines.append(f"| {i} | {p['completed']} | {p['rejected']} | {p['failed']} | "
                      f"{p['peak_rss_bytes'] / mb:,.0f} MB | {p['end_rss_bytes'] / mb:,.0f} MB | "
                      f"{p['index_blocks']:,} | {p['inflight_max']} |")
     warm, g = warm_growth(doc)
@@ -216,8 +218,16 @@ def markdown(doc: dict[str, Any]) -> str:
     in_flight = max(p["inflight_max"] for p in r["passes"])
     index_bytes = doc["feeder_bytes_per_block"] * r["capacity_blocks"]
     rest = max(0.0, peak - r["start_rss_bytes"] - index_bytes)
+    errors: dict[str, int] = {}
+    for p in r["passes"]:
+        for kind, n in (p.get("errors") or {}).items():
+            errors[kind] = errors.get(kind, 0) + n
     lines += [
         "",
+        "- *failed*: the replay's requests that got neither an answer nor a 429"
+        + (" (" + "; ".join(f"{n}× {kind[:120]}" for kind, n in
+                            sorted(errors.items(), key=lambda e: -e[1])[:3]) + ")"
+           if errors else "; their errors were not recorded by this run") + ".",
         f"- The engines' caches hold {r['capacity_blocks']:,} blocks in all (their "
         "`num_gpu_blocks`): the index stops growing there, as the LRU that follows the "
         "engines' evictions bounds it.",
