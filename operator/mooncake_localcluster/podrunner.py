@@ -115,7 +115,6 @@ class ContainerProc:
     finished_at: str | None = None
     exit_code: int | None = None
     restart_count: int = 0
-    ready: bool = False
     last_probe: float = 0.0
     restart_at: float | None = None
     last_terminated: JsonDict | None = None
@@ -123,6 +122,10 @@ class ContainerProc:
     probe_future: Future[bool] | None = None
     readiness: Readiness = field(default_factory=Readiness)
     in_mount_ns: bool = False
+
+    @property
+    def ready(self) -> bool:
+        return self.readiness.ready
 
 
 @dataclass
@@ -674,7 +677,6 @@ class PodRunner:
         cp.started_at = _now()
         cp.finished_at = None
         cp.exit_code = None
-        cp.ready = False
         cp.readiness.restart()
         cp.probe_future = None
         cp.last_probe = 0.0
@@ -807,17 +809,17 @@ class PodRunner:
 
     # ----- probes and status --------------------------------------------------------
     def _probe(self, running: RunningPod, cp: ContainerProc) -> None:
-        """Update ``cp.ready`` from the last finished probe; start the next one when due."""
+        """Update ``cp.readiness`` from the last finished probe; start the next one when due."""
         probe = cp.container.get("readinessProbe")
         if not probe:
-            cp.ready = True
+            cp.readiness.started_without_probe()
             return
         future = cp.probe_future
         if future is not None:
             if not future.done():
                 return
             cp.probe_future = None
-            cp.ready = cp.readiness.record(future.exception() is None and future.result(), probe)
+            cp.readiness.record(future.exception() is None and future.result(), probe)
         period = min(float(probe.get("periodSeconds", PROBE_INTERVAL_CAP_S)), PROBE_INTERVAL_CAP_S)
         if time.monotonic() - cp.last_probe >= period:
             cp.last_probe = time.monotonic()
@@ -947,7 +949,6 @@ class PodRunner:
             cp.message = ""
             if cp.in_mount_ns and code == mountns.MOUNT_FAILED_EXIT:
                 cp.message = mount_error_message(running.directory / f"{cp.name}.log")
-        cp.ready = False
         cp.readiness.restart()
         cp.probe_future = None
         if cp.record is not None:

@@ -45,6 +45,10 @@ class Readiness:
                 self.ready = False
         return self.ready
 
+    def started_without_probe(self) -> None:
+        """A running container with no readiness probe is ready."""
+        self.ready = True
+
     def restart(self) -> None:
         """A container (re)started or stopped: not ready until probed again."""
         self.ready = False
