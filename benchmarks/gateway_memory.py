@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import sys
 import threading
 import time
@@ -51,6 +52,7 @@ from mooncake_contract.tokenizer import VOCAB_SIZE
 from mooncake_gateway.kvindex import IndexFeeder
 from mooncake_gateway.replay import ReplayConfig, replay
 from mooncake_sim.trace import bundled_trace, load_trace
+from mooncake_testbed.load import rss_bytes
 from mooncake_testbed.procs import MODEL, GatewayProc, model_config, run_gateway, run_worker
 from mooncake_testbed.report import envelope, provenance, publish
 
@@ -67,18 +69,6 @@ TRACKED_PREFIXES = ReplicationConfig().max_tracked
 MAX_OUTPUT_TOKENS = 64
 
 
-def rss_bytes(pid: int | str = "self") -> int:
-    """Resident set size of a process (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def feeder_bytes_per_block(instances: int, blocks: int, seed: int) -> float:
     """RSS growth per block of a :class:`PrefixIndex` fed through an :class:`IndexFeeder`
     with ``blocks`` blocks spread over ``instances`` (see the module docstring)."""
@@ -88,7 +78,7 @@ def feeder_bytes_per_block(instances: int, blocks: int, seed: int) -> float:
     feeder = IndexFeeder(index, BLOCK_SIZE, seed)
     rng = np.random.default_rng(seed)
     gc.collect()
-    before = rss_bytes()
+    before = rss_bytes(os.getpid())
     for iid in range(instances):
         for seq in range(per // CHAIN_BLOCKS):
             hashes: list[BlockHash] = [int(h).to_bytes(8, "big")
@@ -98,7 +88,7 @@ def feeder_bytes_per_block(instances: int, blocks: int, seed: int) -> float:
                                  token_ids=tokens, block_size=BLOCK_SIZE)
             feeder.apply(iid, seq, KVEventBatch(ts=0.0, events=[stored]))
     gc.collect()
-    return (rss_bytes() - before) / max(1, len(index))
+    return (rss_bytes(os.getpid()) - before) / max(1, len(index))
 
 
 class Sampler:
@@ -115,10 +105,11 @@ class Sampler:
         while not self._stop.wait(SAMPLE_S):
             try:
                 st = self.gw.state(MODEL)
+                rss = rss_bytes(self.gw.proc.pid)
             except (OSError, ValueError, KeyError):
                 continue  # a busy gateway may miss a sample
             insts = st["prefill"] + st["decode"]
-            self.rows.append((time.monotonic() - self._t0, rss_bytes(self.gw.proc.pid),
+            self.rows.append((time.monotonic() - self._t0, rss,
                               sum(int(i["index_blocks"]) for i in insts),
                               sum(int(i["inflight"]) for i in insts)))
 
