@@ -19,7 +19,7 @@ with its index full (at least :data:`WARM_SHARE` of the engines' cache size, the
 least :data:`TRACKED_PREFIXES` requests in (the hot-prefix tracker's bound: it cannot be
 full before). *Growth after warm-up* is the largest RSS of the passes after it over the
 largest of it, minus one. The page splits the largest RSS above the start into the
-index's share (bytes per block, below, times the engines' cache size) and the rest.
+index's share (bytes per block, below, times the most blocks it held) and the rest.
 
 *Index and event feed, bytes per block* is measured apart, in this process before
 anything starts: KV-event batches of 512-block chains (random token ids, 64-bit engine
@@ -207,7 +207,8 @@ def markdown(doc: dict[str, Any]) -> str:
     warm, g = warm_growth(doc)
     peak = max(p["peak_rss_bytes"] for p in r["passes"])
     in_flight = max(p["inflight_max"] for p in r["passes"])
-    index_bytes = doc["feeder_bytes_per_block"] * r["capacity_blocks"]
+    held = max(p["index_blocks"] for p in r["passes"])
+    index_bytes = doc["feeder_bytes_per_block"] * held
     rest = max(0.0, peak - r["start_rss_bytes"] - index_bytes)
     errors: dict[str, int] = {}
     for p in r["passes"]:
@@ -225,7 +226,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"- Above its start, the gateway's largest RSS was "
         f"{(peak - r['start_rss_bytes']) / mb:,.0f} MB: its index and event feed, at "
         f"{doc['feeder_bytes_per_block']:,.0f} B a block (measured apart), "
-        f"{index_bytes / mb:,.0f} MB for the {r['capacity_blocks']:,} blocks; the other "
+        f"{index_bytes / mb:,.0f} MB for the {held:,} blocks it held at most; the other "
         f"{rest / mb:,.0f} MB is the requests in flight (at most {in_flight}, so about "
         f"{rest / max(1, in_flight) / 1e3:,.0f} kB each with these prompts) and what the "
         "allocator keeps of them and of the index's turnover.",
