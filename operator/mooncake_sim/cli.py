@@ -51,6 +51,11 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                    "presets)")
     r.add_argument("--nic-contention", action=argparse.BooleanOptionalAction, default=None,
                    help="transfers queue on each node's NIC (default off; on in presets)")
+    r.add_argument("--kv-handoff", choices=("layerwise", "after-prefill"), default="layerwise",
+                   help="how a prompt's KV reaches its decode instance: streamed layer by "
+                   "layer during the prefill (the paper's, default) or pulled once the "
+                   "prefill ends (vLLM's Mooncake connector); the client's first token "
+                   "(client_ttft_mean_s in --json) comes after it")
     r.add_argument("--max-tokens", type=int, default=None, metavar="N",
                    help="every request asks N as max_tokens, all the Conductor knows of its "
                    "output; streams stop at their trace length or N (default: each asks "
@@ -169,6 +174,7 @@ class _Setup:
     event_lag_ms: float
     nic_contention: bool
     max_tokens: int | None = None
+    kv_handoff: str = "layerwise"
     routing_only: bool = False
     shedding: bool | None = None
     stealing: bool | None = None
@@ -205,7 +211,7 @@ class _Setup:
     def realism(self) -> dict[str, Any]:
         return {"prediction_error": self.prediction_error, "model_bias": self.model_bias,
                 "event_lag_ms": self.event_lag_ms, "nic_contention": self.nic_contention,
-                "max_tokens": self.max_tokens}
+                "max_tokens": self.max_tokens, "kv_handoff": self.kv_handoff}
 
     def settings(self, preset_name: str | None, seed: int) -> dict[str, Any]:
         return {
@@ -312,6 +318,7 @@ def _setup(args: argparse.Namespace, capabilities: str = "own") -> _Setup | str:
         event_lag_ms=_pick(args.event_lag_ms, preset, "event_lag_ms", 0.0),
         nic_contention=bool(_pick(args.nic_contention, preset, "nic_contention", False)),
         max_tokens=args.max_tokens,
+        kv_handoff=args.kv_handoff,
         routing_only=bool(args.routing_only),
         shedding=equal if args.shedding is None else args.shedding,
         stealing=equal if args.stealing is None else args.stealing,

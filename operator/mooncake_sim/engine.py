@@ -17,12 +17,19 @@ Model (one run):
 - **Decode instances** run continuous batching. Between joins and finishes the
   batch is constant, so steps are advanced in chunks of at most
   ``chunk_steps`` with the cost model's step time at the chunk's start; a
-  request joins at the next step boundary after its KV arrives (the last
-  layer's share of the transfer; the rest streams during prefill). Requests
-  reserve KV for prompt plus output and wait when the instance is full.
+  request joins at the next step boundary after its KV arrives. By default the KV
+  streams layer by layer during the prefill (paper §3), so it arrives the last
+  layer's share of the transfer after the prefill ends; with ``kv_handoff``
+  ``after-prefill`` the decode instance pulls all of it once the prefill ends, as
+  vLLM's Mooncake connector does (its ``save_kv_layer`` does nothing) and the
+  simulated worker models. Requests reserve KV for prompt plus output and wait when
+  the instance is full.
 - **Metrics**: TTFT = first token (end of prefill) minus arrival; TBT = mean of
   the longest 10% of a request's token intervals (paper §5); a request meets
-  the SLO when served with TTFT and TBT under their thresholds.
+  the SLO when served with TTFT and TBT under their thresholds. Where a client's
+  first token comes from the decode engine instead (vLLM's and SGLang's P/D serving,
+  the gateway), its TTFT ends with the decode instance's first step after the KV
+  arrived: ``client_ttft_mean_s``, beside the rest.
 
 Realism, off by default and on in the presets (``SimConfig``), the same for every policy:
 
@@ -133,6 +140,10 @@ class SimConfig(BaseModel):
     replica_lag_ms: float = Field(
         0.0, ge=0, description="how late a replica hears of the others' placements, ms "
         "(inf: never, each sees only its own)")
+    kv_handoff: Literal["layerwise", "after-prefill"] = Field(
+        "layerwise", description="how a prompt's KV reaches its decode instance: streamed "
+        "layer by layer during the prefill (paper §3) or pulled whole once the prefill "
+        "ends (vLLM's Mooncake connector, the simulated worker)")
     max_tokens: int | None = Field(
         None, ge=1, description="the max_tokens every request asks for, all the Conductor "
         "knows of its output: it books input + max_tokens on its decode instance; the "
@@ -162,6 +173,8 @@ class _Req:
     placed_at: float = 0.0
     ttft: float = math.nan
     tbt: float = math.nan
+    #: the first token the decode engine gives, after the arrival (a P/D client's TTFT)
+    client_ttft: float = math.nan
     reused_tokens: int = 0
     t_first: float = 0.0
     #: the decoder's step count when this request joined, and when it has decoded all
@@ -259,6 +272,7 @@ class Simulation:
         self._events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         self._chunk = config.chunk_steps
+        self._pull_kv = config.kv_handoff == "after-prefill"
         self.prefill_gpu_s = 0.0
         self.reject_reasons: dict[str, int] = {}
         self._running_rid: list[int] = [-1] * n_p
@@ -679,12 +693,18 @@ class Simulation:
         did = req.decision.decode.decode
         if req.output_len <= 1 or did is None:
             req.tbt = 0.0
+            req.client_ttft = req.ttft  # the prefill's token is the only one
             self.conductor.finished(info, req.decision)
             return
-        # the KV streams layer by layer beside the prefill: the decode instance waits for
-        # the last layer's share (and, across a slow link, for the link)
-        join = self.topology.stream_join(self.cost, info.input_tokens, inst.place,
-                                         self.decoders[did].state.place, now - req.exec_s, now)
+        target = self.decoders[did].state.place
+        if self._pull_kv:  # the whole KV moves once the prefill ends
+            join = now + self.topology.transfer_time(self.cost, info.input_tokens,
+                                                     inst.place, target)
+        else:
+            # the KV streams layer by layer beside the prefill: the decode instance waits
+            # for the last layer's share (and, across a slow link, for the link)
+            join = self.topology.stream_join(self.cost, info.input_tokens, inst.place,
+                                             target, now - req.exec_s, now)
         self._push(join, DECODE_JOIN, did, rid)
 
     # -- decode -------------------------------------------------------------------------------
@@ -761,6 +781,7 @@ class Simulation:
         dec.booked -= r.info.input_tokens + r.info.output_tokens
         st.reserved_tokens = dec.booked - st.context_tokens
         r.tbt = self._tbt(dec, r)
+        r.client_ttft = dec.seg_start[r.seg0] + dec.seg_dt[r.seg0] - r.info.arrival
         assert r.decision is not None
         # the core's one path for a finished stream (the gateway's too; off by default)
         self.conductor.observe_decode(r.decision.decode.predicted_tbt_s, r.tbt,
@@ -856,6 +877,7 @@ class Simulation:
         n = len(self.reqs)
         latency = latency_summary([(r.ttft, r.tbt) for r in served], n, slo.ttft_s, slo.tbt_s)
         execution = sum(r.exec_s for r in served) / len(served) if served else math.nan
+        client = [r.client_ttft for r in served if not math.isnan(r.client_ttft)]
         return {
             "policy": self.cfg.conductor.policy,
             "requests": n,
@@ -863,6 +885,9 @@ class Simulation:
             "rejected": n - len(served),
             "reject_reasons": dict(sorted(self.reject_reasons.items())),
             **latency,
+            # served requests whose stream ended: TTFT to the decode engine's first token
+            # (a P/D client's; ``ttft_mean_s`` ends with the prefill)
+            "client_ttft_mean_s": sum(client) / len(client) if client else math.nan,
             "token_hit_ratio": reused / prompt if prompt else 0.0,
             # where the served mean TTFT went: the prefill's own execution (a CPP group's
             # makespan), which placement shortens only through reuse and CPP, and the rest

@@ -30,6 +30,29 @@ def test_single_request_timing_is_the_cost_model() -> None:
     assert r["token_hit_ratio"] == 0.0
 
 
+@pytest.mark.parametrize("handoff", ["layerwise", "after-prefill"])
+def test_a_clients_first_token_comes_from_the_decode_instance(handoff: str) -> None:
+    """One request alone: TTFT ends with the prefill; the client's first token comes one
+    decode step after the KV arrived, the last layer's share of the transfer after the
+    prefill with the paper's layer-wise stream, all of it when the decode instance pulls
+    the KV once the prefill ends (vLLM's Mooncake connector)."""
+    rec = [TraceRecord(0.0, 8192, 11, tuple(range(16)))]
+    sim = Simulation(rec, cfg("least-load", kv_handoff=handoff))
+    r = sim.run()
+    cost = sim.cost
+    transfer = cost.transfer_time(8192)
+    arrives = transfer / cost.config.model.layers if handoff == "layerwise" else transfer
+    want = cost.prefill_time(8192) + arrives + cost.decode_step_time(1, 8193)
+    assert r["ttft_mean_s"] == pytest.approx(cost.prefill_time(8192))
+    assert r["client_ttft_mean_s"] == pytest.approx(want)
+
+
+def test_a_single_token_answer_is_the_prefills() -> None:
+    rec = [TraceRecord(0.0, 4096, 1, tuple(range(8)))]
+    r = simulate(rec, cfg("least-load", kv_handoff="after-prefill"))
+    assert r["client_ttft_mean_s"] == r["ttft_mean_s"]
+
+
 def test_second_turn_reuses_the_first_on_the_same_instance() -> None:
     recs = [TraceRecord(0.0, 4096, 2, tuple(range(8))),
             TraceRecord(60_000.0, 6000, 2, tuple(range(12)))]
