@@ -70,6 +70,36 @@ def test_prefill_noise_scales_each_request_by_its_own_seeded_factor(sigma: float
     assert (len(set(steps)) == 3) == bool(sigma)
 
 
+@pytest.mark.parametrize("pulled", [False, True])
+def test_a_pulled_prompt_recomputes_its_last_token_in_the_decode_step(pulled: bool) -> None:
+    """The decode half of a P/D pair holds every full block of its prompt (pulled from the
+    store); the partial last block came with the transfer. Its first step is one more row
+    of the decode batch beside a running sequence, as vLLM schedules the recomputed last
+    token; a prompt that was not pulled computes its uncached tail as a prefill chunk."""
+    prompt = list(range(5000, 5000 + 16 * 40 + 5))  # 40 full blocks and a partial one
+
+    async def main() -> tuple[float, float]:
+        e = engine(time_scale=0)
+        e.insert_blocks(e.keys_of(prompt)[:40], None, [prompt[i * 16:(i + 1) * 16]
+                                                       for i in range(40)])
+        other = e.submit(list(range(90_000, 90_100)), 50)
+        e.step_plan()  # the other one's prefill
+        e.step_emit()
+        seq = e.submit(prompt, 5, pulled=pulled)
+        step = e.step_plan()
+        assert other.computed == 100 and seq.cached_tokens == 16 * 40
+        return step, seq.computed
+
+    step, computed = asyncio.run(main())
+    n = len(prompt)
+    assert computed == n
+    if pulled:
+        assert step == pytest.approx(COST.decode_step_time(2, n + 101))
+    else:
+        assert step == pytest.approx(COST.prefill_time(n, 16 * 40, 16 * 40)
+                                     + COST.decode_step_time(1, 101))
+
+
 def test_continuous_batching_runs_sequences_together() -> None:
     scale = 1.0
 

@@ -266,6 +266,66 @@ def test_transfer_sleeps_the_modelled_time_scaled(store: BlockStore) -> None:
     assert 0.3 * 0.95 <= took <= 0.3 * 2 + 0.5  # upper: slack for a loaded machine
 
 
+class _Slow:
+    """The shared store client, with a recorder on its writes and ``get_delay_s`` added to
+    each read."""
+
+    def __init__(self, store: BlockStore, worker: Worker | None = None,
+                 get_delay_s: float = 0.0) -> None:
+        self.store, self.worker, self.get_delay_s = store, worker, get_delay_s
+        self.put_while_running: list[bool] = []
+
+    async def put_blocks(self, keys: Any, tokens: Any) -> int:
+        if self.worker is not None:
+            self.put_while_running.append(bool(self.worker.engine.running))
+        return await self.store.put_blocks(keys, tokens)
+
+    async def get_blocks(self, keys: Any) -> Any:
+        await asyncio.sleep(self.get_delay_s)
+        return await self.store.get_blocks(keys)
+
+
+def test_the_store_writes_run_beside_the_prefill(store: BlockStore) -> None:
+    """A prefill half writes its blocks while its prefill is still modelled as running, as
+    an engine writes KV while it computes: their wall time does not come after it."""
+    tokens = prompt(30_000, 6 * BS + 2)
+    scale = 0.4 / CostModel().prefill_time(len(tokens))  # a 0.4 s prefill
+
+    async def main() -> tuple[int, list[bool]]:
+        p = Worker(settings(time_scale=scale))
+        slow = _Slow(store, worker=p)
+        async with serving(p) as c:
+            p.store = slow  # type: ignore[assignment]
+            status, _, _ = await post(c, "/v1/completions", {
+                "prompt": tokens, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE})
+        return status, slow.put_while_running
+
+    status, during = asyncio.run(main())
+    assert status == 200 and during == [True]
+    got = asyncio.run(store.get_blocks(keys_for(tokens)))
+    assert all(g is not None for g in got)
+
+
+def test_the_stores_wall_time_counts_in_the_modelled_transfer(store: BlockStore) -> None:
+    """The modelled transfer is a deadline from the start of the store read: a read slower
+    than the model is not followed by the model's whole sleep (0.6 s, not 0.9 s)."""
+    tokens = prompt(31_000, 4 * BS + 1)
+    keys = keys_for(tokens)
+    scale = 0.3 / CostModel().transfer_time(4 * BS)  # a 0.3 s transfer
+
+    async def main() -> tuple[int, float]:
+        await store.put_blocks(keys, blocks_of(tokens, 4))
+        d = Worker(settings(time_scale=scale))
+        d.store = _Slow(store, get_delay_s=0.6)  # type: ignore[assignment]
+        t0 = time.monotonic()
+        n = await d._load_remote_kv(tokens, keys)
+        return n, time.monotonic() - t0
+
+    n, took = asyncio.run(main())
+    assert n == 4
+    assert 0.6 <= took < 0.9 * 0.95
+
+
 def test_nothing_to_load_is_zero_blocks(store: BlockStore) -> None:
     """A prompt shorter than a block, and one the store never saw, load nothing."""
     unseen = prompt(29_000, 3 * BS + 1)

@@ -63,6 +63,8 @@ class EngineSeq:
     arrival: float = field(default_factory=time.monotonic)
     #: this request's prefill takes ``noise`` times the cost model's time
     noise: float = 1.0
+    #: its prompt's KV was pulled from a remote prefill (the decode half of a P/D pair)
+    pulled: bool = False
     first_token_at: float | None = None
     last_token_at: float = 0.0
     finish_reason: str | None = None
@@ -117,8 +119,10 @@ class Engine:
         max_tokens: int,
         stream: bool = False,
         keys: list[int] | None = None,
+        pulled: bool = False,
     ) -> EngineSeq:
-        """Queue a request; raises :class:`QueueFull` or :class:`TooLarge`."""
+        """Queue a request; raises :class:`QueueFull` or :class:`TooLarge`. ``pulled``: the
+        prompt's KV came from a remote prefill (:meth:`step_plan` says what that changes)."""
         if self.blocks_needed(len(prompt), max_tokens) > self.cache.capacity:
             raise TooLarge(
                 f"request needs {self.blocks_needed(len(prompt), max_tokens)} KV blocks; "
@@ -132,6 +136,7 @@ class Engine:
             max_tokens=max_tokens,
             keys=keys if keys is not None else self.keys_of(prompt),
             stream=asyncio.Queue() if stream else None,
+            pulled=pulled,
         )
         seq.done = asyncio.get_running_loop().create_future()
         seq.state = context_state(prompt)
@@ -261,7 +266,14 @@ class Engine:
             )
 
     def step_plan(self) -> float:
-        """Admit, advance prefills, and return the step's modelled seconds."""
+        """Admit, advance prefills, and return the step's modelled seconds.
+
+        A pulled prompt (the decode half of a P/D pair) has all its KV once it is admitted:
+        the prefill engine's partial last block came with the transfer, although the store
+        keeps full blocks only. Its last token is recomputed for its logits as one more
+        row of the decode step, as vLLM's scheduler runs it (``num_computed_tokens =
+        num_tokens - 1`` after a remote KV load, scheduled with the running decodes), not
+        as a prefill pass."""
         self._admit()
         budget = self.settings.chunked_prefill_tokens or 1 << 62
         cost = self.cost
@@ -270,6 +282,9 @@ class Engine:
         context = 0
         for seq in self.running:
             n = len(seq.prompt)
+            if seq.pulled and 0 < n - seq.computed <= self.block_size:
+                seq.computed = n
+                self._grow_to(seq, n)
             if seq.computed < n:
                 if budget <= 0:
                     continue

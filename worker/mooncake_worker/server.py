@@ -341,14 +341,17 @@ class Worker:
             stream = False
         engine = self.engine
         keys = engine.keys_of(tokens)
+        pulled = False
         if remote_prefill and not remote_decode:
             if all(k in (kvp or {}) for k in PULL_PARAMS):
                 await self._load_remote_kv(tokens, keys)
+                pulled = True  # what is held now, loaded or cached before
             else:  # as vLLM does: no transfer, the prompt is computed here
                 log.warning("kv_transfer_params without %s: recomputing",  # pragma: no mutate
                             ", ".join(PULL_PARAMS))  # pragma: no mutate
         try:
-            seq = engine.submit(tokens, max_tokens, stream=stream, keys=keys)
+            seq = engine.submit(tokens, max_tokens, stream=stream, keys=keys,
+                                pulled=pulled)
         except QueueFull as exc:
             self.metrics.rejected.inc()
             raise ApiError(
@@ -363,12 +366,21 @@ class Worker:
         if stream:
             return await self._stream(request, seq, rid, chat, include_usage)
         assert seq.done is not None
+        held: asyncio.Task[int] | None = None
+        if remote_decode and (kvp or {}).get("transfer_id"):
+            # the store writes run beside the modelled prefill, as an engine writes KV
+            # while it computes, instead of adding their wall time after it
+            held = asyncio.create_task(self._hold_for_transfer(tokens, keys))
         try:
             await seq.done
         except asyncio.CancelledError:
             engine.abort(seq)
+            if held is not None:
+                held.cancel()
             raise
         if seq.finish_reason == "error":
+            if held is not None:  # nothing computed: nothing to offer a decode engine
+                held.cancel()
             raise ApiError(503, "the KV cache cannot hold this request now", code="cache_full",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         text = self.tokenizer.decode(seq.generated)
@@ -389,8 +401,8 @@ class Worker:
         if remote_decode:
             # vLLM's MooncakeConnector holds the blocks for a transfer id and answers with
             # no parameters of its own (the gateway tells the decode engine where to pull)
-            if (kvp or {}).get("transfer_id"):
-                await self._hold_for_transfer(seq, keys)
+            if held is not None:
+                await held
             else:
                 log.warning("kv_transfer_params without transfer_id: "  # pragma: no mutate
                             "nothing held for a decode engine")  # pragma: no mutate
@@ -468,13 +480,12 @@ class Worker:
         return resp
 
     # -- P/D handshake --------------------------------------------------------------------
-    async def _hold_for_transfer(self, seq: EngineSeq, keys: list[int]) -> int:
+    async def _hold_for_transfer(self, prompt: list[int], keys: list[int]) -> int:
         """Prefill side: make the prompt's blocks available to the decode engine (in the
         store); the number newly stored."""
         if self.store is None:
             return 0
         bs = self.engine.block_size
-        prompt = seq.prompt
         return await self.store.put_blocks(
             keys, [prompt[i * bs : (i + 1) * bs] for i in range(len(keys))])
 
@@ -490,6 +501,7 @@ class Worker:
         want = keys[have:]
         if not want:
             return 0
+        started = time.monotonic()
         got = await self.store.get_blocks(want)
         blocks: list[list[int]] = []
         for i, g in enumerate(got):
@@ -502,7 +514,9 @@ class Worker:
         parent = keys[have - 1] if have else None
         n = engine.insert_blocks(want[: len(blocks)], parent, blocks)
         self.transferred_blocks += n
-        t = engine.cost.transfer_time(n * bs) * self.settings.time_scale
+        # the modelled transfer is a deadline: the store's own wall time counts in it
+        t = (engine.cost.transfer_time(n * bs) * self.settings.time_scale
+             - (time.monotonic() - started))
         if t > 0:
             await asyncio.sleep(t)
         return n
