@@ -276,8 +276,9 @@ class _Slow:
         self.put_while_running: list[bool] = []
 
     async def put_blocks(self, keys: Any, tokens: Any) -> int:
-        if self.worker is not None:
-            self.put_while_running.append(bool(self.worker.engine.running))
+        if self.worker is not None:  # is the prompt these blocks open in the running batch?
+            self.put_while_running.append(any(seq.prompt[:BS] == list(tokens[0])
+                                              for seq in self.worker.engine.running))
         return await self.store.put_blocks(keys, tokens)
 
     async def get_blocks(self, keys: Any) -> Any:
@@ -304,6 +305,26 @@ def test_the_store_writes_run_beside_the_prefill(store: BlockStore) -> None:
     assert status == 200 and during == [True]
     got = asyncio.run(store.get_blocks(keys_for(tokens)))
     assert all(g is not None for g in got)
+
+
+def test_a_queued_prefill_writes_its_blocks_only_once_it_runs(store: BlockStore) -> None:
+    """Two prefill halves at once on an engine that runs one prompt at a time: each writes
+    its blocks while its own prefill runs, not while it waits behind the other."""
+    first, second = prompt(32_000, 5 * BS), prompt(32_500, 5 * BS)
+    scale = 0.2 / CostModel().prefill_time(len(first))  # 0.2 s each
+
+    async def main() -> list[bool]:
+        p = Worker(settings(time_scale=scale, max_running=1))
+        slow = _Slow(store, worker=p)
+        async with serving(p) as c:
+            p.store = slow  # type: ignore[assignment]
+            answers = await asyncio.gather(*(post(c, "/v1/completions", {
+                "prompt": t, "max_tokens": 1, "kv_transfer_params": REMOTE_DECODE})
+                for t in (first, second)))
+        assert [a[0] for a in answers] == [200, 200]
+        return slow.put_while_running
+
+    assert asyncio.run(main()) == [True, True]
 
 
 def test_the_stores_wall_time_counts_in_the_modelled_transfer(store: BlockStore) -> None:

@@ -65,6 +65,8 @@ class EngineSeq:
     noise: float = 1.0
     #: its prompt's KV was pulled from a remote prefill (the decode half of a P/D pair)
     pulled: bool = False
+    #: set when it is admitted to the running batch (its prefill begins)
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_at: float | None = None
     last_token_at: float = 0.0
     finish_reason: str | None = None
@@ -245,6 +247,7 @@ class Engine:
                 seq.noise = self._noise.lognormvariate(0.0, self.settings.prefill_noise)
             self.observer.on_prefix_query(n, seq.cached_tokens)
             self.running.append(seq)
+            seq.admitted.set()
 
     def _grow_to(self, seq: EngineSeq, ntokens: int) -> None:
         """Make sure ``seq`` holds blocks for ``ntokens`` tokens; cache the full ones."""
