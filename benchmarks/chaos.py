@@ -607,9 +607,13 @@ class Bench:
         if "error" in res:
             raise RuntimeError(f"the replay failed: {res['error']}")
         out: JsonDict = overload.judge(res.pop("outcomes"), TTFT_SLO_S, TBT_SLO_S)
-        rejected_by = self.rejected_since(rejected0)
+        grew = self.rejected_since(rejected0)
+        times = {k.removeprefix(chaos.REJECTION_SECONDS): v for k, v in grew.items()
+                 if k.startswith(chaos.REJECTION_SECONDS)}
+        rejected_by = {k: v for k, v in grew.items() if not k.startswith(chaos.REJECTION_SECONDS)}
         out.update({"speed": speed, "wall_seconds": res.get("wall_seconds"),
                     "rejected_by": rejected_by,
+                    "gateway_rejection_s": overload.gateway_rejection_times(times),
                     "memory": overload.rss_growth(rss, float(res.get("wall_seconds") or 0)),
                     "inflight_max": max((n for _, n in inflight), default=0)})
         log(f"  {label}: admitted {out['admitted']}/{out['requests']}, within both SLOs "

@@ -161,11 +161,15 @@ class Dispatcher:
         key_array = block_keys_array(tokens, cfg.block_size, rt.seed)
         req = rt.request_info(len(tokens), key_array, max_tokens)
         decision, record = self._decide(rt, req, tokens, explain, t0)
+        waited = False
         if decision.rejected:
-            decision, record = await self._hold(rt, req, tokens, explain, decision, record)
+            decision, record, waited = await self._hold(rt, req, tokens, explain, decision,
+                                                        record)
         if decision.rejected:
             reason = decision.reject_reason or "rejected"
             self.metrics.rejections.labels(cfg.name, reason).inc()
+            rt.m.rejection_seconds["after-hold" if waited else "at-once"].observe(
+                time.perf_counter() - arrived)
             raise ApiError(429, f"request rejected by the scheduler ({reason}); retry later",
                            code=reason.replace("-", "_"),
                            headers={"Retry-After": str(self.settings.retry_after_s)})
@@ -216,10 +220,11 @@ class Dispatcher:
 
     async def _hold(self, rt: ModelRuntime, req: RequestInfo, tokens: Tokens, explain: bool,
                     decision: Decision, record: dict[str, Any]
-                    ) -> tuple[Decision, dict[str, Any]]:
+                    ) -> tuple[Decision, dict[str, Any], bool]:
         """Holding (``mooncake_conductor.holding``): while the Conductor says a request
         refused for decode room may wait, wait for a decode request to end and decide
-        again (admission counts the wait); the last decision when the hold ends."""
+        again (admission counts the wait); the last decision when the hold ends, and
+        whether it waited at all."""
         held = False
         while decision.rejected:
             now = rt.now()
@@ -234,7 +239,7 @@ class Dispatcher:
         if held:
             self.metrics.held.labels(rt.cfg.name,
                                      "rejected" if decision.rejected else "placed").inc()
-        return decision, record
+        return decision, record, held
 
     def _decide(self, rt: ModelRuntime, req: RequestInfo, tokens: Tokens, explain: bool,
                 t0: float, now: float | None = None) -> tuple[Decision, dict[str, Any]]:

@@ -18,6 +18,12 @@ TBT_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 
                0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 #: decision latency buckets (seconds): tens of microseconds to tens of milliseconds
 DECISION_BUCKETS = (2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2)
+#: time-to-429 buckets (seconds): a refusal at once takes milliseconds, one after a hold
+#: up to the TTFT SLO
+REJECTION_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+                     10.0, 30.0, 60.0)
+#: how a 429 came about: refused at the first decision, or after holding for decode room
+REJECTION_PATHS = ("at-once", "after-hold")
 
 
 #: why the Conductor refuses a request (``Decision.reject_reason``); each model's series
@@ -73,6 +79,10 @@ class GatewayMetrics:
         self.rejections = Counter(
             "mooncake_gateway_rejections", "Requests answered 429, by reason",
             ["model", "reason"], registry=r)
+        self.rejection_seconds = Histogram(
+            "mooncake_gateway_rejection_seconds", "From a request's arrival to the "
+            "scheduler's 429 (path: at-once, or after-hold for decode room)",
+            ["model", "path"], buckets=REJECTION_BUCKETS, registry=r)
         self.held = Counter(
             "mooncake_gateway_held", "Requests refused for decode room that waited for it "
             "(holding), by how the wait ended: placed, or rejected at its deadline",
@@ -141,6 +151,8 @@ class ModelMetrics:
             for outcome in OUTCOMES:
                 m.requests.labels(model, endpoint, outcome)
         self.decision = m.decision.labels(model)
+        self.rejection_seconds = {path: m.rejection_seconds.labels(model, path)
+                                  for path in REJECTION_PATHS}
         self.ttft = m.ttft.labels(model)
         self.tbt = m.tbt.labels(model)
         self.prompt_reused = m.prompt_tokens.labels(model, "reused")

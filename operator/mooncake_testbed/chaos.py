@@ -136,16 +136,30 @@ def routable(gateway_url: str, model: str) -> set[str]:
     return {k for k, v in gateway_instances(gateway_url, model).items() if v.get("routable")}
 
 
+#: the key prefix of :func:`rejections`' time-to-429 buckets
+REJECTION_SECONDS = "seconds/"
+
+
+def _label(labels: str, name: str) -> str:
+    return labels.split(f'{name}="', 1)[1].split('"', 1)[0]
+
+
 def rejections(gateway_url: str) -> dict[str, float]:
-    """The gateway's 429s so far, by reason (``mooncake_gateway_rejections_total``)."""
+    """The gateway's 429s so far, by reason (``mooncake_gateway_rejections_total``), and
+    the cumulative buckets of its own time to each (``mooncake_gateway_rejection_seconds``)
+    as ``seconds/<path>/<le>``."""
     with urllib.request.urlopen(f"{gateway_url}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("mooncake_gateway_rejections_total{"):
             labels, _, value = line.rpartition(" ")
-            reason = labels.split('reason="', 1)[1].split('"', 1)[0]
+            reason = _label(labels, "reason")
             out[reason] = out.get(reason, 0.0) + float(value)
+        elif line.startswith("mooncake_gateway_rejection_seconds_bucket{"):
+            labels, _, value = line.rpartition(" ")
+            key = f"{REJECTION_SECONDS}{_label(labels, 'path')}/{_label(labels, 'le')}"
+            out[key] = out.get(key, 0.0) + float(value)
     return out
 
 

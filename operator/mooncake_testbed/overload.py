@@ -8,7 +8,11 @@ Definitions (the published page repeats them):
   a failed one counts as a miss.
 - *admitted within SLO*: admitted requests whose TTFT and TBT both met their SLO, over
   the admitted; *within TTFT* / *within TBT* the same for one SLO alone.
-- *429 latency*: wall time from a rejected request's send to its answer.
+- *429 latency*: wall time from a rejected request's send to its answer. The gateways'
+  own part (:func:`gateway_rejection_times`): from a request's arrival in a gateway to
+  its 429, refused at once or after holding for decode room, read from their
+  ``mooncake_gateway_rejection_seconds`` buckets (a quantile is the bucket bound it
+  falls under).
 - *RSS growth*: each gateway process's resident memory, sampled while the replay runs;
   the largest sample after warm-up (the first :data:`WARMUP_SHARE` of the replay) over
   the last sample in warm-up, minus one; the worst gateway is reported.
@@ -61,6 +65,25 @@ def judge(outcomes: Iterable[Mapping[str, Any]], ttft_slo_s: float,
     }
 
 
+def gateway_rejection_times(buckets: Mapping[str, int], quantile: float = 0.99) -> JsonDict:
+    """Per path (``at-once``, ``after-hold``): how many 429s and the bound of the bucket
+    that holds the ``quantile`` of the gateways' time to them, from the increase of their
+    cumulative ``<path>/<le>`` buckets over a replay (summed over the gateways)."""
+    paths: dict[str, list[tuple[float, int]]] = {}
+    for key, n in buckets.items():
+        path, _, le = key.rpartition("/")
+        paths.setdefault(path, []).append((float(le), n))
+    out: JsonDict = {}
+    for path, rows in sorted(paths.items()):
+        rows.sort()
+        total = rows[-1][1] if rows else 0  # the +Inf bucket counts every 429
+        if total <= 0:
+            continue
+        bound = next(le for le, n in rows if n >= quantile * total)
+        out[path] = {"rejected": total, f"p{round(100 * quantile)}_bound_s": bound}
+    return out
+
+
 def rss_growth(samples: Mapping[str, Sequence[tuple[float, int]]], duration_s: float,
                warmup_share: float = WARMUP_SHARE) -> JsonDict:
     """Memory growth per gateway from ``(seconds since the first send, RSS bytes)``
@@ -84,6 +107,10 @@ def rss_growth(samples: Mapping[str, Sequence[tuple[float, int]]], duration_s: f
 
 def _pct(x: float | None) -> str:
     return "–" if x is None or math.isnan(x) else f"{100 * x:.2f}%"
+
+
+def _secs(x: float) -> str:
+    return f"{1000 * x:g} ms" if x < 1 else f"{x:g} s"
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -151,9 +178,12 @@ def reading(section: Mapping[str, Any], target: float) -> list[str]:
         if r["failed"]:
             why.append(f"{r['failed']} failed")
         rej = ", ".join(f"{k} ×{v}" for k, v in (r.get("rejected_by") or {}).items())
+        own = "; ".join(f"{path}: {t['rejected']}, p99 within {_secs(t['p99_bound_s'])}"
+                        for path, t in (r.get("gateway_rejection_s") or {}).items())
         out.append(
             f"- {r['factor']:g}×, {rule}: {verdict} {_pct(target)} ({_pct(share)} of "
             f"{r['admitted']} admitted within both SLOs"
             + (f"; missed on {', '.join(why)}" if why else "") + "). 429s by reason: "
-            + (rej or "none") + ".")
+            + (rej or "none") + "."
+            + (f" The gateways' own time to them: {own}." if own else ""))
     return out

@@ -174,6 +174,13 @@ def test_a_scheduler_rejection_is_a_429_with_retry_after_and_reaches_no_engine(
                 in metrics
             assert (f'mooncake_gateway_requests_total{{endpoint="completions",model="{MODEL}",'
                     'outcome="rejected"} 1.0') in metrics
+            # the gateway's own time to the 429: one, refused at once, within the last bucket
+            assert (f'mooncake_gateway_rejection_seconds_count{{model="{MODEL}",'
+                    'path="at-once"} 1.0') in metrics
+            assert (f'mooncake_gateway_rejection_seconds_count{{model="{MODEL}",'
+                    'path="after-hold"} 0.0') in metrics
+            assert (f'mooncake_gateway_rejection_seconds_bucket{{le="60.0",model="{MODEL}",'
+                    'path="at-once"} 1.0') in metrics
 
     asyncio.run(main())
 

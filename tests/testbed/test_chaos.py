@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import math
 from typing import Any
 
+import pytest
 from mooncake_testbed import chaos
 
 
@@ -63,3 +65,25 @@ def test_ready_summary() -> None:
     assert got["reasons"] == ["API error (URLError)", "EngineNotReady"]
     never = [(0.0, "Ready"), (6.0, "Scaling"), (7.0, "Scaling")]
     assert chaos.ready_summary(never, 5.0)["ready_again_s"] is None
+
+
+def test_rejections_read_reasons_and_the_time_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "\n".join([
+        '# HELP mooncake_gateway_rejections_total Requests answered 429, by reason',
+        'mooncake_gateway_rejections_total{model="m",reason="ttft-slo"} 3.0',
+        'mooncake_gateway_rejections_total{model="n",reason="ttft-slo"} 2.0',
+        'mooncake_gateway_rejection_seconds_bucket{le="0.01",model="m",path="at-once"} 4.0',
+        'mooncake_gateway_rejection_seconds_bucket{le="+Inf",model="m",path="at-once"} 5.0',
+        'mooncake_gateway_rejection_seconds_count{model="m",path="at-once"} 5.0',
+    ]).encode()
+
+    class Resp(io.BytesIO):
+        def __enter__(self) -> Resp:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(chaos.urllib.request, "urlopen", lambda url, timeout: Resp(text))
+    assert chaos.rejections("http://gw") == {
+        "ttft-slo": 5.0, "seconds/at-once/0.01": 4.0, "seconds/at-once/+Inf": 5.0}

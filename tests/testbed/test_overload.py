@@ -68,3 +68,22 @@ def test_the_page_names_met_and_missed_rows() -> None:
     assert "2×, prediction: meets 95.00%" in page
     assert "4×, margin: **misses** 95.00%" in page and "TTFT 10.00% of the admitted" in page
     assert "run failed: boom" in page
+
+
+def test_the_gateways_time_to_429_is_read_from_their_buckets() -> None:
+    """Cumulative bucket increases per path: the p99 is the bound of the first bucket that
+    holds 99% of that path's 429s; a path with none is left out."""
+    grew = {"at-once/0.005": 90, "at-once/0.01": 99, "at-once/0.02": 100, "at-once/+Inf": 100,
+            "after-hold/1.0": 3, "after-hold/5.0": 4, "after-hold/+Inf": 4,
+            "other/+Inf": 0}
+    times = overload.gateway_rejection_times(grew)
+    assert times == {"at-once": {"rejected": 100, "p99_bound_s": 0.01},
+                     "after-hold": {"rejected": 4, "p99_bound_s": 5.0}}
+    row = {"factor": 4.0, "rule": "margin", "ttft_miss_risk": 0.01,
+           **overload.judge([_o("ok", 1.0, 0.05)], 30.0, 0.1),
+           "memory": {"growth": 0.0}, "inflight_max": 1, "gateway_rejection_s": times}
+    section = {"capacity": {"speed": 0.65, "command": "c", "rejected_work_share": 0.4},
+               "requests": 1, "ttft_slo_s": 30.0, "tbt_slo_s": 0.1, "rows": [row]}
+    page = "\n".join(overload.markdown(section, 0.5, 64, 0.95))
+    assert ("The gateways' own time to them: after-hold: 4, p99 within 5 s; "
+            "at-once: 100, p99 within 10 ms.") in page
