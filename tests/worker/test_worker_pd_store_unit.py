@@ -248,20 +248,26 @@ def test_both_flags_make_a_prefill_half_that_loads_nothing(store: BlockStore) ->
     assert body["kv_transfer_params"] is None
 
 
-def test_transfer_sleeps_the_modelled_time_scaled(store: BlockStore) -> None:
-    tokens = prompt(28_000, 4 * BS + 1)
+def timed_load(store: BlockStore, tokens: list[int], transfer_s: float,
+               via: Any = None) -> tuple[int, float]:
+    """Put ``tokens``' 4 full blocks, then time a decode worker's load of them (through
+    ``via`` in place of the store when given) with a modelled transfer of ``transfer_s``."""
     keys = keys_for(tokens)
-    scale = 0.3 / CostModel().transfer_time(4 * BS)  # a 0.3 s sleep
+    scale = transfer_s / CostModel().transfer_time(4 * BS)
 
     async def main() -> tuple[int, float]:
         await store.put_blocks(keys, blocks_of(tokens, 4))
         d = Worker(settings(time_scale=scale))
-        d.store = store
+        d.store = via or store
         t0 = time.monotonic()
         n = await d._load_remote_kv(tokens, keys)
         return n, time.monotonic() - t0
 
-    n, took = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_transfer_sleeps_the_modelled_time_scaled(store: BlockStore) -> None:
+    n, took = timed_load(store, prompt(28_000, 4 * BS + 1), 0.3)
     assert n == 4
     assert 0.3 * 0.95 <= took <= 0.3 * 2 + 0.5  # upper: slack for a loaded machine
 
@@ -330,19 +336,8 @@ def test_a_queued_prefill_writes_its_blocks_only_once_it_runs(store: BlockStore)
 def test_the_stores_wall_time_counts_in_the_modelled_transfer(store: BlockStore) -> None:
     """The modelled transfer is a deadline from the start of the store read: a read slower
     than the model is not followed by the model's whole sleep (0.6 s, not 0.9 s)."""
-    tokens = prompt(31_000, 4 * BS + 1)
-    keys = keys_for(tokens)
-    scale = 0.3 / CostModel().transfer_time(4 * BS)  # a 0.3 s transfer
-
-    async def main() -> tuple[int, float]:
-        await store.put_blocks(keys, blocks_of(tokens, 4))
-        d = Worker(settings(time_scale=scale))
-        d.store = _Slow(store, get_delay_s=0.6)  # type: ignore[assignment]
-        t0 = time.monotonic()
-        n = await d._load_remote_kv(tokens, keys)
-        return n, time.monotonic() - t0
-
-    n, took = asyncio.run(main())
+    n, took = timed_load(store, prompt(31_000, 4 * BS + 1), 0.3,
+                         via=_Slow(store, get_delay_s=0.6))
     assert n == 4
     assert 0.6 <= took < 0.9 * 0.95
 
