@@ -370,7 +370,7 @@ class Worker:
         if remote_decode and (kvp or {}).get("transfer_id"):
             # the store writes run beside the modelled prefill once it begins, as an
             # engine writes KV while it computes, instead of adding their wall time after
-            held = asyncio.create_task(self._hold_for_transfer(seq, tokens, keys))
+            held = asyncio.create_task(self._hold_for_transfer(seq, keys))
         try:
             await seq.done
         except asyncio.CancelledError:
@@ -480,14 +480,13 @@ class Worker:
         return resp
 
     # -- P/D handshake --------------------------------------------------------------------
-    async def _hold_for_transfer(self, seq: EngineSeq, prompt: list[int],
-                                 keys: list[int]) -> int:
+    async def _hold_for_transfer(self, seq: EngineSeq, keys: list[int]) -> int:
         """Prefill side: once ``seq`` runs, make the prompt's blocks available to the
         decode engine (in the store); the number newly stored."""
         if self.store is None:
             return 0
         await seq.admitted.wait()
-        bs = self.engine.block_size
+        bs, prompt = self.engine.block_size, seq.prompt
         return await self.store.put_blocks(
             keys, [prompt[i * bs : (i + 1) * bs] for i in range(len(keys))])
 
