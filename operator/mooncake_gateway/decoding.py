@@ -40,11 +40,10 @@ class DecodeRunner:
         self.calls = calls
 
     async def run(self, request: web.Request | None, rt: ModelRuntime, req: RequestInfo,
-                  decision: Decision, p: Parsed,
-                  fields: dict[str, Any], record: dict[str, Any],
-                      headers: dict[str, str], arrived: float,
-                      explain: bool, group: int | None,
-                      attempts: int = DECODE_ATTEMPTS) -> Answer:
+                  decision: Decision, p: Parsed, fields: dict[str, Any],
+                  record: dict[str, Any], headers: dict[str, str], arrived: float,
+                  explain: bool, group: int | None,
+                  attempts: int = DECODE_ATTEMPTS) -> Answer:
         """The decode half, with the handshake's ``fields`` spliced into the body."""
         body = splice_json(p.raw, fields) if fields else p.raw
         path = "/v1/chat/completions" if p.chat else "/v1/completions"
