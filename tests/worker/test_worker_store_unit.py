@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from mooncake_worker.store import STORE_THREADS, BlockStore, encode_payload
+from mooncake_worker.store import BlockStore, encode_payload
 from worker_inproc import BS, settings
 
 TIMEOUT_S = 0.2
@@ -30,30 +30,41 @@ class FakeBinding:
         self.release = threading.Event()
         self.stuck = False
         self.objects: dict[str, bytes] = {}
+        self.hold_s = 0.0  # how long each call takes when not stuck
+        self.largest = 0  # the most objects one call carried
+        self.running = self.most_running = 0  # calls inside the binding, now and at most
+        self._count = threading.Lock()
 
-    def _wait(self) -> None:
+    def _wait(self, names: list[str]) -> None:
+        with self._count:
+            self.largest = max(self.largest, len(names))
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
         if self.stuck:
             self.release.wait(30)
+        time.sleep(self.hold_s)
+        with self._count:
+            self.running -= 1
 
     def batch_is_exist(self, names: list[str]) -> list[int]:
-        self._wait()
+        self._wait(names)
         return [1 if n in self.objects else 0 for n in names]
 
     def put_batch(self, names: list[str], values: list[bytes]) -> int:
-        self._wait()
+        self._wait(names)
         self.objects.update(zip(names, values, strict=True))
         return 0
 
     def get_batch(self, names: list[str]) -> list[bytes]:
-        self._wait()
+        self._wait(names)
         return [self.objects.get(n, b"") for n in names]
 
     def close(self) -> None:
         pass
 
 
-def client() -> tuple[BlockStore, FakeBinding]:
-    store = BlockStore(settings(store_timeout_s=TIMEOUT_S), kv_bytes_per_token=1)
+def client(**over: Any) -> tuple[BlockStore, FakeBinding]:
+    store = BlockStore(settings(store_timeout_s=TIMEOUT_S, **over), kv_bytes_per_token=1)
     fake = FakeBinding(store.payload_bytes)
     store._store = fake
     return store, fake
@@ -79,7 +90,7 @@ def test_calls_answer_through_the_store_threads() -> None:
         assert got == [(1, tokens_of(2)[0]), (2, tokens_of(2)[1]), None]
         assert await store.exists([2, 3]) == [True, False]
         # more calls at once than threads: queued, not skipped
-        n = STORE_THREADS * 2
+        n = store.threads * 2
         puts = await asyncio.gather(*(store.put_blocks([100 + i], tokens_of(1, 100 * i))
                                       for i in range(n)))
         assert puts == [1] * n
@@ -87,6 +98,29 @@ def test_calls_answer_through_the_store_threads() -> None:
 
     asyncio.run(main())
     assert (store.timeouts, store.skipped, store.stuck) == (0, 0, 0)
+
+
+def test_objects_in_flight_stay_within_the_bounds() -> None:
+    """The binding loses transfers with many objects in flight: a large request is split
+    into calls of ``store_batch_blocks``, and at most ``store_calls_in_flight`` run."""
+    store, fake = client(store_batch_blocks=4, store_calls_in_flight=2)
+    fake.hold_s = 0.01
+    n = 10
+
+    async def main() -> None:
+        puts = await asyncio.gather(*(store.put_blocks(list(range(i * n, (i + 1) * n)),
+                                                       tokens_of(n, i * n * BS))
+                                      for i in range(5)))
+        assert puts == [n] * 5
+        got = await asyncio.gather(*(store.get_blocks(list(range(i * n, (i + 1) * n)))
+                                     for i in range(5)))
+        assert [sum(g is not None for g in gg) for gg in got] == [n] * 5
+        assert got[1][9] == (19, tokens_of(n, n * BS)[9])  # order kept across the split
+        assert await store.exists(list(range(48, 53))) == [True, True, False, False, False]
+        await store.close()
+
+    asyncio.run(main())
+    assert fake.largest == 4 and fake.most_running == 2
 
 
 def test_a_stuck_call_degrades_to_recomputation_within_the_timeout() -> None:
@@ -121,15 +155,15 @@ def test_with_every_thread_stuck_the_store_is_skipped_at_once() -> None:
 
     async def main() -> float:
         # one more than there are threads: that one waits in the queue, and is dropped
-        got = await asyncio.gather(*(store.get_blocks([i]) for i in range(STORE_THREADS + 1)))
-        assert got == [[None]] * (STORE_THREADS + 1)
+        got = await asyncio.gather(*(store.get_blocks([i]) for i in range(store.threads + 1)))
+        assert got == [[None]] * (store.threads + 1)
         t = time.perf_counter()
         assert await store.put_blocks([99], tokens_of(1)) == 0
         return time.perf_counter() - t
 
     try:
         skipped_in = asyncio.run(main())
-        assert store.timeouts == STORE_THREADS + 1 and store.stuck == STORE_THREADS
+        assert store.timeouts == store.threads + 1 and store.stuck == store.threads
         assert store.skipped == 1 and skipped_in < TIMEOUT_S  # not queued behind them
         assert store.name(99) not in fake.objects
     finally:

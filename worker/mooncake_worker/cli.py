@@ -40,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-timeout", dest="store_timeout_s", type=float,
                    default=d["store_timeout_s"].default,
                    help="seconds a request waits for one store call before recomputing")
+    p.add_argument("--store-batch-blocks", type=int, default=d["store_batch_blocks"].default,
+                   help="most blocks in one store call (larger requests are split)")
+    p.add_argument("--store-calls-in-flight", type=int,
+                   default=d["store_calls_in_flight"].default,
+                   help="most store calls at once (the binding loses transfers past "
+                   "about a thousand objects in flight)")
     p.add_argument("--store-payload-scale", type=float,
                    default=d["store_payload_scale"].default)
     p.add_argument("--time-scale", type=float, default=d["time_scale"].default,

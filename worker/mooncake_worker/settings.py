@@ -89,6 +89,12 @@ class WorkerSettings(BaseModel):
     store_connect_timeout_s: float = Field(
         5.0, gt=0, description="give up starting when the store does not answer by then"
     )
+    store_batch_blocks: int = Field(
+        256, gt=0, description="most blocks in one store call; larger requests are split"
+    )
+    store_calls_in_flight: int = Field(
+        4, gt=0, description="most store calls this client runs at once (its store threads)"
+    )
     store_timeout_s: float = Field(
         5.0, gt=0, description="a request waits this long for one store call, then "
         "recomputes (the call may be stuck in the binding: a peer that stopped answering)"

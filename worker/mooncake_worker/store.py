@@ -9,13 +9,21 @@ header against the tokens it expects, so a stale or foreign object is never used
 
 The transfer engine is pinned to loopback-or-configured ``store_local_hostname``
 (``MC_TCP_BIND_ADDRESS`` is set to it before the library is loaded). All store calls
-block, so they run on this client's own threads, and a request waits for one (queue
-included) at most ``store_timeout_s``: the binding can wait for ever (an RPC or a transfer
-to a peer that stopped answering: seen after a prefill engine that lends a segment was
-SIGSTOPped, with every store thread of the other prefill engine still waiting 100 s after
-it resumed). A call past its limit is left to finish in its thread, and while such calls
-take every thread the store is skipped at once: either way the handoff degrades to
-recomputation, as when a call fails.
+block, so they run on this client's own ``store_calls_in_flight`` threads, each binding
+call carrying at most ``store_batch_blocks`` blocks. Both bounds are there because the
+binding (``mooncake-transfer-engine-non-cuda`` 0.3.13.post1, TCP) fails transfers once a
+client has more than about a thousand objects in flight. Measured on one host: six
+concurrent batch calls of 1,000 objects each lost most of them (transfer error -800), and
+so did 256-object calls sixteen at a time, and, in part, eight at a time; 16 x 4,000
+objects as 256-object calls, four at a time, all arrived. Splitting a 2,000-block read
+into 256-block calls took it from 0.05 s to 0.06 s.
+
+A request waits for one call (queue included) at most ``store_timeout_s``: the binding
+can wait for ever (an RPC or a transfer to a peer that stopped answering: seen after a
+prefill engine that lends a segment was SIGSTOPped, with every store thread of the other
+prefill engine still waiting 100 s after it resumed). A call past its limit is left to
+finish in its thread, and while such calls take every thread the store is skipped at
+once: either way the handoff degrades to recomputation, as when a call fails.
 """
 
 from __future__ import annotations
@@ -37,10 +45,6 @@ MAGIC = b"MCKV1"
 _HEAD = struct.Struct("<5sQI")
 #: pause between connection attempts to a store that is not up yet
 CONNECT_RETRY_S = 0.5
-#: threads for store calls (as many as asyncio's default executor has); while calls stuck
-#: in the binding take all of them the store is skipped, so a stall never queues the
-#: engine's requests behind it
-STORE_THREADS = min(32, (os.cpu_count() or 1) + 4)
 T = TypeVar("T")
 
 
@@ -81,8 +85,11 @@ class BlockStore:
         #: calls given up after ``store_timeout_s``, and calls not made (threads all stuck)
         self.timeouts = 0
         self.skipped = 0
+        #: store threads: while calls stuck in the binding take all of them the store is
+        #: skipped, so a stall never queues the engine's requests behind it
+        self.threads = settings.store_calls_in_flight
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            STORE_THREADS, thread_name_prefix="mooncake-store")
+            self.threads, thread_name_prefix="mooncake-store")
         self._lock = threading.Lock()
         self._stuck = 0  # calls given up that still hold a store thread
 
@@ -96,9 +103,9 @@ class BlockStore:
         ``store_timeout_s``; raises :class:`StoreUnavailable` when it does not end in time
         (one still queued is dropped; one running goes on in its thread, which stays taken
         until it ends) or when every thread is taken by such calls."""
-        if self._stuck >= STORE_THREADS:
+        if self._stuck >= self.threads:
             self.skipped += 1
-            raise StoreUnavailable(f"{what}: all {STORE_THREADS} store threads are stuck")
+            raise StoreUnavailable(f"{what}: all {self.threads} store threads are stuck")
         fut = self._pool.submit(fn, *args)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut),
@@ -118,6 +125,10 @@ class BlockStore:
 
     def name(self, key: int) -> str:
         return f"{self.settings.store_key_prefix}{key:016x}"
+
+    def _chunks(self, n: int) -> range:
+        """Starts of the binding calls that carry ``n`` objects."""
+        return range(0, n, self.settings.store_batch_blocks)
 
     def _setup(self) -> Any:
         s = self.settings
@@ -177,6 +188,11 @@ class BlockStore:
         self._pool.shutdown(wait=False)
 
     def _put(self, keys: Sequence[int], tokens: Sequence[Sequence[int]]) -> int:
+        step = self.settings.store_batch_blocks
+        return sum(self._put_batch(keys[i:i + step], tokens[i:i + step])
+                   for i in self._chunks(len(keys)))
+
+    def _put_batch(self, keys: Sequence[int], tokens: Sequence[Sequence[int]]) -> int:
         names = [self.name(k) for k in keys]
         exists = self._store.batch_is_exist(names)
         todo = [i for i, e in enumerate(exists) if e != 1]
@@ -214,7 +230,16 @@ class BlockStore:
         return n
 
     def _get(self, keys: Sequence[int]) -> list[bytes]:
-        return list(self._store.get_batch([self.name(k) for k in keys]))
+        names = [self.name(k) for k in keys]
+        step = self.settings.store_batch_blocks
+        return [data for i in self._chunks(len(names))
+                for data in self._store.get_batch(names[i:i + step])]
+
+    def _exists(self, keys: Sequence[int]) -> list[int]:
+        names = [self.name(k) for k in keys]
+        step = self.settings.store_batch_blocks
+        return [int(r) for i in self._chunks(len(names))
+                for r in self._store.batch_is_exist(names[i:i + step])]
 
     async def get_blocks(self, keys: Sequence[int]) -> list[tuple[int, list[int]] | None]:
         """Fetch blocks; ``None`` for every block missing or malformed (all of them when
@@ -239,9 +264,8 @@ class BlockStore:
     async def exists(self, keys: Sequence[int]) -> list[bool]:
         if self._store is None or not keys:
             return [False] * len(keys)
-        names = [self.name(k) for k in keys]
         try:
-            res = await self._call("exists", self._store.batch_is_exist, names)
+            res = await self._call("exists", self._exists, keys)
         except StoreUnavailable as exc:
             log.warning("Mooncake Store %s", exc)
             return [False] * len(keys)
