@@ -46,6 +46,9 @@ def _add_setting_flags(p: argparse.ArgumentParser) -> None:
                    "presets)")
     r.add_argument("--model-bias", type=float, default=None, metavar="B",
                    help="execution = prediction x (1 + B), e.g. 0.25 (default 0)")
+    r.add_argument("--prefill-overhead", dest="prefill_overhead_s", type=float, default=0.0,
+                   metavar="S", help="seconds every prefill runs beyond the model, "
+                   "unpredicted: a serving stack's own time (default 0)")
     r.add_argument("--event-lag-ms", type=float, default=None,
                    help="delay before the index learns stored blocks (default 0; 100 in "
                    "presets)")
@@ -175,6 +178,7 @@ class _Setup:
     nic_contention: bool
     max_tokens: int | None = None
     kv_handoff: str = "layerwise"
+    prefill_overhead_s: float = 0.0
     routing_only: bool = False
     shedding: bool | None = None
     stealing: bool | None = None
@@ -211,7 +215,8 @@ class _Setup:
     def realism(self) -> dict[str, Any]:
         return {"prediction_error": self.prediction_error, "model_bias": self.model_bias,
                 "event_lag_ms": self.event_lag_ms, "nic_contention": self.nic_contention,
-                "max_tokens": self.max_tokens, "kv_handoff": self.kv_handoff}
+                "max_tokens": self.max_tokens, "kv_handoff": self.kv_handoff,
+                "prefill_overhead_s": self.prefill_overhead_s}
 
     def settings(self, preset_name: str | None, seed: int) -> dict[str, Any]:
         return {
@@ -274,6 +279,9 @@ def _setup(args: argparse.Namespace, capabilities: str = "own") -> _Setup | str:
         v = getattr(args, flag)
         if v is not None and v <= 0:
             return f"--{flag.replace('_', '-')} must be positive"
+    over = getattr(args, "prefill_overhead_s", 0.0)
+    if not math.isfinite(over) or over < 0:
+        return "--prefill-overhead must be a number >= 0"
     for flag in ("prediction_error", "event_lag_ms"):
         v = getattr(args, flag)
         if v is not None and (not math.isfinite(v) or v < 0):
@@ -319,6 +327,7 @@ def _setup(args: argparse.Namespace, capabilities: str = "own") -> _Setup | str:
         nic_contention=bool(_pick(args.nic_contention, preset, "nic_contention", False)),
         max_tokens=args.max_tokens,
         kv_handoff=args.kv_handoff,
+        prefill_overhead_s=over,
         routing_only=bool(args.routing_only),
         shedding=equal if args.shedding is None else args.shedding,
         stealing=equal if args.stealing is None else args.stealing,

@@ -35,7 +35,8 @@ Realism, off by default and on in the presets (``SimConfig``), the same for ever
 
 - **Prediction error**: a prompt runs for the cost model's prediction times a per-request
   lognormal factor (median 1, ``prediction_error`` = sigma), times ``1 + model_bias`` (a
-  systematic error, e.g. the true MFU off the configured one; decode steps too). Policies
+  systematic error, e.g. the true MFU off the configured one; decode steps too), plus
+  ``prefill_overhead_s`` (a serving stack's own time per prefill, none of it predicted). Policies
   see predictions only: an instance's ``busy_until`` is the predicted end, corrected when
   the completion arrives.
 - **NIC contention**: prefix fetches and hot-prefix copies queue on the sending and the
@@ -92,6 +93,7 @@ from .trace import TRACE_BLOCK_TOKENS, TraceRecord
 #: bounds of the realism knobs (beyond them the model says nothing useful)
 MAX_PREDICTION_SIGMA = 2.0
 MAX_MODEL_BIAS = 4.0
+MAX_PREFILL_OVERHEAD_S = 10.0
 #: the error factors' random stream is the policy seed plus this, apart from the policy's
 ERROR_SEED_OFFSET = 7919
 #: completed prefills per entry of ``prediction_error_windows``
@@ -122,6 +124,10 @@ class SimConfig(BaseModel):
     model_bias: float = Field(
         0.0, gt=-1, le=MAX_MODEL_BIAS,
         description="execution = prediction x (1 + bias), prefill and decode (0: unbiased)")
+    prefill_overhead_s: float = Field(
+        0.0, ge=0, le=MAX_PREFILL_OVERHEAD_S,
+        description="seconds every prefill runs beyond the model, unpredicted (a serving "
+        "stack's own time: HTTP hops, scheduling; 0: none)")
     event_lag_ms: float = Field(
         0.0, ge=0, description="delay before the index sees blocks an instance stored, ms")
     nic_contention: bool = Field(
@@ -525,7 +531,8 @@ class Simulation:
         reuse, start = self._reuse_at_start(req, inst.iid, now)
         cached = info.tokens_of(reuse)
         predicted = self.conductor.cost.prefill_time(info.input_tokens, cached)
-        dur = self.cost.prefill_time(info.input_tokens, cached) * float(self._factor[item.rid])
+        dur = (self.cost.prefill_time(info.input_tokens, cached) * float(self._factor[item.rid])
+               + self.cfg.prefill_overhead_s)
         req.reused_tokens = cached
         req.exec_s = dur
         req.predicted_s = predicted
@@ -640,7 +647,7 @@ class Simulation:
         # its stage first works (members take stages in the order they came free): the
         # last one may come up to its stage's offset late, so the start can lie before now
         now = max(fetched, staggered_start(list(ready.values()), plan.stage_s[0] * factor))
-        req.exec_s = plan.makespan_s * factor
+        req.exec_s = plan.makespan_s * factor + self.cfg.prefill_overhead_s
         req.predicted_s = seen.makespan_s
         self.prefill_gpu_s += plan.gpu_seconds * factor
         self.predicted_prefill_s += seen.gpu_seconds

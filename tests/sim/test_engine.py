@@ -1,4 +1,5 @@
 import math
+from typing import Any
 
 import pytest
 from mooncake_conductor.engine import ConductorConfig
@@ -13,8 +14,9 @@ KEYS = (
 )
 
 
-def cfg(policy: str, **kw: object) -> SimConfig:
-    return SimConfig(prefill=4, decode=4, conductor=ConductorConfig(policy=policy), **kw)
+def cfg(policy: str, **kw: Any) -> SimConfig:
+    kw.setdefault("prefill", 4)
+    return SimConfig(decode=4, conductor=ConductorConfig(policy=policy), **kw)
 
 
 def test_single_request_timing_is_the_cost_model() -> None:
@@ -45,6 +47,23 @@ def test_a_clients_first_token_comes_from_the_decode_instance(handoff: str) -> N
     want = cost.prefill_time(8192) + arrives + cost.decode_step_time(1, 8193)
     assert r["ttft_mean_s"] == pytest.approx(cost.prefill_time(8192))
     assert r["client_ttft_mean_s"] == pytest.approx(want)
+
+
+def test_a_serving_stacks_overhead_lengthens_each_prefill_unpredicted() -> None:
+    """``prefill_overhead_s``: every prefill runs that much beyond the model, and the
+    Conductor does not predict it (it learns of it from completions, as a gateway does);
+    the second request, queued behind the first, waits for it too."""
+    recs = [TraceRecord(0.0, 8192, 1, tuple(range(16))),
+            TraceRecord(0.0, 4096, 1, tuple(range(100, 108)))]
+    over = 0.25
+    base = Simulation(recs, cfg("round-robin", prefill=1))
+    slow = Simulation(recs, cfg("round-robin", prefill=1, prefill_overhead_s=over))
+    b, s = base.run(), slow.run()
+    assert [r.exec_s - r.predicted_s for r in slow.reqs] == pytest.approx([over, over])
+    assert [r.predicted_s for r in slow.reqs] == pytest.approx(
+        [r.predicted_s for r in base.reqs])
+    # the first finishes `over` later, the second `2 * over` (it waited for the first)
+    assert s["ttft_mean_s"] - b["ttft_mean_s"] == pytest.approx(1.5 * over)
 
 
 def test_a_single_token_answer_is_the_prefills() -> None:
