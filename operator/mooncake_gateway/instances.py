@@ -40,9 +40,6 @@ class Instance:
     routable: bool = False  # requests may go there (kept by Membership.refresh)
     failures: int = 0
     inflight: int = 0
-    #: ``time.perf_counter()`` of this engine's latest prefill answer: where a prefill
-    #: sent while others ran began, for an engine that prefills one prompt at a time
-    last_answer: float = 0.0
     stats: EngineStats = field(default_factory=EngineStats)
     subscriber: EngineSubscriber | None = None
     task: asyncio.Task[None] | None = None

@@ -81,7 +81,7 @@ class PrefillRunner:
             # move (a retry's stays where it is sent)
             rt.queues.prefill_started(inst, req, pl.prefill_s + pl.transfer_s, prio,
                                pl if attempt == 0 else None)
-            started = sent = time.perf_counter()
+            started = time.perf_counter()
             status = 0
             try:
                 # late binding: its turn, maybe elsewhere
@@ -96,7 +96,6 @@ class PrefillRunner:
                     started = time.perf_counter()  # predicted from the move on
                 transfer = transfer.with_prefill(inst.endpoint)
                 body = splice_json(p.raw, {**overrides, **hs.prefill_fields(transfer)})
-                sent = time.perf_counter()
                 status, resp = await unless_down(inst, self.calls.post_json(inst, path, body))
             except UpstreamError as exc:
                 last = f"{inst.name}: {exc}"
@@ -105,21 +104,12 @@ class PrefillRunner:
                 continue
             finally:
                 ok = status == 200
-                end = time.perf_counter()
-                answered_s = (end - started) / rt.time_scale
-                # the engine's own time on it: from the send, or from its previous answer
-                # when it was still busy then (it prefills one prompt at a time, in order)
-                executed_s = (end - max(sent, inst.last_answer)) / rt.time_scale
-                if status:
-                    inst.last_answer = end
-                work_s = pl.prefill_s + pl.transfer_s
-                rt.queues.prefill_done(inst, req, executed_s, work_s if ok else None)
+                answered_s = (time.perf_counter() - started) / rt.time_scale
+                rt.queues.prefill_done(inst, req, answered_s, pl.ttft_s if ok else None)
             # modelled seconds from placement to answer, and what the placement predicted
-            # for them; the engine's time on it and its prediction: the pair the
-            # calibration learns from, as in the simulator
+            # for it: the pair the calibration learns from
             record["attempts"].append({"prefill": inst.name, "status": status,
-                                       "answered_s": answered_s, "predicted_s": pl.ttft_s,
-                                       "executed_s": executed_s, "predicted_work_s": work_s})
+                                       "answered_s": answered_s, "predicted_s": pl.ttft_s})
             if status == 200 and isinstance(resp, dict):
                 usage = resp.get("usage") or {}
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0

@@ -230,10 +230,9 @@ class PrefillQueues:
     def prefill_done(self, inst: Instance, req: RequestInfo, elapsed_s: float,
                      predicted_s: float | None = None) -> None:
         """Retire a prefill (answered, failed, or abandoned before it was sent); ``elapsed_s``
-        the modelled seconds the engine spent on it (its queue not counted),
-        ``predicted_s`` what the placement predicted for that, its prefill and transfer
-        (``None``: no answer). ``inst`` is where it was placed; where a steal moved it is
-        known here."""
+        modelled seconds from placement to answer, ``predicted_s`` what the placement
+        predicted for that (``None``: no answer). ``inst`` is where it was placed; where a
+        steal moved it is known here."""
         q = self._prefills.pop(req.rid, None)
         sent = True
         if q is not None:
