@@ -126,9 +126,17 @@ class BlockStore:
     def name(self, key: int) -> str:
         return f"{self.settings.store_key_prefix}{key:016x}"
 
-    def _chunks(self, n: int) -> range:
-        """Starts of the binding calls that carry ``n`` objects."""
-        return range(0, n, self.settings.store_batch_blocks)
+    def _batches(self, items: Sequence[T]) -> list[Sequence[T]]:
+        """``items`` cut into the binding calls that carry them (``store_batch_blocks``
+        each at most)."""
+        step = self.settings.store_batch_blocks
+        return [items[i:i + step] for i in range(0, len(items), step)]
+
+    def _per_batch(self, call: Callable[[list[str]], Sequence[T]], keys: Sequence[int]
+                   ) -> list[T]:
+        """``call`` on the objects of ``keys``, batch by batch, its answers joined."""
+        names = [self.name(k) for k in keys]
+        return [r for batch in self._batches(names) for r in call(list(batch))]
 
     def _setup(self) -> Any:
         s = self.settings
@@ -188,9 +196,8 @@ class BlockStore:
         self._pool.shutdown(wait=False)
 
     def _put(self, keys: Sequence[int], tokens: Sequence[Sequence[int]]) -> int:
-        step = self.settings.store_batch_blocks
-        return sum(self._put_batch(keys[i:i + step], tokens[i:i + step])
-                   for i in self._chunks(len(keys)))
+        return sum(self._put_batch(k, t) for k, t in zip(self._batches(keys),
+                                                         self._batches(tokens), strict=True))
 
     def _put_batch(self, keys: Sequence[int], tokens: Sequence[Sequence[int]]) -> int:
         names = [self.name(k) for k in keys]
@@ -230,16 +237,10 @@ class BlockStore:
         return n
 
     def _get(self, keys: Sequence[int]) -> list[bytes]:
-        names = [self.name(k) for k in keys]
-        step = self.settings.store_batch_blocks
-        return [data for i in self._chunks(len(names))
-                for data in self._store.get_batch(names[i:i + step])]
+        return self._per_batch(self._store.get_batch, keys)
 
     def _exists(self, keys: Sequence[int]) -> list[int]:
-        names = [self.name(k) for k in keys]
-        step = self.settings.store_batch_blocks
-        return [int(r) for i in self._chunks(len(names))
-                for r in self._store.batch_is_exist(names[i:i + step])]
+        return [int(r) for r in self._per_batch(self._store.batch_is_exist, keys)]
 
     async def get_blocks(self, keys: Sequence[int]) -> list[tuple[int, list[int]] | None]:
         """Fetch blocks; ``None`` for every block missing or malformed (all of them when
