@@ -123,7 +123,7 @@ def live_run(policy: str, recs: list[TraceRecord], a: argparse.Namespace,
             "ttft_s": [o["ttft_s"] if o["status"] == "ok" else None for o in res["outcomes"]],
             "prefill_choice": choices, "calibration": calibration, "conductor": conductor,
             "decode_leg_mean_s": statistics.fmean(legs) if legs else math.nan,
-            "engine_overhead_s": engine_overhead(decisions)}  # read by the probe
+            "decisions": decisions}
 
 
 def answered_s(record: dict[str, Any]) -> list[float]:
@@ -161,8 +161,7 @@ def overhead_probe(recs: list[TraceRecord], a: argparse.Namespace, prefill: list
             r, timestamp_ms=1000.0 * a.speed * at_s,
             hash_ids=tuple(h + PROBE_HASH_OFFSET for h in r.hash_ids)))
         at_s += 2 * cost.prefill_time(r.input_length) + PROBE_SLACK_S
-    extra: list[float] = live_run("round-robin", probe, a, prefill, decode)["engine_overhead_s"]
-    return extra
+    return engine_overhead(live_run("round-robin", probe, a, prefill, decode)["decisions"])
 
 
 def sim_run(conductor: ConductorConfig, recs: list[TraceRecord],
@@ -246,7 +245,7 @@ def measure(a: argparse.Namespace, recs: list[TraceRecord]) -> dict[str, Any]:
             "conductor": runs[0]["conductor"].model_dump(mode="json"),
             # per request: each run's TTFTs
             "live_runs": [{k: v for k, v in r.items()
-                           if k not in ("prefill_choice", "conductor")}
+                           if k not in ("prefill_choice", "conductor", "decisions")}
                           for r in runs],
         }
     return {"rows": rows, "testbed_overhead_s": overhead, "overhead_prefills": len(overheads)}
