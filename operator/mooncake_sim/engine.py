@@ -516,6 +516,9 @@ class Simulation:
         if not inst.queue and not self._steal(inst, now):
             self._running_rid[inst.iid] = -1
             inst.running_blocks = inst.running_tokens = 0
+            # the answer came, nothing is queued: idle from now, as the gateway counts it
+            # (it drops a prefill's work on its answer), not until the predicted end
+            inst.busy_until = min(inst.busy_until, now)
             return
         item = inst.pop(self._committed_gang(inst))
         req = self.reqs[item.rid]

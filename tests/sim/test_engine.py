@@ -66,6 +66,24 @@ def test_a_serving_stacks_overhead_lengthens_each_prefill_unpredicted() -> None:
     assert s["ttft_mean_s"] - b["ttft_mean_s"] == pytest.approx(1.5 * over)
 
 
+def test_an_instance_whose_prefill_ended_early_is_idle_at_once() -> None:
+    """A prefill that ends before its predicted end with nothing queued behind it leaves
+    its instance idle from its answer on, as the gateway counts it (it drops the
+    prefill's work when the engine answers), not busy until the predicted end: the next
+    request placed there is told it waits nothing."""
+    first = TraceRecord(0.0, 8192, 1, tuple(range(16)))
+    sim = Simulation([first], cfg("least-load", prefill=1, model_bias=-0.5))
+    predicted = sim.cost.prefill_time(8192)
+    # the second arrives after the first ran (half its prediction), before its predicted end
+    later = TraceRecord(1000 * 0.75 * predicted, 4096, 1, tuple(range(100, 108)))
+    sim = Simulation([first, later], cfg("least-load", prefill=1, model_bias=-0.5))
+    sim.run()
+    a, b = sim.reqs
+    assert a.exec_s == pytest.approx(0.5 * predicted)
+    assert b.decision is not None and b.decision.placement.queue_s == 0.0
+    assert b.ttft == pytest.approx(b.exec_s)
+
+
 def test_a_single_token_answer_is_the_prefills() -> None:
     rec = [TraceRecord(0.0, 4096, 1, tuple(range(8)))]
     r = simulate(rec, cfg("least-load", kv_handoff="after-prefill"))
