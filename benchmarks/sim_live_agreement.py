@@ -20,8 +20,10 @@ run; there is no warm-up pass, so both sides start cold.
 **Simulated**: the same cluster in :mod:`mooncake_sim.engine`, with the Conductor
 settings the gateway runs (its model settings, parsed by the gateway's own
 ``ModelSettings``: for ``conductor`` that turns chunked pipeline prefill and priority
-queues off, which the simulated workers cannot run), the workers' KV capacity as each
-prefill instance's cache, and no realism knobs (the workers run the cost model exactly).
+queues off, which the simulated workers cannot run; and work stealing off, as the gateway
+runs it without late binding, :func:`mooncake_gateway.liveconfig.conductor_config`),
+the workers' KV capacity as each prefill instance's cache, and no realism knobs (the
+workers run the cost model exactly).
 
 Per policy: mean TTFT of the served requests, live as the client saw it and simulated;
 the part after the prefill answered (the *decode leg*: the KV hand-off, the decode
@@ -54,8 +56,9 @@ from typing import Any
 
 from mooncake_conductor.cost import CostModel
 from mooncake_conductor.engine import ConductorConfig
+from mooncake_gateway.liveconfig import conductor_config
 from mooncake_gateway.replay import ReplayConfig, replay
-from mooncake_gateway.settings import ModelSettings
+from mooncake_gateway.settings import GatewaySettings, ModelSettings
 from mooncake_sim.engine import SimConfig, Simulation
 from mooncake_sim.trace import (
     TraceRecord,
@@ -103,8 +106,15 @@ def live_run(policy: str, recs: list[TraceRecord], a: argparse.Namespace,
         w.post("/reset_prefix_cache", {})
     cfg = model_config(prefill, decode, max_model_len=a.max_model_len,
                        conductor={"policy": policy})
-    conductor = ModelSettings.model_validate(cfg).conductor  # what the gateway runs
-    with run_gateway([cfg], time_scale=a.time_scale, decisions_kept=DECISIONS_KEPT) as g:
+    gateway = {"time_scale": a.time_scale, "decisions_kept": DECISIONS_KEPT}
+    # what the gateway runs (work stealing only where it can hold prefills)
+    conductor = conductor_config(ModelSettings.model_validate(cfg),
+                                 GatewaySettings.model_validate(gateway))
+    with run_gateway([cfg], **gateway) as g:
+        state = g.state()
+        if state["capabilities"] != conductor.capabilities().on():
+            raise RuntimeError(f"the gateway runs {state['capabilities']}, not the "
+                               f"simulator's {conductor.capabilities().on()}")
         res = asyncio.run(replay(recs, ReplayConfig(
             url=g.url, speed=a.speed / a.time_scale, time_scale=a.time_scale,
             max_output_tokens=a.max_output, keep_outcomes=True)))

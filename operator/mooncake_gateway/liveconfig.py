@@ -10,14 +10,34 @@ from __future__ import annotations
 
 import time
 
-from mooncake_conductor.engine import Conductor
+from mooncake_conductor.engine import Conductor, ConductorConfig
 
+from .handshake import handshake
 from .hottokens import HotPrefixTokens
 from .settings import GatewaySettings, ModelSettings
 
 #: settings of a model that can change without a new runtime (index, keys, membership
 #: untouched): the Conductor is rebuilt, the rest is read per request
 SWAPPABLE_FIELDS = frozenset({"conductor", "direct", "max_model_len", "default_max_tokens"})
+
+
+def late_binding(cfg: ModelSettings, gw: GatewaySettings) -> bool:
+    """Whether this gateway can hold prefills for their turn, so that an idle instance may
+    take one (:mod:`.prefillqueues`): a dispatch depth set, and a handshake that does not
+    send both halves at once (its decode engine already waits for the prefill engine it
+    was told of)."""
+    return gw.prefill_dispatch_depth > 0 and not handshake(cfg.handshake).concurrent
+
+
+def conductor_config(cfg: ModelSettings, gw: GatewaySettings) -> ConductorConfig:
+    """The Conductor settings the gateway runs for ``cfg``: the model's, with work
+    stealing off where the gateway cannot steal (no :func:`late_binding`). What the
+    Conductor reports, and a simulator given these settings, then do what the gateway
+    does: every prefill is sent at once, and none is moved."""
+    c = cfg.conductor
+    if late_binding(cfg, gw) or c.stealing.enabled is False:
+        return c
+    return c.model_copy(update={"stealing": c.stealing.model_copy(update={"enabled": False})})
 
 
 class LiveConfig:
@@ -30,7 +50,7 @@ class LiveConfig:
         self.source = source
         #: wall seconds per modelled second of this model's engines
         self.time_scale = cfg.time_scale or gw.time_scale
-        self.conductor = Conductor(cfg.conductor)
+        self.conductor = Conductor(conductor_config(cfg, self.gw))
         self.cost = self.conductor.cost
         self.hot_tokens = self._hot_tokens()
         self.conductor.hot = self.hot_tokens  # the tracker that also keeps tokens
@@ -57,7 +77,7 @@ class LiveConfig:
         replication settings are unchanged."""
         old = self.conductor
         self.cfg = cfg
-        self.conductor = Conductor(cfg.conductor)
+        self.conductor = Conductor(conductor_config(cfg, self.gw))
         self.cost = self.conductor.cost
         if old.config.replication != cfg.conductor.replication:
             self.hot_tokens = self._hot_tokens()

@@ -26,7 +26,6 @@ from mooncake_conductor.index import PrefixIndex
 from mooncake_conductor.policies.base import Placement
 from mooncake_conductor.state import ClusterState, RequestInfo
 
-from .handshake import handshake
 from .instances import Instance
 from .liveconfig import LiveConfig
 from .membership import Membership
@@ -125,11 +124,10 @@ class PrefillQueues:
 
     @property
     def late_binding(self) -> bool:
-        """Whether prefills wait in the gateway for their turn (work stealing on and a
-        dispatch depth set). Never with a handshake that sends both halves at once: the
-        decode engine is already waiting for the prefill engine it was told of."""
-        return (self.gw.prefill_dispatch_depth > 0 and self.live.conductor.stealing is not None
-                and not handshake(self.live.cfg.handshake).concurrent)
+        """Whether prefills wait in the gateway for their turn: work stealing on, which the
+        gateway's Conductor has only where it can hold prefills
+        (:func:`.liveconfig.conductor_config`)."""
+        return self.live.conductor.stealing is not None
 
     def prefill_started(self, inst: Instance, req: RequestInfo, work_s: float,
                         priority: float, placement: Placement | None = None) -> None:

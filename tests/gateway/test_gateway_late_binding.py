@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from mooncake_conductor.policies.base import Placement
 from mooncake_conductor.state import RequestInfo
+from mooncake_gateway.liveconfig import conductor_config
 from mooncake_gateway.metrics import GatewayMetrics
 from mooncake_gateway.prefillqueues import QueuedPrefill
 from mooncake_gateway.runtime import ModelRuntime
@@ -75,6 +76,23 @@ def test_late_binding_is_off_by_default_and_needs_a_stealing_policy() -> None:
     assert GatewaySettings().prefill_dispatch_depth == 0
     assert not _runtime(stealing=False).queues.late_binding
     assert _runtime().queues.late_binding
+
+
+@pytest.mark.parametrize(("depth", "handshake", "steals"), [
+    (0, "kv-transfer-params", False), (1, "kv-transfer-params", True), (1, "bootstrap", False),
+])
+def test_the_conductor_steals_only_where_the_gateway_can_hold_prefills(
+        depth: int, handshake: str, steals: bool) -> None:
+    """Without late binding (the default depth 0, or a handshake that sends both halves at
+    once) the gateway sends every prefill at once and moves none: its Conductor runs with
+    work stealing off, so what it reports, and a simulator given its settings, do the same."""
+    cfg = ModelSettings(name="m", handshake=handshake, conductor={"policy": "conductor"})
+    gw = GatewaySettings(prefill_dispatch_depth=depth)
+    assert cfg.conductor.capabilities().stealing  # the policy's own default
+    assert conductor_config(cfg, gw).capabilities().stealing is steals
+    rt = ModelRuntime(cfg, gw, GatewayMetrics())
+    assert (rt.conductor.stealing is not None) is steals
+    assert rt.queues.late_binding is steals
 
 
 def test_held_prefills_go_out_one_at_a_time_in_queue_order() -> None:
