@@ -2,6 +2,7 @@ import math
 from typing import Any
 
 import pytest
+from mooncake_conductor.cost import CostModel
 from mooncake_conductor.engine import ConductorConfig
 from mooncake_sim.engine import SimConfig, Simulation, simulate
 from mooncake_sim.synth import generate
@@ -71,12 +72,12 @@ def test_an_instance_whose_prefill_ended_early_is_idle_at_once() -> None:
     its instance idle from its answer on, as the gateway counts it (it drops the
     prefill's work when the engine answers), not busy until the predicted end: the next
     request placed there is told it waits nothing."""
+    predicted = CostModel().prefill_time(8192)  # the simulator's model: the default
     first = TraceRecord(0.0, 8192, 1, tuple(range(16)))
-    sim = Simulation([first], cfg("least-load", prefill=1, model_bias=-0.5))
-    predicted = sim.cost.prefill_time(8192)
     # the second arrives after the first ran (half its prediction), before its predicted end
     later = TraceRecord(1000 * 0.75 * predicted, 4096, 1, tuple(range(100, 108)))
     sim = Simulation([first, later], cfg("least-load", prefill=1, model_bias=-0.5))
+    assert sim.cost.prefill_time(8192) == predicted
     sim.run()
     a, b = sim.reqs
     assert a.exec_s == pytest.approx(0.5 * predicted)
