@@ -574,10 +574,8 @@ def _reading(out: dict[str, Any], ov: dict[tuple[Any, ...], dict[str, Any]],
         f"{_pct(p0['slo_attainment'])} → {_pct(p1['slo_attainment'])}, charged mean TTFT "
         f"{p0['ttft_mean_charged_s']:.3f} → {p1['ttft_mean_charged_s']:.3f} s): long "
         "prompts whose own prefill is predicted near the SLO are refused though most "
-        "would make it. So the Conductor core keeps the paper's rule by default (the "
-        "simulator reproduces the paper), and a `MooncakeCluster` takes the margin unless "
-        "told otherwise (`spec.conductor.ttftMissRisk`, default 0.01; 0: the paper's "
-        "rule): a front door is judged by whether the requests it admits meet their SLOs.",
+        "would make it. So it is an option (`admission_rule.ttft_miss_risk`), off by "
+        "default.",
     ]
     if caps:
         lines.append(

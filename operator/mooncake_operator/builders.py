@@ -312,7 +312,7 @@ def gateway_model(ref: ClusterRef, spec: MooncakeClusterSpec) -> JsonDict:
     if cond.admission is not None:
         conductor["admission"] = cond.admission
     conductor["decode_calibration"] = {"enabled": cond.decode_calibration}
-    if cond.ttft_miss_risk > 0:  # 0: the paper's rule
+    if cond.ttft_miss_risk is not None:
         conductor["admission_rule"] = {"ttft_miss_risk": cond.ttft_miss_risk}
     if cond.shedding is not None:
         conductor["shedding"] = {"enabled": cond.shedding}

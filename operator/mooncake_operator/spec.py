@@ -42,11 +42,6 @@ OWNED_FLAGS = ("--host", "--port", "--model", "--model-path", "--served-model-na
                "--disaggregation-bootstrap-port", "--hicache-storage-backend",
                "--context-length")
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
-#: The admission margin's default chance of a TTFT miss: at 2x and 4x capacity it kept
-#: 100% of the admitted requests within both SLOs in the simulator and 97-99.6% live
-#: (engines at time scale 1), where the paper's rule kept 95-99% and 70-88%
-#: (docs/results/overload.md, docs/results/reliability.md).
-DEFAULT_TTFT_MISS_RISK = 0.01
 #: An engine release: ``0.33.0``, ``0.5.23``, ``0.6.0rc1``, ``0.9.2.post1``.
 ENGINE_VERSION_PATTERN = r"^[0-9]+\.[0-9]+\.[0-9]+((\.post|rc|\.dev)[0-9]+)?$"
 
@@ -433,13 +428,12 @@ class ConductorSpec(_Model):
         "With admission on, a request refused only for decode room waits for room while "
         "it can still meet the TTFT objective, instead of an immediate HTTP 429; default: "
         "the policy's own (conductor with the tbt-lookahead decode selector: on)."))
-    ttft_miss_risk: float = Field(DEFAULT_TTFT_MISS_RISK, ge=0, lt=0.5, description=(
+    ttft_miss_risk: float | None = Field(None, gt=0, lt=0.5, description=(
         "With admission on, admit a request only if its chance of missing the TTFT "
         "objective, from the prefill-time prediction error the gateway measures, is at "
-        "most this: a margin that keeps admitted requests within the SLO under overload "
-        "(docs/results/overload.md); 0: the predicted TTFT against the objective as is "
-        "(the paper's rule, which lets about half of the requests admitted near the "
-        "objective miss it)."))
+        "most this (e.g. 0.01: a margin that keeps admitted requests within the SLO under "
+        "overload, docs/results/overload.md); unset: the predicted TTFT against the "
+        "objective as is (the paper's rule)."))
     decode_calibration: bool = Field(True, description=(
         "Learn how much slower than the cost model the decode engines step, from the TBT "
         "each stream gets through the gateway, and predict decode steps that much slower: "

@@ -134,9 +134,9 @@ def markdown(section: Mapping[str, Any], time_scale: float, max_output_tokens: i
         f"(`{cap['command']}`; {_pct(cap.get('rejected_work_share'))} of the work rejected "
         f"there). On the wall clock the engines run at time scale {time_scale:g}. SLOs: TTFT "
         f"{section['ttft_slo_s']:g} s, TBT {1000 * section['tbt_slo_s']:g} ms (the example's). "
-        "*prediction* is the paper's rule (`spec.conductor.ttftMissRisk: 0`); *margin* "
-        "admits only with at most `ttftMissRisk` chance of a TTFT miss, from the error the "
-        "gateway measures (a cluster's default since 2026-12-07: 0.01).",
+        "*prediction* is the paper's rule (the default); *margin* adds "
+        "`spec.conductor.ttftMissRisk` (admit only with at most that chance of a TTFT miss, "
+        "from the error the gateway measures).",
         "",
         "| load | admission | requests | rejected (429) | failed | admitted within SLO | "
         "within TTFT | within TBT | TTFT p50 / p99 | TBT p99 | 429 answer p50 / p99 / max "
