@@ -277,10 +277,20 @@ def _install(tools: Tools, st: DemoSettings, embedded: bool) -> None:
               f"helm status {st.release} -n {ns}; kubectl -n {ns} describe pods")
 
 
-def _apply_example(tools: Tools, st: DemoSettings, facts: ExampleFacts) -> None:
-    tools.k("apply", "-n", st.namespace, "-f", str(st.example),
-            obj=f"mooncakecluster/{facts.name}",
-            fix=f"kubectl -n {st.namespace} apply -f {st.example}")
+def apply_example(tools: Tools, st: DemoSettings, facts: ExampleFacts) -> None:
+    """Make the cluster's ``MooncakeCluster`` the example, field for field.
+
+    A second demo reuses the cluster, so the object may be there already. ``kubectl
+    apply`` would keep every field the example does not name, among them the values an
+    older CRD's defaults wrote into the stored object (a since-removed default of
+    ``conductor.ttftMissRisk`` then kept the admission margin on in every later demo);
+    a replace stores the example as it is, with the current CRD's defaults."""
+    obj = f"mooncakecluster/{facts.name}"
+    fix = f"kubectl -n {st.namespace} replace -f {st.example}"
+    there = tools.k("get", "-n", st.namespace, "mooncakecluster", facts.name,
+                    "--ignore-not-found", "-o", "name", obj=obj, fix=fix).strip()
+    tools.k("replace" if there else "create", "-n", st.namespace, "-f", str(st.example),
+            obj=obj, fix=fix)
     _set_policy(tools, st, facts, "conductor")
 
 
@@ -359,8 +369,10 @@ def _gateway_url(tools: Tools, st: DemoSettings, embedded: bool) -> Iterator[str
             proc.wait(5)
 
 
-def _wait_gateway(url: str, facts: ExampleFacts, st: DemoSettings, policy: str) -> None:
-    """Until the gateway serves the model with ``policy`` and every instance routable."""
+def _wait_gateway(url: str, facts: ExampleFacts, st: DemoSettings,
+                  policy: str) -> dict[str, Any]:
+    """Until the gateway serves the model with ``policy`` and every instance routable:
+    then the model's ``/conductor/state``."""
     deadline = time.monotonic() + st.switch_timeout_s
     seen = "no answer"
     while time.monotonic() < deadline:
@@ -370,7 +382,7 @@ def _wait_gateway(url: str, facts: ExampleFacts, st: DemoSettings, policy: str) 
             routable = [i for i in reg["instances"] if i.get("routable")]
             seen = f"policy {state['policy']}, {len(routable)} routable instances"
             if state["policy"] == policy and routable:
-                return
+                return dict(state)
         except (OSError, urllib.error.URLError, KeyError, IndexError, ValueError) as exc:
             seen = f"{type(exc).__name__}: {exc}"
         time.sleep(0.5)
@@ -408,6 +420,20 @@ ROWS: tuple[tuple[str, str, str, float], ...] = (
     ("slo_attainment", "SLO attainment", "%", 100.0),
     ("token_hit_ratio", "prompt tokens from cache", "%", 100.0),
 )
+
+
+def admission_note(admission: dict[str, Any]) -> str:
+    """How the Conductor refused requests in the demo, from its ``/conductor/state``."""
+    if not admission.get("on"):
+        return "conductor admitted every request (admission off)"
+    if admission.get("rule") != "prediction":
+        return f"conductor refused on the {admission.get('rule')} rule"
+    note = "conductor refused a request whose predicted TTFT broke the SLO (the paper's rule)"
+    risk = admission.get("ttft_miss_risk")
+    if risk is not None:
+        note += (f", with a margin for the prediction error (spec.conductor.ttftMissRisk "
+                 f"{risk:g})")
+    return note
 
 
 def format_report(results: list[dict[str, Any]]) -> str:
@@ -505,18 +531,21 @@ def run(st: DemoSettings, use_current_context: bool, con: Console) -> int:
         _install(tools, st, embedded)
     shown = st.example.relative_to(REPO) if st.example.is_relative_to(REPO) else st.example
     with con.step(f"Applying {shown}"):
-        _apply_example(tools, st, facts)
+        apply_example(tools, st, facts)
     with con.step(f"Waiting for mooncakecluster/{facts.name} to be Ready"):
         _wait_ready(tools, st, facts, con)
         con.say(tools.k("get", "-n", st.namespace, "mooncakecluster", facts.name,
                         obj=f"mooncakecluster/{facts.name}").rstrip().replace("\n", "\n      "))
     results = []
+    admission: dict[str, Any] = {}
     with _gateway_url(tools, st, embedded) as url:
         for policy in ("conductor", st.baseline):
             with con.step(f"Replaying {len(records)} requests with {policy} via {url} "
                           f"(speed {speed:.2f}x, time scale {facts.time_scale:g})"):
                 _set_policy(tools, st, facts, policy)
-                _wait_gateway(url, facts, st, policy)
+                state = _wait_gateway(url, facts, st, policy)
+                if policy == "conductor":
+                    admission = state.get("admission") or {}
                 res = _replay(url, records, facts, st, speed, con, policy)
                 con.say(f"{res['completed']} completed, {res['rejected']} rejected, "
                         f"{res['failed']} failed, TTFT mean {res['ttft_mean_s']:.2f} s")
@@ -529,13 +558,15 @@ def run(st: DemoSettings, use_current_context: bool, con: Console) -> int:
         plot_ttft(results, facts.ttft_slo_s, png)
         settings = {"requests": len(records), "speed": speed, "utilization": st.utilization,
                     "time_scale": facts.time_scale, "ttft_slo_s": facts.ttft_slo_s,
-                    "tbt_slo_s": facts.tbt_slo_s, "cluster": facts.name}
+                    "tbt_slo_s": facts.tbt_slo_s, "cluster": facts.name,
+                    "conductor_admission": admission}
         (st.out_dir / "results.json").write_text(json.dumps(
             {"settings": settings, "results": results}, indent=2, default=str) + "\n")
         (st.out_dir / "report.txt").write_text(report + "\n")
     print(f"\n{report}\n\nTTFT/TBT in modelled seconds (engines at time scale "
           f"{facts.time_scale:g}); SLO: TTFT <= {facts.ttft_slo_s:g} s and TBT <= "
-          f"{1000 * facts.tbt_slo_s:g} ms, rejected and failed requests count as misses.\n"
+          f"{1000 * facts.tbt_slo_s:g} ms, rejected and failed requests count as misses; "
+          f"{admission_note(admission)}.\n"
           f"Wrote {png}, {st.out_dir / 'results.json'}; total "
           f"{time.monotonic() - con.started:.0f} s. The cluster stays up: kubectl -n "
           f"{st.namespace} get mooncakeclusters"

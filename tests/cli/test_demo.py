@@ -1,6 +1,6 @@
 """The demo's pure parts: what it reads from the example, the replay speed it picks, the
-report it prints and plots, and how a failed step is reported (no cluster needed; the
-whole demo runs in tests/cli/test_demo_cluster.py)."""
+report it prints and plots, and how a failed step is reported (no cluster needed; how it
+writes the example into a cluster: tests/cli/test_demo_cluster.py)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,18 @@ def test_report_puts_policies_side_by_side_with_the_ratio() -> None:
     assert "100.0%" in slo and "50.0%" in slo and slo.split()[-1] == "2.00x"
     rej = next(line for line in lines if line.startswith("rejected"))
     assert rej.split()[-2:] == ["2", "0.00x"]
+
+
+def test_the_report_says_how_the_conductor_admitted() -> None:
+    paper = demo.admission_note({"on": True, "rule": "prediction", "ttft_miss_risk": None})
+    assert "paper's rule" in paper and "margin" not in paper
+    margin = demo.admission_note({"on": True, "rule": "prediction", "ttft_miss_risk": 0.01})
+    assert "paper's rule" in margin and "ttftMissRisk 0.01" in margin
+    assert "current-load" in demo.admission_note({"on": True, "rule": "current-load"})
+    off = demo.admission_note({"on": False, "rule": "prediction"})
+    assert "admitted every request" in off
+    # a gateway that did not say: not claimed to refuse
+    assert "admitted every request" in demo.admission_note({})
 
 
 def test_report_shows_nothing_served_as_a_dash() -> None:
