@@ -55,7 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="salt folded into the block-key namespace (the gateway's must match)")
     p.add_argument("--cache-tokens", type=int, default=None,
                    help="KV cache capacity in tokens (default: from the cost model)")
-    p.add_argument("--chunked-prefill-tokens", type=int, default=0)
+    p.add_argument("--chunked-prefill-tokens", type=int,
+                   default=d["chunked_prefill_tokens"].default,
+                   help="prefill tokens per engine step at most (vLLM's max_num_batched_tokens; "
+                   "0: every admitted prompt whole in one step)")
     p.add_argument("--prefill-noise", type=float, default=d["prefill_noise"].default,
                    help="sigma of a per-request log-normal factor on prefill time (0: exactly "
                    "the cost model; the scheduler's predictions are then perfect)")

@@ -52,7 +52,11 @@ class WorkerSettings(BaseModel):
         1.0, ge=0, description="multiplier on modelled times; 0 = never sleep"
     )
     chunked_prefill_tokens: int = Field(
-        0, ge=0, description="prefill tokens per engine step at most (0: whole prompt at once)"
+        8192, ge=0, description="prefill tokens per engine step at most, shared by the "
+        "prompts in it in arrival order, as vLLM's max_num_batched_tokens (its default for "
+        "`vllm serve` on an 80 GB GPU other than an A100, the cost model's A800; 0: every "
+        "admitted prompt whole in one step, which makes the first of a burst wait for the "
+        "last)"
     )
     cost: CostModelConfig = CostModelConfig()
     warm_kernels: bool = Field(

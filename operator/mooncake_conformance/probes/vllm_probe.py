@@ -12,6 +12,8 @@ own interpreter; see ``_probe.py`` for the protocol). Checked on vLLM 0.33.
   ``--kv-events-config``, publishes batches of vLLM's own event classes in every shape
   their annotations allow; the test's subscriber reads them.
 - ``metrics``: every metric vLLM's ``PrometheusStatLogger`` defines.
+- ``batch_defaults``: the step budget and running cap ``vllm serve`` defaults to on a
+  given GPU (``EngineArgs.get_batch_defaults``).
 """
 
 from __future__ import annotations
@@ -296,6 +298,55 @@ def events(req: dict[str, Any]) -> dict[str, Any]:
         "media": media})
 
 
+# -- scheduler defaults ----------------------------------------------------------------------
+def batch_defaults(req: dict[str, Any]) -> dict[str, Any]:
+    """For each of ``req["devices"]`` (``memory_bytes``, ``device_name``, ``capability``,
+    ``world_size``): the step budget (``max_num_batched_tokens``) and running cap
+    (``max_num_seqs``) that ``vllm serve`` picks when neither is set. That is
+    ``EngineArgs.get_batch_defaults`` itself, with the platform's answers about the device
+    given (no GPU here)."""
+    import vllm.engine.arg_utils as arg_utils
+    from vllm.usage.usage_lib import UsageContext
+
+    server = UsageContext.OPENAI_API_SERVER
+    saved = arg_utils.current_platform
+    out = []
+    try:
+        for dev in req["devices"]:
+            arg_utils.current_platform = _Gpu(dev)
+            world = int(dev["world_size"])
+            tokens, seqs = stage("batch_defaults", lambda w=world: arg_utils.EngineArgs
+                                 .get_batch_defaults(world_size=w))
+            out.append({"max_num_batched_tokens": tokens[server], "max_num_seqs": seqs[server]})
+    finally:
+        arg_utils.current_platform = saved
+    return {"defaults": out}
+
+
+class _Gpu:
+    """What vLLM's platform would say about one GPU (the questions get_batch_defaults asks)."""
+
+    def __init__(self, dev: dict[str, Any]) -> None:
+        self.dev = dev
+        self.capability = tuple(dev["capability"])
+
+    def get_device_total_memory(self, device_id: int = 0) -> int:
+        return int(self.dev["memory_bytes"])
+
+    def get_device_name(self, device_id: int = 0) -> str:
+        return str(self.dev["device_name"])
+
+    def is_device_capability(self, cap: Any, device_id: int = 0) -> bool:
+        major, minor = self.capability
+        return bool(cap == self.capability or cap == major * 10 + minor)
+
+    def is_tpu(self) -> bool:
+        return False
+
+    def is_cpu(self) -> bool:
+        return False
+
+
 # -- metrics ---------------------------------------------------------------------------------
 def metrics(req: dict[str, Any]) -> dict[str, Any]:
     from prometheus_client import REGISTRY
@@ -329,4 +380,4 @@ if __name__ == "__main__":
     sys.setrecursionlimit(10000)
     _cpu_platform()
     main({"cli": cli, "pd": pd, "events": events, "metrics": metrics,
-          "store_reads": store_reads, "model": model})
+          "store_reads": store_reads, "model": model, "batch_defaults": batch_defaults})
