@@ -129,6 +129,36 @@ def test_chunked_prefill_splits_the_prompt() -> None:
     assert asyncio.run(main()) == 4  # ceil(1000 / 256) prefill steps, first token in the last
 
 
+def test_prompts_admitted_together_are_computed_in_arrival_order() -> None:
+    """With a step budget, a prompt admitted behind another waits for its first chunk:
+    ``computing`` (what the P/D store write waits for) comes then, not at admission; and
+    the first prompt's answer does not wait for the second's compute (vLLM's FCFS chunks,
+    not one step for every admitted prompt)."""
+    async def main() -> None:
+        e = engine(time_scale=0, chunked_prefill_tokens=256)
+        first = e.submit(list(range(1000, 1500)), 1)
+        second = e.submit(list(range(3000, 3500)), 1)
+        e.step_plan()  # both admitted; 256 tokens of the first
+        assert first.computing.is_set() and not second.computing.is_set()
+        e.step_emit()
+        e.step_plan()  # the first's last 244 tokens and 12 of the second
+        assert second.computing.is_set()
+        e.step_emit()
+        assert first.finished and not second.finished
+
+    asyncio.run(main())
+
+
+def test_a_prompt_with_nothing_to_compute_counts_as_computing_once_admitted() -> None:
+    async def main() -> None:
+        e = engine(time_scale=0, chunked_prefill_tokens=256)
+        seq = e.submit([], 1)
+        e.step_plan()
+        assert seq.computing.is_set()
+
+    asyncio.run(main())
+
+
 def test_time_scale_zero_never_sleeps() -> None:
     async def main() -> float:
         e = engine(time_scale=0)

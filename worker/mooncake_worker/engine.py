@@ -65,8 +65,9 @@ class EngineSeq:
     noise: float = 1.0
     #: its prompt's KV was pulled from a remote prefill (the decode half of a P/D pair)
     pulled: bool = False
-    #: set when it is admitted to the running batch (its prefill begins)
-    admitted: asyncio.Event = field(default_factory=asyncio.Event)
+    #: set when a step first computes part of its prompt (at admission if nothing is left
+    #: to compute): with a step budget, admitted prompts can wait several steps for it
+    computing: asyncio.Event = field(default_factory=asyncio.Event)
     first_token_at: float | None = None
     last_token_at: float = 0.0
     finish_reason: str | None = None
@@ -247,7 +248,8 @@ class Engine:
                 seq.noise = self._noise.lognormvariate(0.0, self.settings.prefill_noise)
             self.observer.on_prefix_query(n, seq.cached_tokens)
             self.running.append(seq)
-            seq.admitted.set()
+            if seq.computed >= n:
+                seq.computing.set()
 
     def _grow_to(self, seq: EngineSeq, ntokens: int) -> None:
         """Make sure ``seq`` holds blocks for ``ntokens`` tokens; cache the full ones."""
@@ -293,6 +295,7 @@ class Engine:
                     continue
                 chunk = min(n - seq.computed, budget)
                 budget -= chunk
+                seq.computing.set()
                 seconds += seq.noise * cost.prefill_time(seq.computed + chunk, seq.computed,
                                                          seq.computed)
                 seq.computed += chunk

@@ -481,11 +481,14 @@ class Worker:
 
     # -- P/D handshake --------------------------------------------------------------------
     async def _hold_for_transfer(self, seq: EngineSeq, keys: list[int]) -> int:
-        """Prefill side: once ``seq`` runs, make the prompt's blocks available to the
-        decode engine (in the store); the number newly stored."""
+        """Prefill side: once a step computes ``seq``'s prompt, make the prompt's blocks
+        available to the decode engine (in the store); the number newly stored. Not at
+        admission: prompts admitted together but computed one after another (the step
+        budget) would otherwise queue their writes ahead of the prompt being computed,
+        whose answer waits for its own."""
         if self.store is None:
             return 0
-        await seq.admitted.wait()
+        await seq.computing.wait()
         bs, prompt = self.engine.block_size, seq.prompt
         return await self.store.put_blocks(
             keys, [prompt[i * bs : (i + 1) * bs] for i in range(len(keys))])
