@@ -1032,18 +1032,18 @@ def shortfalls(doc: JsonDict) -> list[str]:
 
 
 def _miss_split(rows: list[JsonDict]) -> str:
-    """Which SLO the admitted requests of ``rows`` missed more: the share of them that
-    missed TTFT and TBT, as ranges over the rows, the larger first."""
-    def span(key: str) -> tuple[float, float, str]:
-        vals = [1.0 - r[key] for r in rows]
-        lo, hi = min(vals), max(vals)
-        text = f"{lo:.1%}" if round(lo, 3) == round(hi, 3) else f"{lo:.1%}–{hi:.1%}"
-        return sum(vals), hi, text
+    """Which SLO the admitted requests of ``rows`` missed more (by the sum over the rows,
+    then the worst row): the share of them that missed TTFT and TBT, as ranges over the
+    rows, the larger first."""
+    missed = {slo: [1.0 - r[f"within_{slo.lower()}"] for r in rows] for slo in ("TTFT", "TBT")}
 
-    ttft, tbt = span("within_ttft"), span("within_tbt")
-    parts = sorted([(ttft, "TTFT"), (tbt, "TBT")], key=lambda p: p[0][:2], reverse=True)
-    return (f"mostly {parts[0][1]}: {parts[0][1]} {parts[0][0][2]} of them, "
-            f"{parts[1][1]} {parts[1][0][2]}")
+    def span(slo: str) -> str:
+        lo, hi = min(missed[slo]), max(missed[slo])
+        return f"{lo:.1%}" if round(lo, 3) == round(hi, 3) else f"{lo:.1%}–{hi:.1%}"
+
+    first, second = sorted(missed, key=lambda slo: (sum(missed[slo]), max(missed[slo])),
+                           reverse=True)
+    return f"mostly {first}: {first} {span(first)} of them, {second} {span(second)}"
 
 
 def overload_sections(doc: JsonDict) -> list[JsonDict]:
