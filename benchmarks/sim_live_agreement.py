@@ -12,7 +12,8 @@ within the trace's 3 s rounding step (seed 0) so that live and simulated request
 in one order and a policy's random draws fall on the same requests in both.
 
 **Live**: a real ``mooncake_master``, ``--instances`` prefill and as many decode
-simulated workers at ``--time-scale`` (prefill workers one prompt at a time, FIFO), the
+simulated workers at ``--time-scale`` (stepping prompts in arrival order through vLLM's
+default budget of 8192 tokens, one forward pass per step), the
 gateway with that policy, and the slice replayed at ``--speed`` (modelled) by
 ``mooncake-operator replay``'s client. Every engine's prefix cache is emptied before each
 run; there is no warm-up pass, so both sides start cold.

@@ -9,22 +9,10 @@ decode instance of :mod:`mooncake_sim.engine`), running continuous batching with
   is filled with prefill chunks, first of the requests already mid-prefill, then of waiting
   requests in arrival order. A request's first token comes out at the end of the step that
   runs its last chunk (TTFT = that time minus arrival); it decodes from the next step on.
-- **Step time** (cost model primitives, :func:`mixed_step_time`). With ``B`` running
-  decodes holding ``C`` tokens of KV and prefill chunks carrying ``x`` new tokens in all,
-  chunk ``i`` having ``c_i`` new tokens after ``p_i`` tokens of its prompt already in KV:
-
-  - no prefill (``x = 0``): ``decode_step_time(B, C)`` = ``o_d + max((W + C*kv)/HBM,
-    (2*params*B + 4*l*d*C)/(G*decode_mfu))``, the cost model's decode step;
-  - with prefill: ``o_p + F/(G*mfu(x)) + max(C*kv/HBM, (2*params*B + 4*l*d*C)/(G*decode_mfu))``
-    with ``F = sum_i flops(p_i + c_i) - flops(p_i)`` (the chunks' FLOPs, attention to
-    their prior context included) at the cost model's MFU curve for ``x`` new tokens. The
-    weight read is inside the MFU curve (small passes are memory-bound) and shared by the
-    decode tokens, which add their own KV reads or FLOPs: **a decode step that carries a
-    chunk takes the chunk's time on top of its own** — the interference the paper's claim
-    rests on. A step with one chunk and no decodes costs exactly
-    ``prefill_compute_time(p + c, p)``; the fixed cost is the prefill pass's (the larger);
-  - loading cached prefixes from host memory (``h2d_time``) overlaps the pass layer by
-    layer, as in the cost model's ``prefill_time``: the step takes the larger of the two.
+- **Step time**: one forward pass for the step's chunks and decodes,
+  :func:`mooncake_conductor.stepcost.mixed_step_time` (the simulated worker prices its
+  steps the same way). **A decode step that carries a chunk takes the chunk's time on top
+  of its own** — the interference the paper's claim rests on.
 
   Between arrivals, joins and finishes a pure-decode batch is constant, so steps advance
   in runs of at most ``chunk_steps`` at the step time of the run's start (as
@@ -65,6 +53,7 @@ from typing import Any, Literal
 
 from mooncake_conductor.cost import CostModel, CostModelConfig
 from mooncake_conductor.policies.base import SLOConfig
+from mooncake_conductor.stepcost import decode_share_time, mixed_step_time
 from pydantic import BaseModel, ConfigDict, Field
 
 from .colocated_route import InstanceLoad, LlmdWeights, SGLangRule, make_router
@@ -110,30 +99,6 @@ class ColocatedConfig(BaseModel):
     chunk_steps: int = Field(DEFAULT_CHUNK_STEPS, gt=0,
                              description="longest pure-decode run at constant step time")
     cost: CostModelConfig = CostModelConfig()
-
-
-def decode_share_time(cost: CostModel, batch: int, context_tokens: int) -> float:
-    """What ``batch`` decodes with ``context_tokens`` of KV add to a pass that already
-    reads the weights: their KV reads or their FLOPs, whichever is larger."""
-    if batch <= 0:
-        return 0.0
-    _, kv_bytes, hbm, flops_seq, attn_ctx, peak, _ = cost.decode_constants()
-    mem = context_tokens * kv_bytes / hbm
-    compute = (batch * flops_seq + context_tokens * attn_ctx) / peak
-    return max(mem, compute)
-
-
-def mixed_step_time(cost: CostModel, batch: int, context_tokens: int, prefill_flops: float,
-                    prefill_tokens: int, load_tokens: int = 0) -> float:
-    """One engine step: ``batch`` decodes holding ``context_tokens`` of KV, prefill chunks
-    of ``prefill_tokens`` new tokens costing ``prefill_flops``, and ``load_tokens`` of
-    cached prefix loaded from host memory during the pass (formula in the module doc)."""
-    if prefill_tokens <= 0:
-        step = cost.decode_step_time(batch, context_tokens)
-    else:
-        step = (cost.prefill_overhead_s + prefill_flops / cost.prefill_flops_rate(prefill_tokens)
-                + decode_share_time(cost, batch, context_tokens))
-    return max(step, cost.h2d_time(load_tokens)) if load_tokens > 0 else step
 
 
 @dataclass(slots=True)

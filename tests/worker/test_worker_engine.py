@@ -9,6 +9,7 @@ import time
 
 import pytest
 from mooncake_conductor.cost import CostModel
+from mooncake_conductor.stepcost import decode_share_time, mixed_step_time
 from mooncake_contract.kvevents.codec import BlockRemoved, BlockStored, KVEvent
 from mooncake_worker.engine import Engine, EngineObserver, QueueFull, TooLarge
 from mooncake_worker.kvcache import PrefixCache
@@ -96,8 +97,11 @@ def test_a_pulled_prompt_recomputes_its_last_token_in_the_decode_step(pulled: bo
     if pulled:
         assert step == pytest.approx(COST.decode_step_time(2, n + 101))
     else:
+        # one pass: the chunk's prefill plus what the running decode adds to it
         assert step == pytest.approx(COST.prefill_time(n, 16 * 40, 16 * 40)
-                                     + COST.decode_step_time(1, 101))
+                                     + decode_share_time(COST, 1, 101))
+        assert step < (COST.prefill_time(n, 16 * 40, 16 * 40)
+                       + COST.decode_step_time(1, 101))
 
 
 def test_continuous_batching_runs_sequences_together() -> None:
@@ -113,7 +117,8 @@ def test_continuous_batching_runs_sequences_together() -> None:
         return time.monotonic() - t0
 
     elapsed = asyncio.run(main())
-    one = (8 * COST.prefill_time(32) + 29 * COST.decode_step_time(8, 8 * 62)) * scale
+    prefill = mixed_step_time(COST, 0, 0, 8 * COST.flops(32), 8 * 32)  # one pass for all 8
+    one = (prefill + 29 * COST.decode_step_time(8, 8 * 62)) * scale
     assert elapsed < one * 3  # sequential service would take about 8 times as long
     assert elapsed > one * 0.9
 
@@ -147,6 +152,29 @@ def test_prompts_admitted_together_are_computed_in_arrival_order() -> None:
         assert first.finished and not second.finished
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("sigma", [0.0, 0.5])
+def test_prompts_in_one_step_are_one_pass(sigma: float) -> None:
+    """Chunks of several prompts in one step are one forward pass, as in vLLM: one fixed
+    cost and the MFU of all their new tokens, each prompt's FLOPs weighed by its own
+    noise factor (not one pass per prompt, which costs more)."""
+    lengths = (1000, 3000, 2000)
+
+    async def main() -> tuple[float, list[float]]:
+        e = engine(time_scale=0, prefill_noise=sigma, noise_seed=3)
+        seqs = [e.submit(list(range(10_000 * (i + 1), 10_000 * (i + 1) + n)), 1)
+                for i, n in enumerate(lengths)]
+        step = e.step_plan()
+        assert all(s.computed == len(s.prompt) for s in seqs)
+        return step, [s.noise for s in seqs]
+
+    step, noise = asyncio.run(main())
+    work = [COST.flops(n) for n in lengths]
+    factor = sum(f * w for f, w in zip(noise, work, strict=True)) / sum(work)
+    assert step == pytest.approx(factor * mixed_step_time(COST, 0, 0, sum(work), sum(lengths)))
+    if not sigma:
+        assert step < 0.9 * sum(COST.prefill_time(n) for n in lengths)
 
 
 def test_a_prompt_with_nothing_to_compute_counts_as_computing_once_admitted() -> None:

@@ -1,10 +1,13 @@
 """The simulated engine: admission, chunked prefill and a continuous-batching decode loop.
 
-One asyncio task (:meth:`Engine.run`) steps every running sequence. A step's modelled
-duration is the cost model's prefill time of the prompt tokens computed in it plus one
-decode step of the sequences already past prefill, times ``time_scale`` (0: no sleep,
-only a yield to the event loop). With ``prefill_noise`` sigma > 0 each request's prefill
-time is the model's times its own log-normal factor (median 1), so that the model the
+One asyncio task (:meth:`Engine.run`) steps every running sequence. Like vLLM's
+scheduler, a step runs the prompt chunks that fit its token budget (``chunked_prefill_tokens``,
+in arrival order) and one token of every sequence already past prefill, as **one forward
+pass**: its modelled duration is :func:`mooncake_conductor.stepcost.mixed_step_time` (one
+fixed cost, the MFU of all the step's new tokens, what the decodes add), times
+``time_scale`` (0: no sleep, only a yield to the event loop). With ``prefill_noise`` sigma
+> 0 each request's prefill takes its own log-normal factor (median 1) times the model's
+time (a step of several prompts: their FLOP-weighted mean factor), so that the model the
 gateway predicts with is wrong per request, as a real engine's is. Steps are paced
 against a deadline so that loop overhead does not add up.
 """
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 
 from mooncake_conductor.blockkeys import block_keys, namespace_seed
 from mooncake_conductor.cost import CostModel
+from mooncake_conductor.stepcost import decode_share_time, mixed_step_time
 from mooncake_contract.kvevents.codec import KVEvent
 from mooncake_contract.tokenizer import advance, context_state, next_token
 
@@ -282,7 +286,8 @@ class Engine:
         self._admit()
         budget = self.settings.chunked_prefill_tokens or 1 << 62
         cost = self.cost
-        seconds = 0.0
+        flops = noisy_flops = 0.0
+        new_tokens = 0
         decoding = 0
         context = 0
         for seq in self.running:
@@ -296,16 +301,22 @@ class Engine:
                 chunk = min(n - seq.computed, budget)
                 budget -= chunk
                 seq.computing.set()
-                seconds += seq.noise * cost.prefill_time(seq.computed + chunk, seq.computed,
-                                                         seq.computed)
+                work = cost.flops(seq.computed + chunk) - cost.flops(seq.computed)
+                flops += work
+                noisy_flops += seq.noise * work
+                new_tokens += chunk
                 seq.computed += chunk
                 self._grow_to(seq, seq.computed)
             else:
                 decoding += 1
                 context += len(seq.tokens)
-        if decoding:
-            seconds += cost.decode_step_time(decoding, context)
-        return seconds
+        if not new_tokens:
+            return cost.decode_step_time(decoding, context) if decoding else 0.0
+        # one pass for every chunk, its time the FLOP-weighted mean of their noise factors
+        # times the model's (a lone prompt: its own factor times its prefill time)
+        factor = noisy_flops / flops if flops > 0 else 1.0
+        return (factor * mixed_step_time(cost, 0, 0, flops, new_tokens)
+                + decode_share_time(cost, decoding, context))
 
     def step_emit(self) -> None:
         """After the step's time passed: emit a token for every sequence that has one."""
