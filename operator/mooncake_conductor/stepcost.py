@@ -16,7 +16,9 @@ from the cost model's primitives (:class:`~mooncake_conductor.cost.CostModel`):
   cost model's ``prefill_time``: the step takes the larger of the two.
 
 So a step of eight 1,000-token prompts costs one pass of 8,000 new tokens (one fixed
-cost, the MFU of 8,000 tokens), not eight passes of 1,000.
+cost, the MFU of 8,000 tokens), not eight passes of 1,000. The other way round, a prompt
+longer than the step budget runs as several passes (:func:`chunked_prefill_time`), each
+with its own fixed cost.
 """
 
 from __future__ import annotations
@@ -46,3 +48,20 @@ def mixed_step_time(cost: CostModel, batch: int, context_tokens: int, prefill_fl
         step = (cost.prefill_overhead_s + prefill_flops / cost.prefill_flops_rate(prefill_tokens)
                 + decode_share_time(cost, batch, context_tokens))
     return max(step, cost.h2d_time(load_tokens)) if load_tokens > 0 else step
+
+
+def chunked_prefill_time(cost: CostModel, n: int, cached: int, chunk_tokens: int,
+                         cached_in_hbm: int = 0) -> float:
+    """A prompt of ``n`` tokens (``cached`` of them reused) alone on an engine whose steps
+    carry at most ``chunk_tokens`` new tokens: ``ceil(new / chunk_tokens)`` passes, each
+    the prefill of its chunk with the prompt's earlier tokens in KV (a fixed cost per pass,
+    the MFU of the chunk). Loading the cached prefix from host memory overlaps the passes.
+    ``chunk_tokens`` 0, or a prompt that fits one step: ``cost.prefill_time``."""
+    cached = min(max(cached, 0), n)
+    if chunk_tokens <= 0 or n - cached <= chunk_tokens:
+        return cost.prefill_time(n, cached, cached_in_hbm)
+    compute = 0.0
+    for start in range(cached, n, chunk_tokens):
+        compute += cost.prefill_compute_time(min(n, start + chunk_tokens), start)
+    load = cost.h2d_time(cached - min(cached_in_hbm, cached))
+    return compute if compute >= load else load

@@ -36,7 +36,10 @@ Realism, off by default and on in the presets (``SimConfig``), the same for ever
 - **Prediction error**: a prompt runs for the cost model's prediction times a per-request
   lognormal factor (median 1, ``prediction_error`` = sigma), times ``1 + model_bias`` (a
   systematic error, e.g. the true MFU off the configured one; decode steps too), plus
-  ``prefill_overhead_s`` (a serving stack's own time per prefill, none of it predicted). Policies
+  ``prefill_overhead_s`` (a serving stack's own time per prefill, none of it predicted).
+  With ``engine_chunk_tokens`` a prompt longer than that budget runs as several passes
+  (:func:`~mooncake_conductor.stepcost.chunked_prefill_time`), as a vLLM engine with
+  chunked prefill runs it; predictions stay one pass per prompt. Policies
   see predictions only: an instance's ``busy_until`` is the predicted end, corrected when
   the completion arrives.
 - **NIC contention**: prefix fetches and hot-prefix copies queue on the sending and the
@@ -82,6 +85,7 @@ from mooncake_conductor.engine import Conductor, ConductorConfig, Decision
 from mooncake_conductor.index import DRAM, STORE, PrefixIndex
 from mooncake_conductor.policies.base import Placement
 from mooncake_conductor.state import ClusterState, DecodeState, PrefillState, RequestInfo
+from mooncake_conductor.stepcost import chunked_prefill_time
 from mooncake_conductor.topology import assign_places
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -128,6 +132,10 @@ class SimConfig(BaseModel):
         0.0, ge=0, le=MAX_PREFILL_OVERHEAD_S,
         description="seconds every prefill runs beyond the model, unpredicted (a serving "
         "stack's own time: HTTP hops, scheduling; 0: none)")
+    engine_chunk_tokens: int = Field(
+        0, ge=0, description="prefill engines' step budget (vLLM's max_num_batched_tokens): "
+        "a longer prompt runs as several passes, each with its own fixed cost, unpredicted "
+        "(0: one pass per prompt, the paper's engines)")
     event_lag_ms: float = Field(
         0.0, ge=0, description="delay before the index sees blocks an instance stored, ms")
     nic_contention: bool = Field(
@@ -534,8 +542,9 @@ class Simulation:
         reuse, start = self._reuse_at_start(req, inst.iid, now)
         cached = info.tokens_of(reuse)
         predicted = self.conductor.cost.prefill_time(info.input_tokens, cached)
-        dur = (self.cost.prefill_time(info.input_tokens, cached) * float(self._factor[item.rid])
-               + self.cfg.prefill_overhead_s)
+        dur = (chunked_prefill_time(self.cost, info.input_tokens, cached,
+                                    self.cfg.engine_chunk_tokens)
+               * float(self._factor[item.rid]) + self.cfg.prefill_overhead_s)
         req.reused_tokens = cached
         req.exec_s = dur
         req.predicted_s = predicted

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from mooncake_conductor.cost import CostModel
-from mooncake_conductor.stepcost import decode_share_time, mixed_step_time
+from mooncake_conductor.stepcost import chunked_prefill_time, decode_share_time, mixed_step_time
 
 COST = CostModel()
 
@@ -44,3 +44,25 @@ def test_a_step_of_several_prompts_is_one_pass_not_one_per_prompt() -> None:
     assert step < 0.85 * one_pass_each
     # ... yet never cheaper than the FLOPs at the MFU ceiling
     assert step > flops / (COST.config.hardware.peak_flops * COST.config.efficiency.mfu_max)
+
+
+@pytest.mark.parametrize(("n", "cached"), [(1000, 0), (8192, 0), (8193, 0), (30_000, 0),
+                                           (30_000, 12_000), (30_000, 25_000)])
+def test_a_prompt_longer_than_the_budget_runs_as_several_passes(n: int, cached: int) -> None:
+    budget = 8192
+    got = chunked_prefill_time(COST, n, cached, budget, cached_in_hbm=cached)
+    passes = -(-(n - cached) // budget)
+    if passes == 1:
+        assert got == COST.prefill_time(n, cached, cached)
+        return
+    want = sum(COST.prefill_compute_time(min(n, s + budget), s)
+               for s in range(cached, n, budget))
+    assert got == pytest.approx(want)
+    # the same FLOPs as one pass, but a fixed cost per pass and each at a chunk's MFU
+    assert got > COST.prefill_time(n, cached, cached) + (passes - 1) * COST.prefill_overhead_s
+
+
+def test_a_chunked_prompt_overlaps_loading_its_prefix_from_host_memory() -> None:
+    compute = chunked_prefill_time(COST, 20_000, 2_000, 8192, cached_in_hbm=2_000)
+    assert chunked_prefill_time(COST, 20_000, 2_000, 8192) == max(compute, COST.h2d_time(2_000))
+    assert chunked_prefill_time(COST, 20_000, 2_000, 0) == COST.prefill_time(20_000, 2_000)

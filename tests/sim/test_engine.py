@@ -4,6 +4,7 @@ from typing import Any
 import pytest
 from mooncake_conductor.cost import CostModel
 from mooncake_conductor.engine import ConductorConfig
+from mooncake_conductor.stepcost import chunked_prefill_time
 from mooncake_sim.engine import SimConfig, Simulation, simulate
 from mooncake_sim.synth import generate
 from mooncake_sim.trace import TraceRecord, reuse_ceiling
@@ -65,6 +66,24 @@ def test_a_serving_stacks_overhead_lengthens_each_prefill_unpredicted() -> None:
         [r.predicted_s for r in base.reqs])
     # the first finishes `over` later, the second `2 * over` (it waited for the first)
     assert s["ttft_mean_s"] - b["ttft_mean_s"] == pytest.approx(1.5 * over)
+
+
+@pytest.mark.parametrize("budget", [0, 8192, 2048])
+def test_prefill_engines_with_a_step_budget_run_long_prompts_in_passes(budget: int) -> None:
+    """``engine_chunk_tokens``: a prompt longer than the budget runs as the chunked
+    prefill time (one fixed cost per pass), as a worker steps it; the Conductor still
+    predicts one pass, and a prompt within the budget is not affected."""
+    recs = [TraceRecord(0.0, 20_000, 1, tuple(range(40))),
+            TraceRecord(0.0, 1500, 1, tuple(range(100, 103)))]
+    sim = Simulation(recs, cfg("round-robin", prefill=2, engine_chunk_tokens=budget))
+    sim.run()
+    long, short = sim.reqs
+    cost = sim.cost
+    assert long.exec_s == pytest.approx(chunked_prefill_time(cost, 20_000, 0, budget))
+    assert long.predicted_s == pytest.approx(cost.prefill_time(20_000))
+    assert (long.exec_s > long.predicted_s) == bool(budget)
+    assert short.exec_s == pytest.approx(chunked_prefill_time(cost, 1500, 0, budget))
+    assert (short.exec_s > short.predicted_s * (1 + 1e-9)) == (0 < budget < 1500)
 
 
 def test_an_instance_whose_prefill_ended_early_is_idle_at_once() -> None:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from mooncake_conductor.cost import CostModel
-from mooncake_conductor.stepcost import decode_share_time, mixed_step_time
+from mooncake_conductor.stepcost import chunked_prefill_time, decode_share_time, mixed_step_time
 from mooncake_contract.kvevents.codec import BlockRemoved, BlockStored, KVEvent
 from mooncake_worker.engine import Engine, EngineObserver, QueueFull, TooLarge
 from mooncake_worker.kvcache import PrefixCache
@@ -175,6 +175,31 @@ def test_prompts_in_one_step_are_one_pass(sigma: float) -> None:
     assert step == pytest.approx(factor * mixed_step_time(COST, 0, 0, sum(work), sum(lengths)))
     if not sigma:
         assert step < 0.9 * sum(COST.prefill_time(n) for n in lengths)
+
+
+@pytest.mark.parametrize("cached_blocks", [0, 300])
+def test_a_long_prompt_alone_takes_the_chunked_prefill_time(cached_blocks: int) -> None:
+    """The seam the simulator's ``engine_chunk_tokens`` stands on: one prompt longer than
+    the step budget, alone on a worker, takes ``chunked_prefill_time`` over its steps."""
+    prompt = list(range(50_000, 50_000 + 20_000))
+
+    async def main() -> tuple[float, int]:
+        e = engine(time_scale=0)
+        if cached_blocks:
+            e.insert_blocks(e.keys_of(prompt)[:cached_blocks], None,
+                            [prompt[i * 16:(i + 1) * 16] for i in range(cached_blocks)])
+        seq = e.submit(prompt, 1)
+        total = 0.0
+        while not seq.finished:
+            total += e.step_plan()
+            e.step_emit()
+        return total, seq.cached_tokens
+
+    total, cached = asyncio.run(main())
+    assert cached == 16 * cached_blocks
+    budget = WorkerSettings().chunked_prefill_tokens
+    assert total == pytest.approx(chunked_prefill_time(COST, len(prompt), cached, budget,
+                                                       cached_in_hbm=cached))
 
 
 def test_a_prompt_with_nothing_to_compute_counts_as_computing_once_admitted() -> None:
