@@ -23,8 +23,10 @@ settings the gateway runs (its model settings, parsed by the gateway's own
 ``ModelSettings``: for ``conductor`` that turns chunked pipeline prefill and priority
 queues off, which the simulated workers cannot run; and work stealing off, as the gateway
 runs it without late binding, :func:`mooncake_gateway.liveconfig.conductor_config`),
-the workers' KV capacity as each prefill instance's cache, and no realism knobs (the
-workers run the cost model exactly).
+the workers' KV capacity as each prefill instance's cache, the workers' step budget as its
+prefill engines' (``engine_chunk_tokens``: a prompt longer than 8192 tokens runs as
+several passes, each with its fixed cost, on both sides; the Conductor predicts one pass
+on both sides), and no other realism knob (the workers run the cost model exactly).
 
 Per policy: mean TTFT of the served requests, live as the client saw it and simulated;
 the part after the prefill answered (the *decode leg*: the KV hand-off, the decode
@@ -38,7 +40,8 @@ The bar (issue 33): every policy within 10% and the same ranking.
 
 The simulator runs twice per policy: the cost model alone, and *with the testbed's time*:
 each prefill ``prefill_overhead_s`` longer, unpredicted, that being the testbed's own
-time per prefill measured before the policies run (:func:`overhead_probe`: prompts of
+time per prefill beyond the model's (in the workers' steps) measured before the policies
+run (:func:`overhead_probe`: prompts of
 the slice's sizes, one at a time, on idle engines), never from the policies' TTFTs.
 """
 
@@ -57,6 +60,7 @@ from typing import Any
 
 from mooncake_conductor.cost import CostModel
 from mooncake_conductor.engine import ConductorConfig
+from mooncake_conductor.stepcost import chunked_prefill_time
 from mooncake_gateway.liveconfig import conductor_config
 from mooncake_gateway.replay import ReplayConfig, replay
 from mooncake_gateway.settings import GatewaySettings, ModelSettings
@@ -77,6 +81,7 @@ from mooncake_testbed.procs import (
     run_worker,
 )
 from mooncake_testbed.report import envelope, provenance, publish
+from mooncake_worker.settings import WorkerSettings
 
 #: the issue's bar on every policy's mean TTFT, simulated against live
 TARGET = 0.10
@@ -86,6 +91,9 @@ DECISIONS_KEPT = 10_000
 #: modelled seconds after the previous one beyond twice its model time
 PROBE_PROMPTS = 12
 PROBE_SLACK_S = 0.5
+#: the workers' step budget (they run with its default): the simulator's prefill engines
+#: run each prompt in passes of at most this many tokens, as the workers do
+ENGINE_CHUNK_TOKENS = WorkerSettings().chunked_prefill_tokens
 #: added to the probe's block hashes, so that its prompts share nothing with the slice's
 PROBE_HASH_OFFSET = 1 << 40
 
@@ -144,7 +152,7 @@ def answered_s(record: dict[str, Any]) -> list[float]:
 
 def engine_overhead(decisions: list[dict[str, Any]]) -> list[float]:
     """Per prefill answered at the first attempt: the modelled seconds from placement to
-    answer beyond the cost model's time for it."""
+    answer beyond the cost model's time for it (in the workers' steps)."""
     cost = CostModel()  # the workers run the default model
     extra = []
     for r in decisions:
@@ -153,7 +161,7 @@ def engine_overhead(decisions: list[dict[str, Any]]) -> list[float]:
             continue
         n = r["prompt_tokens"]
         cached = min(int(r.get("engine_cached_tokens") or 0), n - 1)
-        extra.append(done[0] - cost.prefill_time(n, cached, cached))
+        extra.append(done[0] - chunked_prefill_time(cost, n, cached, ENGINE_CHUNK_TOKENS, cached))
     return extra
 
 
@@ -181,7 +189,7 @@ def sim_run(conductor: ConductorConfig, recs: list[TraceRecord],
         prefill=a.instances, decode=a.instances, speed=a.speed,
         prefill_cache_tokens=CostModel().kv_capacity_tokens, conductor=conductor,
         kv_handoff="after-prefill",  # the workers pull the KV once the prefill answered
-        prefill_overhead_s=overhead_s))
+        prefill_overhead_s=overhead_s, engine_chunk_tokens=ENGINE_CHUNK_TOKENS))
     res = sim.run()
     choices = [r.decision.placement.prefill if r.decision is not None else None
                for r in sim.reqs]
@@ -288,7 +296,11 @@ def markdown(doc: dict[str, Any], json_name: str | None = None) -> str:
         f"{s['instances']}P + {s['instances']}D, speed {s['speed']:g}, simulated workers "
         f"at time scale {s['time_scale']:g} with a real Mooncake master, "
         f"{s['repeats']} live run(s) per policy; the simulator runs the Conductor settings "
-        "the gateway runs. Mean TTFT of the served requests, modelled seconds, to the "
+        "the gateway runs"
+        + (f", and its prefill engines run a prompt longer than {s['engine_chunk_tokens']} "
+           "tokens in passes of that many, as the workers step it"
+           if s.get("engine_chunk_tokens") else "")
+        + ". Mean TTFT of the served requests, modelled seconds, to the "
         "first token of the decode engine on both sides (the simulator's decode instances "
         "pull the KV once the prefill ends, as the workers do). The *decode leg* is the "
         "part after the prefill answered: the KV hand-off and the decode engine's first "
@@ -356,7 +368,8 @@ def main() -> int:
     result = measure(a, recs)
     doc = envelope("sim_live_agreement.py", started,
                    {k: getattr(a, k) for k in ("requests", "instances", "speed", "time_scale",
-                                               "max_output", "repeats", "spread", "policies")},
+                                               "max_output", "repeats", "spread", "policies")}
+                   | {"engine_chunk_tokens": ENGINE_CHUNK_TOKENS},
                    result=result)
     publish(doc, markdown(doc, a.json_out.name if a.json_out else None), a.json_out,
             a.markdown)
