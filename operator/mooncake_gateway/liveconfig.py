@@ -31,13 +31,18 @@ def late_binding(cfg: ModelSettings, gw: GatewaySettings) -> bool:
 
 def conductor_config(cfg: ModelSettings, gw: GatewaySettings) -> ConductorConfig:
     """The Conductor settings the gateway runs for ``cfg``: the model's, with work
-    stealing off where the gateway cannot steal (no :func:`late_binding`). What the
+    stealing off where the gateway cannot steal (no :func:`late_binding`), and the
+    admission margin's error taken as what the gateway measures: a whole
+    placement-to-answer time against the predicted TTFT (``error_of="ttft"``). What the
     Conductor reports, and a simulator given these settings, then do what the gateway
     does: every prefill is sent at once, and none is moved."""
     c = cfg.conductor
-    if late_binding(cfg, gw) or c.stealing.enabled is False:
-        return c
-    return c.model_copy(update={"stealing": c.stealing.model_copy(update={"enabled": False})})
+    update: dict[str, object] = {}
+    if c.admission_rule.error_of != "ttft":
+        update["admission_rule"] = c.admission_rule.model_copy(update={"error_of": "ttft"})
+    if not late_binding(cfg, gw) and c.stealing.enabled is not False:
+        update["stealing"] = c.stealing.model_copy(update={"enabled": False})
+    return c.model_copy(update=update) if update else c
 
 
 class LiveConfig:

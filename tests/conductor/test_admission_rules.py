@@ -114,6 +114,30 @@ def test_the_margin_follows_the_measured_error() -> None:
     assert not rule.breaks_ttft(placed(24.0, 3.0), c, 0.0, 0.0)
 
 
+def test_a_ttft_error_is_spread_over_the_whole_ttft_not_over_the_items() -> None:
+    """``error_of="ttft"``: the measured error is of whole placement-to-answer times, so
+    its quantile applies to the whole predicted TTFT, however many items the queue holds
+    (per prefill, 96 short items would average their errors out and pass)."""
+    per_ttft = create_admission(AdmissionConfig(ttft_miss_risk=0.01, error_of="ttft"), SLO)
+    per_item = create_admission(AdmissionConfig(ttft_miss_risk=0.01), SLO)
+    short_queue = cluster(1)
+    queue(short_queue.prefill[0], 24.0, requests=96)
+    assert not per_item.breaks_ttft(placed(24.0, 0.5), short_queue, 0.0, 0.0)
+    assert per_ttft.breaks_ttft(placed(24.0, 0.5), short_queue, 0.0, 0.0)
+    # the bound is the lognormal quantile of the prior error on the TTFT: 30 / e^(z 0.2)
+    bound = SLO.ttft_s / math.exp(Z99 * 0.2)
+    assert not per_ttft.breaks_ttft(placed(bound - 0.51, 0.5), short_queue, 0.0, 0.0)
+    assert per_ttft.breaks_ttft(placed(bound - 0.49, 0.5), short_queue, 0.0, 0.0)
+    for _ in range(50):  # never wrong: the margin all but goes
+        per_ttft.observe(10.0, 10.0)
+    assert not per_ttft.breaks_ttft(placed(28.0, 0.5), short_queue, 0.0, 0.0)
+    late = create_admission(AdmissionConfig(ttft_miss_risk=0.01, error_of="ttft"), SLO)
+    for _ in range(200):  # always 25% late: nothing predicted over 24 s is admitted
+        late.observe(10.0, 12.5)
+    assert late.breaks_ttft(placed(23.6, 0.5), short_queue, 0.0, 0.0)
+    assert not late.breaks_ttft(placed(22.0, 0.5), short_queue, 0.0, 0.0)
+
+
 def test_current_load_ignores_the_requests_own_prefill() -> None:
     rule = create_admission(AdmissionConfig(rule="current-load"), SLO)
     c = cluster(1)

@@ -90,6 +90,9 @@ def test_the_conductor_steals_only_where_the_gateway_can_hold_prefills(
     gw = GatewaySettings(prefill_dispatch_depth=depth)
     assert cfg.conductor.capabilities().stealing  # the policy's own default
     assert conductor_config(cfg, gw).capabilities().stealing is steals
+    # what the gateway observes is a whole placement-to-answer time
+    assert cfg.conductor.admission_rule.error_of == "prefill"
+    assert conductor_config(cfg, gw).admission_rule.error_of == "ttft"
     rt = ModelRuntime(cfg, gw, GatewayMetrics())
     assert (rt.conductor.stealing is not None) is steals
     assert rt.queues.late_binding is steals

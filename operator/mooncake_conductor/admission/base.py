@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, TypeVar
+from typing import ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -23,6 +23,12 @@ class AdmissionConfig(BaseModel):
         None, gt=0, lt=0.5, description="prediction rule only: admit a request only if its "
         "chance of missing the TTFT SLO, from the measured prefill-time prediction error, "
         "is at most this (e.g. 0.01); none: its predicted TTFT against the SLO as is")
+    error_of: Literal["prefill", "ttft"] = Field(
+        "prefill", description="what each observed prediction error measures, and so how "
+        "the margin spreads it: 'prefill', one prefill's own time against its prediction "
+        "(the simulator's: the work ahead sums independent errors); 'ttft', a whole "
+        "placement-to-answer time against the predicted TTFT (the gateway's: the queue's "
+        "errors come measured together, the margin is their quantile on the whole TTFT)")
 
     @model_validator(mode="after")
     def _known_rule(self) -> AdmissionConfig:

@@ -10,12 +10,21 @@ With ``ttft_miss_risk`` set (off by default): the predicted TTFT must fit the SL
 margin for the prediction error, so that the request misses with at most that chance
 (:mod:`.risk`; the error's ``mu`` and ``sigma`` measured online from finished prefills by
 :class:`~mooncake_conductor.overrun.OverrunEstimator`, its ``prior_sigma`` until then).
+The margin spreads the error as it was measured (``error_of``): per prefill, each item of
+the work ahead has its own independent error (the simulator observes each prefill's
+execution); per TTFT, the error is of the whole placement-to-answer time, queue included
+(a gateway observes only that), so the margin is its quantile on the whole predicted TTFT,
+``ttft * (exp(mu + z sigma) - 1)``: errors that hit a queue together (work the other
+gateway replicas placed a sync period ago, a calibration still catching up) do not
+average out.
 
 Source: paper §4 and §6; the margin is ours (issue 32: admitted requests keep both SLOs
 under overload), measured in ``docs/results/overload.md``.
 """
 
 from __future__ import annotations
+
+import math
 
 from ..overrun import OverrunEstimator
 from ..policies.base import Placement, SLOConfig
@@ -43,10 +52,12 @@ class PredictionAdmission(AdmissionRule):
             return True
         if self.error is None or placement.prefill is None:
             return False
+        mu, sigma = self.error.mu, self.error.sigma
+        if self.config.error_of == "ttft":  # the measured error is of the whole TTFT
+            return ttft * math.exp(mu + self.z * sigma) > budget
         inst = instance(cluster, placement.prefill)
         if inst is None:
             return False
-        mu, sigma = self.error.mu, self.error.sigma
         # the widest margin (all the work in one item) first: most requests pass on it
         ahead = max(0.0, inst.busy_until - now) + inst.queued_work_s + placement.prefill_s
         if ttft + widest_growth(mu, sigma, self.z) * ahead <= budget:
