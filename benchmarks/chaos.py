@@ -49,7 +49,13 @@ from mooncake_localcluster import cluster, components, procs
 from mooncake_localcluster.kubehttp import ApiError, KubeHttp
 from mooncake_localcluster.settings import LocalClusterSettings
 from mooncake_sim.presets import speed_for_utilization
-from mooncake_sim.trace import TraceRecord, bundled_trace, load_trace
+from mooncake_sim.trace import (
+    TraceRecord,
+    arrival_tick_ms,
+    bundled_trace,
+    load_trace,
+    spread_arrivals,
+)
 from mooncake_testbed import chaos, overload
 from mooncake_testbed.localk8s import fresh_cluster
 
@@ -62,6 +68,8 @@ RELEASE = "mooncake"
 CLUSTER = "llama"
 MODEL = "llama3-70b-sim"
 GATEWAY_PORT = 8080
+#: decision records asked of each gateway after an overload replay (it keeps 1,000)
+DECISIONS_LIMIT = 1000
 PSS = {"pod-security.kubernetes.io/enforce": "restricted"}
 GROUP_PATH = "/apis/mooncake.io/v1alpha1"
 POLL_S = 0.5
@@ -217,13 +225,14 @@ class Bench:
                           "application/apply-patch+yaml")
         argv = [str(helm), "upgrade", "--install", RELEASE, str(CHART), "-n", NS, "--wait",
                 "--timeout", "10m", "--set", "fullnameOverride=" + RELEASE,
-                "--set", "replicas=2",
+                "--set", f"replicas={self.a.replicas}",
                 "--set", "operator.bindAddress=$(POD_IP)", "--set", "gateway.bindAddress=$(POD_IP)"]
         proc = subprocess.run(argv, env=dict(os.environ, KUBECONFIG=str(kubeconfig)),
                               capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise SystemExit(f"helm install failed:\n{proc.stdout}\n{proc.stderr}")
-        log(f"chart installed with 2 operator pods ({time.monotonic() - t0:.0f}s)")
+        log(f"chart installed with {self.a.replicas} operator pod(s) "
+            f"({time.monotonic() - t0:.0f}s)")
         obj: JsonDict = yaml.safe_load(EXAMPLE.read_text())
         obj["metadata"]["namespace"] = NS
         obj["spec"]["engine"]["simulated"]["timeScale"] = self.a.time_scale
@@ -592,6 +601,7 @@ class Bench:
                                      chaos.gateway_instances(url, MODEL).values())
                 inflight.append((t, total))
 
+        started_wall = time.time()
         thread = threading.Thread(target=go, daemon=True)
         sampler = threading.Thread(target=sample, daemon=True)
         thread.start()
@@ -607,6 +617,8 @@ class Bench:
         if "error" in res:
             raise RuntimeError(f"the replay failed: {res['error']}")
         out: JsonDict = overload.judge(res.pop("outcomes"), TTFT_SLO_S, TBT_SLO_S)
+        out["prefill_predictions"] = overload.prefill_predictions(
+            self.decisions(), started_wall)
         grew = self.rejected_since(rejected0)
         times = {k.removeprefix(chaos.REJECTION_SECONDS): v for k, v in grew.items()
                  if k.startswith(chaos.REJECTION_SECONDS)}
@@ -616,14 +628,34 @@ class Bench:
                     "gateway_rejection_s": overload.gateway_rejection_times(times),
                     "memory": overload.rss_growth(rss, float(res.get("wall_seconds") or 0)),
                     "inflight_max": max((n for _, n in inflight), default=0)})
+        pp = out["prefill_predictions"]
+        if pp["answered"]:
+            log(f"  {label}: prefill answered {pp['answered_mean_s']:.2f} s after placement "
+                f"on average, predicted {pp['predicted_mean_s']:.2f} s (ratio p50 "
+                f"{pp['ratio_p50']:.2f}, p90 {pp['ratio_p90']:.2f}; "
+                f"{pp['late_share']:.0%} over {overload.LATE_RATIO:g}x)")
         log(f"  {label}: admitted {out['admitted']}/{out['requests']}, within both SLOs "
             f"{out['admitted_within_slo']:.2%} (TTFT {out['within_ttft']:.2%}, TBT "
             f"{out['within_tbt']:.2%}); 429 p99 {out['reject_ms_p99']:.0f} ms; RSS growth "
             f"{out['memory']['growth']:+.1%}; in flight at most {out['inflight_max']}")
         return out
 
+    def decisions(self) -> list[JsonDict]:
+        """Every gateway's recent decision records (those it still keeps)."""
+        out: list[JsonDict] = []
+        for pod in self.operator_pods():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                url = f"http://{pod['status']['podIP']}:{GATEWAY_PORT}"
+                out += chaos.http_json(f"{url}/conductor/decisions?limit={DECISIONS_LIMIT}",
+                                       timeout=30)
+        return out
+
     def overload_suite(self) -> JsonDict:
         records = load_trace(bundled_trace())[: self.a.overload_requests]
+        tick = arrival_tick_ms(records) if self.a.overload_spread else 0.0
+        if tick > 0:
+            records = spread_arrivals(records, tick)
+            log(f"overload: arrivals spread within the trace's {tick / 1000:g} s step")
         cap = self.capacity(records)
         log(f"overload: effective capacity {cap['speed']:.3f}x the trace rate "
             f"({len(records)} requests, simulator)")
@@ -647,7 +679,8 @@ class Bench:
             with contextlib.suppress(TimeoutError, ApiError, OSError):
                 self.set_margin(None)
         return {"capacity": cap, "requests": len(records), "ttft_slo_s": TTFT_SLO_S,
-                "tbt_slo_s": TBT_SLO_S, "time_scale": self.a.time_scale, "rows": rows}
+                "tbt_slo_s": TBT_SLO_S, "time_scale": self.a.time_scale,
+                "gateways": self.a.replicas, "spread_ms": tick, "rows": rows}
 
 
 # -- the local cluster ----------------------------------------------------------------------------
@@ -1099,6 +1132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--settle-s", type=float, default=120.0)
     ap.add_argument("--cluster-name", default="chaos")
     ap.add_argument("--keep-state", action="store_true")
+    ap.add_argument("--replicas", type=int, default=2, choices=range(1, 9), metavar="N",
+                    help="operator pods, each with a gateway (default 2; the gateway-sigkill "
+                    "and operator faults need 2)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--markdown", type=Path, default=None)
     ap.add_argument("--merge-into", type=Path, default=None,
@@ -1116,6 +1152,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "and with the margin; empty: none")
     ap.add_argument("--overload-requests", type=int, default=1000,
                     help="requests of the bundled trace per overload replay")
+    ap.add_argument("--overload-spread", action="store_true",
+                    help="spread the overload replays' arrivals within the trace's rounding "
+                    "step (its requests otherwise come in groups sent at one instant)")
     ap.add_argument("--overload-margin", type=float, default=0.01,
                     help="spec.conductor.ttftMissRisk of the margin runs (0: none)")
     a = ap.parse_args(argv)

@@ -29,6 +29,8 @@ from mooncake_sim.metrics import percentile
 JsonDict = dict[str, Any]
 #: share of the replay's wall time counted as warm-up for memory growth
 WARMUP_SHARE = 0.25
+#: a prefill answered this many times later than predicted counts as late
+LATE_RATIO = 1.5
 
 
 def judge(outcomes: Iterable[Mapping[str, Any]], ttft_slo_s: float,
@@ -62,6 +64,32 @@ def judge(outcomes: Iterable[Mapping[str, Any]], ttft_slo_s: float,
         "reject_ms_p50": percentile(reject_ms, 0.5),
         "reject_ms_p99": percentile(reject_ms, 0.99),
         "reject_ms_max": reject_ms[-1] if reject_ms else math.nan,
+    }
+
+
+def prefill_predictions(decisions: Iterable[Mapping[str, Any]], since: float) -> JsonDict:
+    """How the gateways' admission saw the prefill side, from their decision records made
+    at or after wall time ``since``: for each admitted request answered by its first
+    prefill attempt, the predicted placement-to-answer seconds (``predicted_s``, what
+    admission held against the TTFT SLO) and the measured ones (``answered_s``), both
+    modelled seconds. ``ratio_*`` are quantiles of measured / predicted; ``late_share``:
+    the share answered more than 1.5x later than predicted."""
+    pairs = []
+    for d in decisions:
+        if float(d.get("time", 0.0)) < since or d.get("reject_reason"):
+            continue
+        tries = d.get("attempts") or []
+        if len(tries) == 1 and tries[0].get("status") == 200 and tries[0].get("predicted_s"):
+            pairs.append((float(tries[0]["predicted_s"]), float(tries[0]["answered_s"])))
+    if not pairs:
+        return {"answered": 0}
+    ratios = sorted(a / p for p, a in pairs)
+    return {
+        "answered": len(pairs),
+        "predicted_mean_s": sum(p for p, _ in pairs) / len(pairs),
+        "answered_mean_s": sum(a for _, a in pairs) / len(pairs),
+        "ratio_p50": percentile(ratios, 0.5), "ratio_p90": percentile(ratios, 0.9),
+        "late_share": sum(1 for r in ratios if r > LATE_RATIO) / len(ratios),
     }
 
 
@@ -136,7 +164,13 @@ def markdown(section: Mapping[str, Any], time_scale: float, max_output_tokens: i
         f"{section['ttft_slo_s']:g} s, TBT {1000 * section['tbt_slo_s']:g} ms (the example's). "
         "*prediction* is the paper's rule (the default); *margin* adds "
         "`spec.conductor.ttftMissRisk` (admit only with at most that chance of a TTFT miss, "
-        "from the error the gateway measures).",
+        "from the error the gateway measures)."
+        + (f" Arrivals are spread within the trace's {section['spread_ms'] / 1000:g} s "
+           "rounding step (uniformly, seed 0); the capacity is the unspread trace's."
+           if section.get("spread_ms") else
+           " Arrivals as the trace rounds them: groups of requests sent at one instant.")
+        + (f" {section['gateways']} gateway(s) serve." if section.get("gateways", 2) != 2
+           else ""),
         "",
         "| load | admission | requests | rejected (429) | failed | admitted within SLO | "
         "within TTFT | within TBT | TTFT p50 / p99 | TBT p99 | 429 answer p50 / p99 / max "
@@ -180,10 +214,17 @@ def reading(section: Mapping[str, Any], target: float) -> list[str]:
         rej = ", ".join(f"{k} ×{v}" for k, v in (r.get("rejected_by") or {}).items())
         own = "; ".join(f"{path}: {t['rejected']}, p99 within {_secs(t['p99_bound_s'])}"
                         for path, t in (r.get("gateway_rejection_s") or {}).items())
+        pp = r.get("prefill_predictions") or {}
+        seen = (f" Admission predicted the admitted prefills' answers "
+                f"{pp['predicted_mean_s']:.1f} s after placement on average; they came after "
+                f"{pp['answered_mean_s']:.1f} s (measured / predicted p50 "
+                f"{pp['ratio_p50']:.2f}, p90 {pp['ratio_p90']:.2f}; "
+                f"{_pct(pp['late_share'])} more than {LATE_RATIO:g}× late)."
+                if pp.get("answered") else "")
         out.append(
             f"- {r['factor']:g}×, {rule}: {verdict} {_pct(target)} ({_pct(share)} of "
             f"{r['admitted']} admitted within both SLOs"
             + (f"; missed on {', '.join(why)}" if why else "") + "). 429s by reason: "
             + (rej or "none") + "."
-            + (f" The gateways' own time to them: {own}." if own else ""))
+            + (f" The gateways' own time to them: {own}." if own else "") + seen)
     return out

@@ -61,13 +61,24 @@ def test_the_page_names_met_and_missed_rows() -> None:
                "rows": [{"factor": 2.0, "rule": "prediction", **ok, "memory": mem,
                          "inflight_max": 9},
                         {"factor": 4.0, "rule": "margin", "ttft_miss_risk": 0.01, **bad,
-                         "memory": mem, "inflight_max": 12},
+                         "memory": mem, "inflight_max": 12,
+                         "prefill_predictions": {"answered": 10, "predicted_mean_s": 20.0,
+                                                 "answered_mean_s": 25.0, "ratio_p50": 1.2,
+                                                 "ratio_p90": 1.6, "late_share": 0.2}},
                         {"factor": 4.0, "rule": "prediction", "run_error": "boom"}]}
     page = "\n".join(overload.markdown(section, 0.5, 64, 0.95))
     assert "**99.00%**" in page and "**90.00%**" in page
     assert "2×, prediction: meets 95.00%" in page
     assert "4×, margin: **misses** 95.00%" in page and "TTFT 10.00% of the admitted" in page
     assert "run failed: boom" in page
+    assert page.count("Admission predicted") == 1
+    assert "predicted the admitted prefills' answers 20.0 s" in page and "after 25.0 s" in page
+    assert "p50 1.20, p90 1.60; 20.00% more than 1.5× late" in page
+    assert "groups of requests sent at one instant" in page
+    spread = "\n".join(overload.markdown({**section, "spread_ms": 3000.0, "gateways": 1},
+                                         0.5, 64, 0.95))
+    assert "spread within the trace's 3 s rounding step" in spread
+    assert "1 gateway(s) serve" in spread
 
 
 def test_the_gateways_time_to_429_is_read_from_their_buckets() -> None:
@@ -87,3 +98,28 @@ def test_the_gateways_time_to_429_is_read_from_their_buckets() -> None:
     page = "\n".join(overload.markdown(section, 0.5, 64, 0.95))
     assert ("The gateways' own time to them: after-hold: 4, p99 within 5 s; "
             "at-once: 100, p99 within 10 ms.") in page
+
+
+def test_prefill_predictions_pair_each_admitted_first_answer_with_its_prediction() -> None:
+    def rec(t: float, predicted: float, answered: float, status: int = 200,
+            reject: str | None = None, tries: int = 1) -> dict[str, object]:
+        attempt = {"prefill": "p0", "status": status, "answered_s": answered,
+                   "predicted_s": predicted}
+        return {"time": t, "reject_reason": reject, "attempts": [attempt] * tries}
+
+    decisions = [
+        rec(5.0, 1.0, 9.0),                  # before the replay: not counted
+        rec(10.0, 1.0, 1.2),
+        rec(11.0, 2.0, 4.0),                 # late: 2x
+        rec(12.0, 2.0, 1.0),
+        rec(13.0, 1.0, 1.0, reject="ttft"),  # rejected: not counted
+        rec(14.0, 1.0, 1.0, status=503),     # not answered
+        rec(15.0, 1.0, 5.0, tries=2),        # retried: not its first placement's answer
+    ]
+    got = overload.prefill_predictions(decisions, since=10.0)
+    assert got["answered"] == 3
+    assert got["predicted_mean_s"] == pytest.approx(5.0 / 3)
+    assert got["answered_mean_s"] == pytest.approx(6.2 / 3)
+    assert got["ratio_p50"] == pytest.approx(1.2)
+    assert got["late_share"] == pytest.approx(1 / 3)
+    assert overload.prefill_predictions(decisions[:1], since=10.0) == {"answered": 0}
