@@ -1043,12 +1043,11 @@ def shortfalls(doc: JsonDict) -> list[str]:
             + ", ".join(f"{r['within_tbt']:.1%}" for r in ol if r["rule"] == "margin")
             + f" of the time. In the runs that missed, the admitted missed {_miss_split(missed)}. "
             "A TTFT miss is a wait the admission did not foresee; a rule that admits up to "
-            "the SLO fills the queue towards it, so any such wait misses. In the demo's "
-            "decisions (2026-12-07) the unforeseen waits were mostly behind the other "
-            "gateway's placements of the same burst, which each gateway sees a sync period "
-            "late (docs/gateway.md); not yet measured under overload. A TBT miss is a slow "
-            "engine step: the embedded cluster's engines, store, both gateways, the control "
-            "plane and the replay client share 2 cores, a simulated engine's stall counts "
+            "the SLO fills the queue towards it, so any such wait misses. "
+            + _prediction_error(missed) +
+            "A TBT miss is a slow engine step: the embedded cluster's engines, store, "
+            "both gateways, the control plane and the replay client share 2 cores, a "
+            "simulated engine's stall counts "
             "1/time-scale times in model time "
             "(twice at time scale 0.5), and the gateway learns slower steps only from "
             "answers (decode calibration, capped so that an idle instance stays "
@@ -1062,6 +1061,26 @@ def shortfalls(doc: JsonDict) -> list[str]:
             "The simulator's overload table ([overload](overload.md)) holds ≥ 99% with the "
             "margin on the modelled engines.")
     return out + FALLS_SHORT
+
+
+def _prediction_error(rows: list[JsonDict]) -> str:
+    """How late the admitted prefills of ``rows`` came against their prediction, in words
+    (empty when the rows do not have it)."""
+    pp = [r["prefill_predictions"] for r in rows
+          if (r.get("prefill_predictions") or {}).get("answered")]
+    if not pp:
+        return ""
+    lo, hi = min(p["ratio_p50"] for p in pp), max(p["ratio_p50"] for p in pp)
+    p90 = max(p["ratio_p90"] for p in pp)
+    span = f"{lo:.2f}×" if round(lo, 2) == round(hi, 2) else f"{lo:.2f}–{hi:.2f}×"
+    return (f"There the admitted prefills were answered {span} later than predicted at the "
+            f"median (p90 up to {p90:.2f}×), placement to answer. Each gateway replica "
+            "sees the others' placements of one burst a sync period late, and its "
+            "calibration catches up only from answers: errors that hit a whole queue "
+            "together. So the gateway's margin takes the error it measures on the whole "
+            "TTFT (`error_of: ttft`), not spread over the queue's items as independent "
+            "errors, which is what it did until 2026-12-07 (4× margin at time scale 0.5 on "
+            "this set-up then: 60.5%). ")
 
 
 def _miss_split(rows: list[JsonDict]) -> str:

@@ -28,3 +28,14 @@ def test_the_page_names_the_slo_the_admitted_missed_more() -> None:
     assert split(ttft_heavy) == "mostly TTFT: TTFT 30.0%–40.0% of them, TBT 1.0%–3.0%"
     tbt_heavy = [{"within_ttft": 0.97, "within_tbt": 0.75}]
     assert split(tbt_heavy) == "mostly TBT: TBT 25.0% of them, TTFT 3.0%"
+
+
+def test_the_page_reads_how_late_the_admitted_prefills_came_from_the_rows() -> None:
+    words = _script()._prediction_error
+    assert words([{"within_ttft": 0.5}]) == ""  # runs from before it was recorded
+    rows = [{"prefill_predictions": {"answered": 300, "ratio_p50": 1.22, "ratio_p90": 1.6}},
+            {"prefill_predictions": {"answered": 280, "ratio_p50": 1.07, "ratio_p90": 1.3}},
+            {"prefill_predictions": {"answered": 0}}]
+    text = words(rows)
+    assert "answered 1.07–1.22× later than predicted at the median (p90 up to 1.60×)" in text
+    assert "1.22× later" in words(rows[:1])
