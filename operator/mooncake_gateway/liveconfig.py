@@ -35,7 +35,8 @@ def conductor_config(cfg: ModelSettings, gw: GatewaySettings) -> ConductorConfig
     admission margin's error taken as what the gateway measures: a whole
     placement-to-answer time against the predicted TTFT (``error_of="ttft"``). What the
     Conductor reports, and a simulator given these settings, then do what the gateway
-    does: every prefill is sent at once, and none is moved."""
+    does: every prefill is sent at once, and none is moved (a simulator times each
+    prefill on its own, so with a TTFT margin on it is the more cautious there)."""
     c = cfg.conductor
     update: dict[str, object] = {}
     if c.admission_rule.error_of != "ttft":
