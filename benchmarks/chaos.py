@@ -643,9 +643,8 @@ class Bench:
     def decisions(self) -> list[JsonDict]:
         """Every gateway's recent decision records (those it still keeps)."""
         out: list[JsonDict] = []
-        for pod in self.operator_pods():
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                url = f"http://{pod['status']['podIP']}:{GATEWAY_PORT}"
+        for url in self.gateway_urls():
+            with contextlib.suppress(OSError, ValueError):
                 out += chaos.http_json(f"{url}/conductor/decisions?limit={DECISIONS_LIMIT}",
                                        timeout=30)
         return out

@@ -311,7 +311,7 @@ class Engine:
                 decoding += 1
                 context += len(seq.tokens)
         if not new_tokens:
-            return cost.decode_step_time(decoding, context) if decoding else 0.0
+            return cost.decode_step_time(decoding, context)  # 0 with nothing decoding
         # one pass for every chunk, its time the FLOP-weighted mean of their noise factors
         # times the model's (a lone prompt: its own factor times its prefill time)
         factor = noisy_flops / flops if flops > 0 else 1.0
