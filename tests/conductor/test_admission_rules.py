@@ -138,6 +138,23 @@ def test_a_ttft_error_is_spread_over_the_whole_ttft_not_over_the_items() -> None
     assert not late.breaks_ttft(placed(22.0, 0.5), short_queue, 0.0, 0.0)
 
 
+def test_the_ttft_margin_ignores_short_predictions_below_its_floor() -> None:
+    """Short predictions answered late by a fixed overhead (0.3 s predicted, 1.0 s
+    answered) do not count below a tenth of the SLO: a 28 s prediction whose peers were
+    answered on time is admitted. Counted, they would turn it away."""
+    c = cluster(1)
+    rules = {share: create_admission(AdmissionConfig(
+        ttft_miss_risk=0.01, error_of="ttft", error_floor_share=share), SLO)
+        for share in (0.1, 0.001)}
+    for rule in rules.values():
+        for _ in range(100):
+            rule.observe(0.3, 1.0)
+        for _ in range(30):
+            rule.observe(10.0, 10.0)
+    assert not rules[0.1].breaks_ttft(placed(27.5, 0.5), c, 0.0, 0.0)
+    assert rules[0.001].breaks_ttft(placed(27.5, 0.5), c, 0.0, 0.0)
+
+
 def test_current_load_ignores_the_requests_own_prefill() -> None:
     rule = create_admission(AdmissionConfig(rule="current-load"), SLO)
     c = cluster(1)
@@ -158,8 +175,8 @@ def test_config_names_the_rule_and_checks_the_option() -> None:
 
 
 #: modules of the admission package that define no rule (``risk``: the prediction rule's
-#: margin arithmetic)
-NOT_RULES = {"__init__", "base", "_all", "registry", "risk"}
+#: margin arithmetic; ``ttfterror``: its measured error on whole TTFTs)
+NOT_RULES = {"__init__", "base", "_all", "registry", "risk", "ttfterror"}
 
 
 def test_all_imports_every_rule_module_and_each_registers_a_rule() -> None:

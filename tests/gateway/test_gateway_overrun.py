@@ -96,7 +96,9 @@ def test_an_answer_reaches_the_cores_one_observation_path() -> None:
     the cost model's calibration, the overrun estimate and the admission margin's
     measured error all learn from it."""
     cfg = ModelSettings(name="m", conductor={
-        "overrun": {"min_samples": 1}, "admission_rule": {"ttft_miss_risk": 0.01}})
+        "overrun": {"min_samples": 1},
+        # a floor under this test's prefill (a 30 s SLO's tenth is longer): every answer counts
+        "admission_rule": {"ttft_miss_risk": 0.01, "error_floor_share": 0.01}})
     rt = ModelRuntime(cfg, GatewaySettings(), GatewayMetrics())
     rt.members.set_endpoints(Role.PREFILL, [Endpoint(url=f"http://{HOST}:1")])
     rt.members.set_endpoints(Role.DECODE, [Endpoint(url=f"http://{HOST}:100")])
@@ -109,7 +111,7 @@ def test_an_answer_reaches_the_cores_one_observation_path() -> None:
     assert state["capabilities"] == rt.conductor.capabilities.on()
     assert {"admission", "calibration", "reestimation"} <= set(state["capabilities"])
     before = rt.cost.prefill_time(TOKENS, 0)
-    margin = rt.conductor.admission_rule.error  # type: ignore[attr-defined]
+    margin = rt.conductor.admission_rule.ttft_error  # type: ignore[attr-defined]
     assert margin is not None and margin.samples == 0
     for i in range(3):
         req, work = _place(rt, i + 1)

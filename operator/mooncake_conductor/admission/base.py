@@ -29,6 +29,11 @@ class AdmissionConfig(BaseModel):
         "(the simulator's: the work ahead sums independent errors); 'ttft', a whole "
         "placement-to-answer time against the predicted TTFT (the gateway's: the queue's "
         "errors come measured together, the margin is their quantile on the whole TTFT)")
+    error_floor_share: float = Field(
+        0.1, gt=0, lt=1, description="error_of 'ttft' only: answers to predictions shorter "
+        "than this share of the TTFT SLO do not count toward the measured error (the "
+        "margin turns away only predictions near the SLO; short ones carry fixed "
+        "overheads that read as large ratios)")
 
     @model_validator(mode="after")
     def _known_rule(self) -> AdmissionConfig:

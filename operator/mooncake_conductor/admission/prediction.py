@@ -13,10 +13,12 @@ margin for the prediction error, so that the request misses with at most that ch
 The margin spreads the error as it was measured (``error_of``): per prefill, each item of
 the work ahead has its own independent error (the simulator observes each prefill's
 execution); per TTFT, the error is of the whole placement-to-answer time, queue included
-(a gateway observes only that), so the margin is its quantile on the whole predicted TTFT,
-``ttft * (exp(mu + z sigma) - 1)``: errors that hit a queue together (work the other
-gateway replicas placed a sync period ago, a calibration still catching up) do not
-average out.
+(a gateway observes only that), so the margin is its quantile on the whole predicted TTFT:
+errors that hit a queue together (work the other gateway replicas placed a sync period
+ago, a calibration still catching up) do not average out. That error is learnt from
+predictions near enough to the SLO to matter, on its late side only
+(:class:`.ttfterror.TTFTError`): a short prediction's fixed overheads and an early answer
+do not widen the margin on a long prediction.
 
 Source: paper §4 and §6; the margin is ours (issue 32: admitted requests keep both SLOs
 under overload), measured in ``docs/results/overload.md``.
@@ -24,13 +26,12 @@ under overload), measured in ``docs/results/overload.md``.
 
 from __future__ import annotations
 
-import math
-
 from ..overrun import OverrunEstimator
 from ..policies.base import Placement, SLOConfig
 from ..state import ClusterState
 from .base import AdmissionConfig, AdmissionRule, register
 from .risk import instance, ttft_margin, widest_growth, work_ahead, z_of
+from .ttfterror import TTFTError
 
 
 @register
@@ -40,8 +41,12 @@ class PredictionAdmission(AdmissionRule):
     def __init__(self, config: AdmissionConfig, slo: SLOConfig) -> None:
         super().__init__(config, slo)
         risk = config.ttft_miss_risk
-        #: the measured prediction error, kept only when the margin is on
-        self.error = OverrunEstimator() if risk is not None else None
+        on = risk is not None
+        #: the measured prediction error, kept only when the margin is on: of each
+        #: prefill, or of whole TTFTs (``error_of``)
+        self.error = OverrunEstimator() if on and config.error_of == "prefill" else None
+        self.ttft_error = (TTFTError(config.error_floor_share * slo.ttft_s)
+                           if on and config.error_of == "ttft" else None)
         self.z = z_of(risk) if risk is not None else 0.0
 
     def breaks_ttft(self, placement: Placement, cluster: ClusterState, now: float,
@@ -50,11 +55,13 @@ class PredictionAdmission(AdmissionRule):
         ttft = placement.ttft_s
         if ttft > budget:
             return True
-        if self.error is None or placement.prefill is None:
+        if placement.prefill is None:
+            return False
+        if self.ttft_error is not None:  # the measured error is of the whole TTFT
+            return self.ttft_error.quantile(ttft, self.z) > budget
+        if self.error is None:
             return False
         mu, sigma = self.error.mu, self.error.sigma
-        if self.config.error_of == "ttft":  # the measured error is of the whole TTFT
-            return ttft * math.exp(mu + self.z * sigma) > budget
         inst = instance(cluster, placement.prefill)
         if inst is None:
             return False
@@ -69,3 +76,5 @@ class PredictionAdmission(AdmissionRule):
     def observe(self, predicted_s: float, observed_s: float) -> None:
         if self.error is not None:
             self.error.observe(predicted_s, observed_s)
+        if self.ttft_error is not None:
+            self.ttft_error.observe(predicted_s, observed_s)
