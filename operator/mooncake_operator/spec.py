@@ -430,9 +430,10 @@ class ConductorSpec(_Model):
         "the policy's own (conductor with the tbt-lookahead decode selector: on)."))
     ttft_miss_risk: float | None = Field(None, gt=0, lt=0.5, description=(
         "With admission on, admit a request only if its chance of missing the TTFT "
-        "objective, from the prefill-time prediction error the gateway measures, is at "
-        "most this (e.g. 0.01: a margin that keeps admitted requests within the SLO under "
-        "overload, docs/results/overload.md); unset: the predicted TTFT against the "
+        "objective, from the TTFT prediction error the gateway measures (answers to "
+        "predictions of at least a tenth of the objective, their late side), is at most "
+        "this (e.g. 0.01: a margin that keeps admitted requests within the SLO under "
+        "overload, docs/results/reliability.md); unset: the predicted TTFT against the "
         "objective as is (the paper's rule)."))
     decode_calibration: bool = Field(True, description=(
         "Learn how much slower than the cost model the decode engines step, from the TBT "
