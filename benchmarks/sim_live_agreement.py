@@ -72,6 +72,7 @@ from mooncake_sim.trace import (
     load_trace,
     spread_arrivals,
 )
+from mooncake_testbed.overload import sole_answer
 from mooncake_testbed.procs import (
     MODEL,
     Unavailable,
@@ -156,12 +157,13 @@ def engine_overhead(decisions: list[dict[str, Any]]) -> list[float]:
     cost = CostModel()  # the workers run the default model
     extra = []
     for r in decisions:
-        done = answered_s(r)
-        if len(r["attempts"]) != 1 or len(done) != 1:
+        only = sole_answer(r)
+        if only is None:
             continue
         n = r["prompt_tokens"]
         cached = min(int(r.get("engine_cached_tokens") or 0), n - 1)
-        extra.append(done[0] - chunked_prefill_time(cost, n, cached, ENGINE_CHUNK_TOKENS, cached))
+        extra.append(only["answered_s"]
+                     - chunked_prefill_time(cost, n, cached, ENGINE_CHUNK_TOKENS, cached))
     return extra
 
 

@@ -67,6 +67,16 @@ def judge(outcomes: Iterable[Mapping[str, Any]], ttft_slo_s: float,
     }
 
 
+def sole_answer(record: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The prefill attempt of a gateway decision record that was its only one and answered
+    (HTTP 200), else ``None``: its ``answered_s`` and ``predicted_s`` time one placement
+    to one answer, with no retry or steal between them."""
+    tries = record.get("attempts") or []
+    if len(tries) == 1 and tries[0].get("status") == 200:
+        return tries[0]  # type: ignore[no-any-return]
+    return None
+
+
 def prefill_predictions(decisions: Iterable[Mapping[str, Any]], since: float) -> JsonDict:
     """How the gateways' admission saw the prefill side, from their decision records made
     at or after wall time ``since``: for each admitted request answered by its first
@@ -78,9 +88,9 @@ def prefill_predictions(decisions: Iterable[Mapping[str, Any]], since: float) ->
     for d in decisions:
         if float(d.get("time", 0.0)) < since or d.get("reject_reason"):
             continue
-        tries = d.get("attempts") or []
-        if len(tries) == 1 and tries[0].get("status") == 200 and tries[0].get("predicted_s"):
-            pairs.append((float(tries[0]["predicted_s"]), float(tries[0]["answered_s"])))
+        only = sole_answer(d)
+        if only is not None and only.get("predicted_s"):
+            pairs.append((float(only["predicted_s"]), float(only["answered_s"])))
     if not pairs:
         return {"answered": 0}
     ratios = sorted(a / p for p, a in pairs)

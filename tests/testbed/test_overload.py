@@ -123,3 +123,12 @@ def test_prefill_predictions_pair_each_admitted_first_answer_with_its_prediction
     assert got["ratio_p50"] == pytest.approx(1.2)
     assert got["late_share"] == pytest.approx(1 / 3)
     assert overload.prefill_predictions(decisions[:1], since=10.0) == {"answered": 0}
+
+
+def test_sole_answer_is_the_only_attempt_when_it_answered() -> None:
+    ok = {"prefill": "p0", "status": 200, "answered_s": 1.0}
+    assert overload.sole_answer({"attempts": [ok]}) is ok
+    assert overload.sole_answer({"attempts": []}) is None
+    assert overload.sole_answer({"reject_reason": "ttft-slo"}) is None
+    assert overload.sole_answer({"attempts": [{"prefill": "p0", "error": "reset"}, ok]}) is None
+    assert overload.sole_answer({"attempts": [{**ok, "status": 503}]}) is None
