@@ -236,3 +236,18 @@ def test_the_conductor_feeds_observed_prefills_to_the_rule() -> None:
     for _ in range(30):
         con.observe_prefill(1.0, 2.0)
     assert rule.error.mu == pytest.approx(math.log(2.0))
+
+
+def test_each_rule_reports_what_it_learnt_of_the_error() -> None:
+    assert create_admission(AdmissionConfig(), SLO).measured_error() == {}
+    assert create_admission(AdmissionConfig(rule="current-load"), SLO).measured_error() == {}
+    per_prefill = create_admission(AdmissionConfig(ttft_miss_risk=0.01), SLO)
+    per_prefill.observe(1.0, 2.0)
+    assert per_prefill.measured_error() == {"prefills": 1, "mu": 0.0, "sigma": 0.2}
+    per_ttft = create_admission(AdmissionConfig(ttft_miss_risk=0.01, error_of="ttft"), SLO)
+    for _ in range(30):
+        per_ttft.observe(10.0, 12.5)
+    got = per_ttft.measured_error()
+    assert (got["answers"], got["measured"], got["floor_s"]) == (30, True, 3.0)
+    assert got["mu"] == pytest.approx(math.log(1.25))
+    assert got["factor"] == pytest.approx(1.25 * math.exp(Z99 * 1e-3))

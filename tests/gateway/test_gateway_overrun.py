@@ -5,6 +5,8 @@ free. Driven through the runtime directly (no engines: nothing is answered)."""
 
 from __future__ import annotations
 
+import math
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ from mooncake_gateway.settings import Endpoint, GatewaySettings, ModelSettings, 
 
 HOST = "127.0.0.1"
 TOKENS = 16_384
+Z99 = NormalDist().inv_cdf(0.99)
 
 
 def _runtime(**overrun: Any) -> ModelRuntime:
@@ -107,7 +110,10 @@ def test_an_answer_reaches_the_cores_one_observation_path() -> None:
     state = rt.reports.state()
     # the gateway times whole placement-to-answer spans: its margin takes that error
     assert state["admission"] == {"on": True, "rule": "prediction", "ttft_miss_risk": 0.01,
-                                  "error_of": "ttft"}
+                                  "error_of": "ttft", "error": {
+                                      "answers": 0, "measured": False, "floor_s": 0.3,
+                                      "mu": 0.0, "sigma": 0.2,
+                                      "factor": pytest.approx(math.exp(Z99 * 0.2))}}
     assert state["capabilities"] == rt.conductor.capabilities.on()
     assert {"admission", "calibration", "reestimation"} <= set(state["capabilities"])
     before = rt.cost.prefill_time(TOKENS, 0)
@@ -117,6 +123,7 @@ def test_an_answer_reaches_the_cores_one_observation_path() -> None:
         req, work = _place(rt, i + 1)
         rt.queues.prefill_done(rt.prefill[0], req, 2.0 * work, work)
         assert margin.samples == i + 1
+    assert rt.reports.state()["admission"]["error"]["answers"] == 3
     est = rt.conductor.overrun
     assert est is not None and est.samples == 3
     assert est.mu == pytest.approx(np.log(2.0))

@@ -66,6 +66,11 @@ class AdmissionRule(ABC):
         """A prefill predicted to take ``predicted_s`` took ``observed_s`` (rules that
         measure the prediction error use it; the others ignore it)."""
 
+    def measured_error(self) -> dict[str, float | int | bool]:
+        """What the rule has learnt of the prediction error, for operators (empty for a
+        rule that learns nothing)."""
+        return {}
+
 
 R = TypeVar("R", bound=type[AdmissionRule])
 #: every registered rule class by name (filled by :func:`register`, read by :mod:`.registry`)

@@ -73,6 +73,17 @@ class PredictionAdmission(AdmissionRule):
         work.append(placement.prefill_s)
         return ttft + ttft_margin(work, mu, sigma, self.z) > budget
 
+    def measured_error(self) -> dict[str, float | int | bool]:
+        if self.ttft_error is not None:
+            e = self.ttft_error
+            return {"answers": e.samples, "measured": e.measured, "floor_s": e.floor_s,
+                    "mu": e.mu, "sigma": e.sigma,
+                    "factor": e.quantile(1.0, self.z)}  # the margin on a prediction
+        if self.error is not None:
+            return {"prefills": self.error.samples, "mu": self.error.mu,
+                    "sigma": self.error.sigma}
+        return {}
+
     def observe(self, predicted_s: float, observed_s: float) -> None:
         if self.error is not None:
             self.error.observe(predicted_s, observed_s)
