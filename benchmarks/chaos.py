@@ -1203,6 +1203,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(page)
         return 0
+    if not procs.shared_library_installed(procs.IBVERBS_SONAME):
+        print(f"chaos: {procs.IBVERBS_SONAME} is missing: the Mooncake Store's master and "
+              f"nodes would crash-loop. Install it: {procs.IBVERBS_INSTALL}", file=sys.stderr)
+        return 2
     started = time.time()
     load_start = os.getloadavg()
     log(f"chaos suite: {len(a.fault_list)} runs ({', '.join(a.fault_list)}), {a.requests} "

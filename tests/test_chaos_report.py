@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -39,3 +41,17 @@ def test_the_page_reads_how_late_the_admitted_prefills_came_from_the_rows() -> N
     text = words(rows)
     assert "answered 1.07–1.22× later than predicted at the median (p90 up to 1.60×)" in text
     assert "1.22× later" in words(rows[:1])
+
+
+def test_the_suite_stops_before_a_cluster_when_the_store_cannot_run(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    script = _script()
+    monkeypatch.setattr(script.procs, "shared_library_installed", lambda soname: False)
+
+    def no_cluster(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cluster was started")
+
+    monkeypatch.setattr(script, "local_cluster", no_cluster)
+    assert script.main(["--faults", "none", "--overload", ""]) == 2
+    err = capsys.readouterr().err
+    assert "libibverbs.so.1 is missing" in err and "apt-get install libibverbs1" in err

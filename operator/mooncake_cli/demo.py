@@ -250,8 +250,9 @@ def _check_store_prereqs() -> None:
 
 
 def _has_libibverbs() -> bool:
-    libs = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, check=False)
-    return "libibverbs.so.1" in libs.stdout
+    from mooncake_localcluster.procs import IBVERBS_SONAME, shared_library_installed
+
+    return shared_library_installed(IBVERBS_SONAME)
 
 
 def _install(tools: Tools, st: DemoSettings, embedded: bool) -> None:

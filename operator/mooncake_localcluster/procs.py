@@ -33,6 +33,32 @@ def port_free(host: str, port: int) -> bool:
         return True
 
 
+LDCONFIG_CANDIDATES = ("ldconfig", "/sbin/ldconfig", "/usr/sbin/ldconfig")
+#: the Mooncake transfer engine (PyPI wheel) links it, even over TCP: every store process
+#: of the embedded cluster (master, store nodes, engines with a store) fails without it
+IBVERBS_SONAME = "libibverbs.so.1"
+IBVERBS_INSTALL = "apt-get install libibverbs1"
+
+
+def listed_by_ldconfig(listing: str, soname: str) -> bool:
+    """Whether ``ldconfig -p`` output ``listing`` names the library ``soname`` exactly (its
+    lines read ``<tab>libfoo.so.1 (libc6,x86-64) => /path``)."""
+    return any(line.split(maxsplit=1)[:1] == [soname] for line in listing.splitlines())
+
+
+def shared_library_installed(soname: str) -> bool:
+    """Whether the dynamic linker finds ``soname``: listed in its cache (``ldconfig -p``).
+    False where no ``ldconfig`` runs."""
+    for candidate in LDCONFIG_CANDIDATES:
+        try:
+            out = subprocess.run([candidate, "-p"], capture_output=True, text=True,
+                                 check=False)
+        except OSError:
+            continue
+        return listed_by_ldconfig(out.stdout, soname)
+    return False
+
+
 LISTEN_CHECK_TIMEOUT_S = 0.5
 
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from mooncake_localcluster.procs import IBVERBS_INSTALL
+
 HOST = "127.0.0.1"
 MODEL = "llama3-70b-sim"
 START_TIMEOUT_S = 30.0
@@ -31,7 +33,6 @@ STOP_GRACE_S = 10.0
 POLL_S = 0.05
 MASTER_LEASE_TTL_MS = 200
 STORE_INSTALL = "pip install -e '.[store]' (the mooncake-transfer-engine-non-cuda wheel)"
-IBVERBS_INSTALL = "apt-get install libibverbs1"
 
 T = TypeVar("T")
 

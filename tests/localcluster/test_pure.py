@@ -10,7 +10,7 @@ import pytest
 import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-from mooncake_localcluster import certs, components, manifests, podnet, podspec
+from mooncake_localcluster import certs, components, manifests, podnet, podspec, procs
 from mooncake_localcluster.settings import LocalClusterSettings
 
 
@@ -375,3 +375,22 @@ def test_a_cold_start_leaves_a_finished_pods_phase_and_skips_pods_without_addres
     assert patch == {"status": {"podIP": None, "podIPs": None}}
     assert podnet.reset_status({"status": {"phase": "Pending"}}) is None
     assert podnet.reset_status({}) is None
+
+
+LDCONFIG_LISTING = """3 libs found in cache `/etc/ld.so.cache'
+\tlibibverbs.so.1.14 (libc6,x86-64) => /lib/x86_64-linux-gnu/libibverbs.so.1.14
+\tlibc.so.6 (libc6,x86-64, OS ABI: Linux 3.2.0) => /lib/x86_64-linux-gnu/libc.so.6
+\tlibz.so.1 (libc6,x86-64) => /lib/x86_64-linux-gnu/libz.so.1
+"""
+
+
+def test_a_library_counts_as_installed_only_under_its_own_soname() -> None:
+    assert procs.listed_by_ldconfig(LDCONFIG_LISTING, "libz.so.1")
+    assert procs.listed_by_ldconfig(LDCONFIG_LISTING, "libc.so.6")
+    # a longer version of the name, or the name inside a path, is another library
+    assert not procs.listed_by_ldconfig(LDCONFIG_LISTING, procs.IBVERBS_SONAME)
+    assert not procs.listed_by_ldconfig(LDCONFIG_LISTING + "\tlibibverbs.so.10 (libc6) => /x\n",
+                                        procs.IBVERBS_SONAME)
+    assert procs.listed_by_ldconfig(
+        LDCONFIG_LISTING + f"\t{procs.IBVERBS_SONAME} (libc6,x86-64) => /lib/x\n",
+        procs.IBVERBS_SONAME)
