@@ -272,10 +272,19 @@ def leftovers(http: KubeHttp, ns: str, cluster: str, model: str, gateway_urls: l
         except (OSError, ValueError) as err:
             out.append(f"gateway {url} not answering: {err}")
             continue
-        for name in sorted(set(seen) - wanted):
-            out.append(f"gateway {url} lists gone pod {name}")
-        for name in sorted(wanted - {k for k, v in seen.items() if v.get("routable")}):
-            out.append(f"gateway {url}: {name} not routable")
+        out += gateway_leftovers(url, seen, wanted)
     out += orphan_pod_processes(state_dir, {str(p["metadata"]["uid"]) for p in everything})
+    return out
+
+
+def gateway_leftovers(url: str, seen: dict[str, JsonDict], wanted: set[str]) -> list[str]:
+    """What one gateway's ``/conductor/state`` instances (``seen``, by ``ns/pod``) get wrong
+    against the live engine pods ``wanted``: a gone pod it still lists, a live one it does
+    not route to. An instance whose pod left (``listed`` false) stays in the state with its
+    counters; it is not a leftover."""
+    listed = {k for k, v in seen.items() if v.get("listed", True)}
+    out = [f"gateway {url} lists gone pod {name}" for name in sorted(listed - wanted)]
+    routable_now = {k for k, v in seen.items() if v.get("routable")}
+    out += [f"gateway {url}: {name} not routable" for name in sorted(wanted - routable_now)]
     return out
 

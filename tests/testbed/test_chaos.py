@@ -87,3 +87,22 @@ def test_rejections_read_reasons_and_the_time_buckets(monkeypatch: pytest.Monkey
     monkeypatch.setattr(chaos.urllib.request, "urlopen", lambda url, timeout: Resp(text))
     assert chaos.rejections("http://gw") == {
         "ttft-slo": 5.0, "seconds/at-once/0.01": 4.0, "seconds/at-once/+Inf": 5.0}
+
+
+def test_a_gateway_leftover_is_a_gone_pod_still_listed_or_a_live_one_not_routed() -> None:
+    url = "http://gw"
+    seen = {
+        "ns/prefill-0": {"listed": False, "routable": False},  # deleted: kept, not listed
+        "ns/prefill-1": {"listed": True, "routable": True},
+        "ns/prefill-2": {"listed": True, "routable": False},   # replacement not yet routed
+        "ns/decode-0": {"listed": True, "routable": True},     # its pod is gone
+    }
+    wanted = {"ns/prefill-1", "ns/prefill-2", "ns/decode-1"}
+    assert chaos.gateway_leftovers(url, seen, wanted) == [
+        "gateway http://gw lists gone pod ns/decode-0",
+        "gateway http://gw: ns/decode-1 not routable",
+        "gateway http://gw: ns/prefill-2 not routable",
+    ]
+    healed = {k: {"listed": True, "routable": True} for k in wanted}
+    assert chaos.gateway_leftovers(url, {**healed, "ns/prefill-0": seen["ns/prefill-0"]},
+                                   wanted) == []
