@@ -329,7 +329,7 @@ class Bench:
         stop.set()
         monitor.join(5)
         restarts1 = chaos.restarts(self.pods())
-        rejected_by = self.rejected_since(rejected0)
+        rejected_by, _ = chaos.split_rejections(self.rejected_since(rejected0))
         outcomes: list[JsonDict] = res.pop("outcomes", [])
         out: JsonDict = {
             "fault": name, "what": fault.what, "how": fault.how, "started": t_start,
@@ -619,10 +619,7 @@ class Bench:
         out: JsonDict = overload.judge(res.pop("outcomes"), TTFT_SLO_S, TBT_SLO_S)
         out["prefill_predictions"] = overload.prefill_predictions(
             self.decisions(), started_wall)
-        grew = self.rejected_since(rejected0)
-        times = {k.removeprefix(chaos.REJECTION_SECONDS): v for k, v in grew.items()
-                 if k.startswith(chaos.REJECTION_SECONDS)}
-        rejected_by = {k: v for k, v in grew.items() if not k.startswith(chaos.REJECTION_SECONDS)}
+        rejected_by, times = chaos.split_rejections(self.rejected_since(rejected0))
         out.update({"speed": speed, "wall_seconds": res.get("wall_seconds"),
                     "rejected_by": rejected_by,
                     "gateway_rejection_s": overload.gateway_rejection_times(times),
@@ -823,7 +820,7 @@ def markdown(doc: JsonDict) -> str:
         f"{s['hold_s']:g} s. After the replay the run waits up to {s['settle_s']:g} s for "
         "everything to be healthy, then lists what is not.",
         "",
-        *(["Rows re-run later on the same set-up and merged here: "
+        *(["Rows from other runs on the same set-up, merged here: "
            + "; ".join(f"{', '.join(f'`{x}`' for x in m['faults'])} on "
                        f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(m['started']))} UTC "
                        f"(`{m['command']}`, {m['reason']})" for m in doc["merged"])
@@ -856,7 +853,9 @@ def markdown(doc: JsonDict) -> str:
                          f"{r['run_error']}.")
             continue
         errs = ", ".join(f"{k} ×{v}" for k, v in (r.get("errors") or {}).items())
-        rej = ", ".join(f"{k} ×{v}" for k, v in (r.get("rejected_by") or {}).items())
+        # runs of 2026-12-07 kept the time buckets among the reasons: split them here too
+        by_reason, _ = chaos.split_rejections(r.get("rejected_by") or {})
+        rej = ", ".join(f"{k} ×{v}" for k, v in by_reason.items())
         lines.append(f"- **{r['what']}** (`{r['fault']}`): {r['how']}. "
                      + (notes(r) or "—") + (f". Errors: {errs}" if errs else "")
                      + (f". Sent again by the client (no answer had come): {r['retried']}"

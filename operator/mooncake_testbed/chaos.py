@@ -163,6 +163,15 @@ def rejections(gateway_url: str) -> dict[str, float]:
     return out
 
 
+def split_rejections(grew: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+    """What :func:`rejections` counted, split: the 429s by reason, and the cumulative
+    buckets of the gateway's time to each by ``<path>/<le>``."""
+    by_reason = {k: v for k, v in grew.items() if not k.startswith(REJECTION_SECONDS)}
+    times = {k.removeprefix(REJECTION_SECONDS): v for k, v in grew.items()
+             if k.startswith(REJECTION_SECONDS)}
+    return by_reason, times
+
+
 def increase(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
     """What grew between two reads of a counter family (non-zero entries)."""
     out = {k: round(v - before.get(k, 0.0)) for k, v in after.items()}

@@ -106,3 +106,11 @@ def test_a_gateway_leftover_is_a_gone_pod_still_listed_or_a_live_one_not_routed(
     healed = {k: {"listed": True, "routable": True} for k in wanted}
     assert chaos.gateway_leftovers(url, {**healed, "ns/prefill-0": seen["ns/prefill-0"]},
                                    wanted) == []
+
+
+def test_the_time_buckets_of_429s_are_not_reasons() -> None:
+    grew = {"ttft-slo": 5, "overload": 1, f"{chaos.REJECTION_SECONDS}at-once/0.05": 4,
+            f"{chaos.REJECTION_SECONDS}at-once/+Inf": 6}
+    by_reason, times = chaos.split_rejections(grew)
+    assert by_reason == {"ttft-slo": 5, "overload": 1}
+    assert times == {"at-once/0.05": 4, "at-once/+Inf": 6}
